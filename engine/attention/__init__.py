@@ -1,0 +1,22 @@
+"""Attention over the paged KV cache, behind one small interface (see base.py)."""
+
+from __future__ import annotations
+
+from kvpilot.engine.attention.base import AttentionBackend, AttentionMetadata
+from kvpilot.engine.attention.torch_ref import TorchAttentionBackend
+
+ATTENTION_BACKENDS = ("torch", "triton")
+
+
+def get_attention_backend(name: str) -> AttentionBackend:
+    """The backend named by the engine config; 'triton' lives in kvpilot.engine.kernels."""
+    if name == "torch":
+        return TorchAttentionBackend()
+    if name == "triton":
+        from kvpilot.engine.kernels.attention_backend import TritonAttentionBackend
+
+        return TritonAttentionBackend()
+    raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {name!r}")
+
+
+__all__ = ["AttentionBackend", "AttentionMetadata", "TorchAttentionBackend", "get_attention_backend"]

@@ -1,0 +1,129 @@
+"""Plain-torch attention over the paged KV cache: the fallback path and the test oracle for kernels."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from kvpilot.engine.attention.base import AttentionMetadata
+
+
+def write_kv_reference(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
+    k_cache.view(-1, num_kv_heads, head_dim)[slot_mapping] = key.to(k_cache.dtype)
+    v_cache.view(-1, num_kv_heads, head_dim)[slot_mapping] = value.to(v_cache.dtype)
+
+
+def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torch.Tensor:
+    """The first `length` cached entries of one sequence: [length, num_kv_heads, head_dim]."""
+    block_size = cache.shape[1]
+    num_blocks = -(-length // block_size)
+    blocks = cache[block_table[:num_blocks].long()]  # [num_blocks, block_size, kvh, D]
+    return blocks.reshape(-1, cache.shape[2], cache.shape[3])[:length]
+
+
+def paged_attention_reference(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+) -> torch.Tensor:
+    num_heads = query.shape[1]
+    num_kv_heads = k_cache.shape[2]
+    out = torch.empty_like(query)
+    decode_rows = [s for s, q_len in enumerate(meta.query_lens_cpu) if q_len == 1]
+    if len(decode_rows) > 1:
+        _decode_batch(query, k_cache, v_cache, meta, scale, decode_rows, out)
+        done = set(decode_rows)
+    else:
+        done = set()
+    starts = meta.query_start_loc.tolist() if meta.num_seqs > 1 else [0, meta.num_tokens]
+    for s in range(meta.num_seqs):
+        if s in done:
+            continue
+        q_len, seq_len = meta.query_lens_cpu[s], meta.seq_lens_cpu[s]
+        q = query[starts[s] : starts[s] + q_len]  # [q_len, H, D]
+        k = gather_kv(k_cache, meta.block_tables[s], seq_len)  # [seq_len, kvh, D]
+        v = gather_kv(v_cache, meta.block_tables[s], seq_len)
+        # Query j sits at absolute position seq_len - q_len + j.
+        q_pos = torch.arange(seq_len - q_len, seq_len, device=query.device)[:, None]
+        k_pos = torch.arange(seq_len, device=query.device)[None, :]
+        mask = k_pos <= q_pos  # [q_len, seq_len]
+        o = F.scaled_dot_product_attention(
+            q.transpose(0, 1).unsqueeze(0),
+            _expand_kv(k, num_heads, num_kv_heads).transpose(0, 1).unsqueeze(0),
+            _expand_kv(v, num_heads, num_kv_heads).transpose(0, 1).unsqueeze(0),
+            attn_mask=mask,
+            scale=scale,
+        )
+        out[starts[s] : starts[s] + q_len] = o[0].transpose(0, 1)
+    return out
+
+
+def _decode_batch(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+    rows: list[int],
+    out: torch.Tensor,
+) -> None:
+    """All single-token sequences in one padded SDPA call (the decode steady state)."""
+    num_heads, num_kv_heads = query.shape[1], k_cache.shape[2]
+    block_size = k_cache.shape[1]
+    starts = meta.query_start_loc[:-1].long()
+    rows_t = torch.tensor(rows, device=query.device)
+    token_idx = starts[rows_t]
+    lens = [meta.seq_lens_cpu[s] for s in rows]
+    max_len = max(lens)
+    num_blocks = -(-max_len // block_size)
+    tables = meta.block_tables[rows_t, :num_blocks].long()  # [B, nb]
+
+    def gather(cache: torch.Tensor) -> torch.Tensor:
+        kv = cache[tables].reshape(len(rows), num_blocks * block_size, num_kv_heads, -1)
+        return _expand_kv(kv[:, :max_len], num_heads, num_kv_heads, dim=2).transpose(1, 2)
+
+    k, v = gather(k_cache), gather(v_cache)  # [B, H, L, D]
+    lens_t = torch.tensor(lens, device=query.device)
+    mask = torch.arange(max_len, device=query.device)[None, :] < lens_t[:, None]  # [B, L]
+    q = query[token_idx].unsqueeze(2)  # [B, H, 1, D]
+    o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None, None, :], scale=scale)
+    out[token_idx] = o.squeeze(2)
+
+
+def _expand_kv(x: torch.Tensor, num_heads: int, num_kv_heads: int, dim: int = 1) -> torch.Tensor:
+    if num_heads == num_kv_heads:
+        return x
+    return x.repeat_interleave(num_heads // num_kv_heads, dim=dim)
+
+
+class TorchAttentionBackend:
+    name = "torch"
+
+    def write_kv(
+        self,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,
+    ) -> None:
+        write_kv_reference(key, value, k_cache, v_cache, slot_mapping)
+
+    def forward(
+        self,
+        query: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        return paged_attention_reference(query, k_cache, v_cache, meta, scale)

@@ -1,0 +1,36 @@
+"""The `kvpilot` command: `generate` (offline demo), `serve` (the engine's HTTP server), `operator`."""
+
+from __future__ import annotations
+
+import sys
+
+USAGE = """usage: kvpilot {generate,serve,operator} [options]
+
+  generate   run the engine offline on a few chat prompts (default model: bundled SmolLM2-135M-Instruct)
+  serve      serve an OpenAI-compatible API on one model
+  operator   run the Kubernetes operator (kopf)
+
+`kvpilot COMMAND --help` for the options of each command."""
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = list(sys.argv[1:] if argv is None else argv)
+    if not args or args[0] in ("-h", "--help"):
+        print(USAGE)
+        return 0
+    command, rest = args[0], args[1:]
+    # Each command imports only what it needs: the operator must not pay for torch, nor serve for kopf.
+    if command == "generate":
+        from kvpilot.engine.generate_cli import main as run
+    elif command == "serve":
+        from kvpilot.engine.server.cli import main as run
+    elif command == "operator":
+        from kvpilot.operator.cli import main as run
+    else:
+        print(f"kvpilot: unknown command {command!r}\n\n{USAGE}", file=sys.stderr)
+        return 2
+    return run(rest)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

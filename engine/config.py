@@ -1,0 +1,204 @@
+"""Typed configuration of the engine: the model's shape, the KV cache, the scheduler, the engine."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+}
+LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
+SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2")
+
+
+@dataclass(frozen=True)
+class RopeScaling:
+    """Llama-3 style ('llama3') frequency scaling; 'default' means none."""
+
+    rope_type: str = "default"
+    factor: float = 1.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+    def __post_init__(self) -> None:
+        if self.rope_type not in ("default", "llama3"):
+            raise ValueError(f"rope_scaling.rope_type {self.rope_type!r} is not supported")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """The shape of a Llama-family decoder, read from an HF config.json (or GGUF metadata)."""
+
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    attention_bias: bool
+    rope_scaling: RopeScaling = field(default_factory=RopeScaling)
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.model_type not in SUPPORTED_ARCHITECTURES:
+            raise ValueError(
+                f"model_type {self.model_type!r} is not supported (supported: "
+                f"{', '.join(SUPPORTED_ARCHITECTURES)})"
+            )
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(
+                f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
+                f"num_key_value_heads ({self.num_key_value_heads})"
+            )
+
+    @classmethod
+    def from_hf_config(cls, cfg: dict[str, Any]) -> ModelConfig:
+        model_type = cfg.get("model_type", "llama")
+        num_heads = cfg["num_attention_heads"]
+        hidden = cfg["hidden_size"]
+        rope = cfg.get("rope_scaling") or cfg.get("rope_parameters") or {}
+        rope_type = rope.get("rope_type", rope.get("type", "default")) or "default"
+        rope_theta = cfg.get("rope_theta", rope.get("rope_theta", 10000.0))
+        scaling = RopeScaling()
+        if rope_type == "llama3":
+            scaling = RopeScaling(
+                rope_type="llama3",
+                factor=float(rope["factor"]),
+                low_freq_factor=float(rope.get("low_freq_factor", 1.0)),
+                high_freq_factor=float(rope.get("high_freq_factor", 4.0)),
+                original_max_position_embeddings=int(rope["original_max_position_embeddings"]),
+            )
+        elif rope_type not in ("default", None):
+            raise ValueError(f"rope_scaling type {rope_type!r} is not supported")
+        eos = cfg.get("eos_token_id")
+        eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
+        return cls(
+            model_type=model_type,
+            vocab_size=cfg["vocab_size"],
+            hidden_size=hidden,
+            intermediate_size=cfg["intermediate_size"],
+            num_hidden_layers=cfg["num_hidden_layers"],
+            num_attention_heads=num_heads,
+            num_key_value_heads=cfg.get("num_key_value_heads") or num_heads,
+            head_dim=cfg.get("head_dim") or hidden // num_heads,
+            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+            rope_theta=float(rope_theta),
+            max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
+            # Qwen2 configs often say tie_word_embeddings=false; Llama's default is false too.
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            attention_bias=bool(cfg.get("attention_bias", model_type == "qwen2")),
+            rope_scaling=scaling,
+            bos_token_id=cfg.get("bos_token_id"),
+            eos_token_ids=eos_ids,
+        )
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """Bytes of K and V per token over all layers, at 1 byte per element (multiply by itemsize)."""
+        return 2 * self.num_hidden_layers * self.num_key_value_heads * self.head_dim
+
+    @property
+    def num_params(self) -> int:
+        h, i, v = self.hidden_size, self.intermediate_size, self.vocab_size
+        q = self.num_attention_heads * self.head_dim
+        kv = self.num_key_value_heads * self.head_dim
+        per_layer = h * (q + 2 * kv) + q * h + 3 * h * i + 2 * h
+        return self.num_hidden_layers * per_layer + v * h * (1 if self.tie_word_embeddings else 2) + h
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    block_size: int = 16
+    enable_prefix_caching: bool = True
+    kv_cache_gib: float = 1.0  # the budget on CPU
+    gpu_memory_utilization: float = 0.9  # the fraction of GPU memory the engine may take, KV included
+    num_blocks: int | None = None  # overrides both budgets (tests force tiny pools this way)
+
+    def __post_init__(self) -> None:
+        if self.block_size not in (8, 16, 32, 64, 128):
+            raise ValueError(f"block_size must be one of 8, 16, 32, 64, 128, got {self.block_size}")
+        if self.kv_cache_gib <= 0:
+            raise ValueError(f"kv_cache_gib must be > 0, got {self.kv_cache_gib}")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(
+                f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}"
+            )
+        if self.num_blocks is not None and self.num_blocks < 1:
+            raise ValueError(f"num_blocks must be >= 1, got {self.num_blocks}")
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_batched_tokens: int = 2048  # the per-step token budget
+    max_num_seqs: int = 128
+
+    def __post_init__(self) -> None:
+        if self.max_num_batched_tokens < 1:
+            raise ValueError(
+                f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}"
+            )
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: str | None = None  # HF directory, .gguf file, or None for the bundled SmolLM2
+    load_format: str = "auto"
+    dtype: str = "auto"  # auto: float32 on CPU, bfloat16 on GPU
+    device: str = "auto"
+    attention_backend: str = "torch"
+    max_model_len: int | None = None  # defaults to the model's max_position_embeddings
+    seed: int = 0
+    served_model_name: str | None = None
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+
+    def __post_init__(self) -> None:
+        if self.load_format not in LOAD_FORMATS:
+            raise ValueError(f"load_format must be one of {LOAD_FORMATS}, got {self.load_format!r}")
+        if self.dtype != "auto" and self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be auto or one of {tuple(DTYPES)}, got {self.dtype!r}")
+        if self.attention_backend not in ("torch", "triton"):
+            raise ValueError(
+                f"attention_backend must be 'torch' or 'triton', got {self.attention_backend!r}"
+            )
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
+
+    @property
+    def resolved_device(self) -> torch.device:
+        if self.device == "auto":
+            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        return torch.device(self.device)
+
+    @property
+    def resolved_dtype(self) -> torch.dtype:
+        device = self.resolved_device
+        if self.dtype == "auto":
+            return torch.bfloat16 if device.type == "cuda" else torch.float32
+        dtype = DTYPES[self.dtype]
+        if device.type == "cpu" and dtype == torch.float16:
+            raise ValueError("dtype float16 is not supported on CPU: use float32 or bfloat16")
+        return dtype
+
+
+def num_blocks_for_budget(budget_bytes: int, model: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
+    """How many KV blocks fit in a byte budget."""
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    per_block = model.kv_bytes_per_token * itemsize * block_size
+    return max(0, math.floor(budget_bytes / per_block))

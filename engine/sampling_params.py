@@ -1,0 +1,77 @@
+"""Per-request sampling parameters, validated at construction (ValueError names the field)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    n: int = 1
+    max_tokens: int | None = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 (or -1) disables top-k
+    min_p: float = 0.0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    logprobs: int | None = None  # number of top logprobs to return per token, besides the sampled one
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    include_stop_str_in_output: bool = False
+    extra: dict[str, object] = field(default_factory=dict, compare=False, hash=False)
+
+    def __post_init__(self) -> None:
+        # Accept lists (and a lone string) for convenience; store tuples so the object stays hashable.
+        if isinstance(self.stop, str):
+            object.__setattr__(self, "stop", (self.stop,))
+        else:
+            object.__setattr__(self, "stop", tuple(self.stop))
+        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        if self.top_k == -1:
+            object.__setattr__(self, "top_k", 0)
+        self._validate()
+
+    def _validate(self) -> None:
+        def fail(name: str, why: str) -> None:
+            raise ValueError(f"{name} {why}, got {getattr(self, name)!r}")
+
+        if not isinstance(self.n, int) or self.n < 1:
+            fail("n", "must be an integer >= 1")
+        if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens < 1):
+            fail("max_tokens", "must be an integer >= 1")
+        if not 0.0 <= self.temperature <= 100.0:
+            fail("temperature", "must be in [0, 100]")
+        if not 0.0 < self.top_p <= 1.0:
+            fail("top_p", "must be in (0, 1]")
+        if not isinstance(self.top_k, int) or self.top_k < 0:
+            fail("top_k", "must be -1, 0 (disabled) or a positive integer")
+        if not 0.0 <= self.min_p <= 1.0:
+            fail("min_p", "must be in [0, 1]")
+        if self.seed is not None and not isinstance(self.seed, int):
+            fail("seed", "must be an integer")
+        if not -2.0 <= self.presence_penalty <= 2.0:
+            fail("presence_penalty", "must be in [-2, 2]")
+        if not -2.0 <= self.frequency_penalty <= 2.0:
+            fail("frequency_penalty", "must be in [-2, 2]")
+        if self.logprobs is not None and (not isinstance(self.logprobs, int) or not 0 <= self.logprobs <= 20):
+            fail("logprobs", "must be an integer in [0, 20]")
+        if any(not isinstance(s, str) or not s for s in self.stop):
+            fail("stop", "must be non-empty strings")
+        if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
+            fail("stop_token_ids", "must be non-negative integers")
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    @property
+    def has_penalties(self) -> bool:
+        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+
+    @property
+    def stop_holdback_chars(self) -> int:
+        """Characters held back from a stream so that a stop string is never partly sent."""
+        return max((len(s) for s in self.stop), default=1) - 1

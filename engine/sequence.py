@@ -1,0 +1,71 @@
+"""The state of one generated sequence (a request with n > 1 has n of them). No policy lives here."""
+
+from __future__ import annotations
+
+import enum
+import itertools
+from dataclasses import dataclass, field
+
+import torch
+
+from kvpilot.engine.outputs import TokenLogprobs
+from kvpilot.engine.sampling_params import SamplingParams
+
+_seq_counter = itertools.count()
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Sequence:
+    request_id: str
+    index: int  # which of the request's n completions
+    token_ids: list[int]  # prompt then output
+    num_prompt_tokens: int
+    params: SamplingParams
+    cache_salt: str | None = None
+    generator: torch.Generator | None = None
+    seq_id: int = field(default_factory=lambda: next(_seq_counter))
+    status: SequenceStatus = SequenceStatus.WAITING
+    num_computed_tokens: int = 0  # tokens whose K/V sit in the cache
+    block_table: list[int] = field(default_factory=list)
+    block_hashes: list[int] = field(default_factory=list)  # hash chain of the full blocks so far
+    num_cached_tokens: int = 0  # prompt tokens served by the prefix cache on first admission
+    was_admitted: bool = False
+    output_logprobs: list[TokenLogprobs] = field(default_factory=list)
+    cumulative_logprob: float = 0.0
+    output_text: str = ""
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+    # Incremental detokenization offsets into token_ids (see detokenizer.py).
+    prefix_offset: int = 0
+    read_offset: int = 0
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        return len(self.token_ids) - self.num_computed_tokens
+
+    @property
+    def is_decoding(self) -> bool:
+        """Prefill done: one new token per step from here on."""
+        return self.num_uncomputed_tokens == 1 and self.num_output_tokens > 0
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED

@@ -1,0 +1,18 @@
+"""Maps the engine/ and operator/ folders to the import packages kvpilot.engine and kvpilot.operator."""
+
+from __future__ import annotations
+
+from setuptools import find_namespace_packages, setup
+
+PACKAGE_FOLDERS = {"kvpilot.engine": "engine", "kvpilot.operator": "operator"}
+
+
+def mapped_packages(prefix: str, folder: str) -> list[str]:
+    found = find_namespace_packages(folder, exclude=["*__pycache__*"])
+    return [prefix, *(f"{prefix}.{name}" for name in found)]
+
+
+setup(
+    packages=[pkg for prefix, folder in PACKAGE_FOLDERS.items() for pkg in mapped_packages(prefix, folder)],
+    package_dir=PACKAGE_FOLDERS,
+)

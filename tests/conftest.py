@@ -1,0 +1,24 @@
+"""Shared test setup: markers that skip with a clear reason when their hardware is absent."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    has_cluster = bool(os.environ.get("KUBECONFIG"))
+    try:
+        import torch
+
+        has_gpu = torch.cuda.is_available()
+    except ImportError:  # the operator's tests need no torch
+        has_gpu = False
+    for item in items:
+        if "gpu" in item.keywords and not has_gpu:
+            item.add_marker(pytest.mark.skip(reason="needs a CUDA GPU (none present)"))
+        if "k8s" in item.keywords and not has_cluster:
+            item.add_marker(
+                pytest.mark.skip(reason="needs a real Kubernetes cluster: set KUBECONFIG (see e2e/)")
+            )

@@ -1,0 +1,87 @@
+"""transformers as the reference: the same GGUF (or HF dir) loaded by transformers, generated greedily."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from functools import cache
+from pathlib import Path
+
+import torch
+
+from kvpilot.engine.model.loader import bundled_gguf_path
+
+CHAT_QUESTIONS = [
+    "Hi!",
+    "What is the capital of France?",
+    "Write a haiku about the sea.",
+    "List three uses of a paperclip, briefly.",
+    "Explain in two sentences why the sky looks blue during the day but red at sunset.",
+    "You are a travel agent. A customer wants a quiet week in the mountains in October, with good "
+    "food, short hikes and no car. Suggest a region and a rough plan for the week.",
+    "Translate to French: 'The library opens at nine and closes at six on weekdays.'",
+    "Summarize the plot of Romeo and Juliet for a ten-year-old, in a friendly tone, keeping it "
+    "under five sentences, and mention what lesson the story teaches about rushing decisions "
+    "and family feuds.",
+]
+
+
+@dataclass(frozen=True)
+class ReferenceOutput:
+    token_ids: list[int]
+    logprobs: list[float]  # logprob of each generated token under the reference
+    top5: list[list[int]]  # reference's top-5 token ids at each step
+
+
+@cache
+def smollm2_reference() -> tuple[object, object]:
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = bundled_gguf_path()
+    tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    model = AutoModelForCausalLM.from_pretrained(
+        str(path.parent), gguf_file=path.name, dtype=torch.float32
+    )
+    return model.eval(), tok
+
+
+def chat_prompt_ids(tokenizer: object, questions: list[str]) -> list[list[int]]:
+    ids = []
+    for q in questions:
+        text = tokenizer.apply_chat_template(
+            [{"role": "user", "content": q}], add_generation_prompt=True, tokenize=False
+        )
+        ids.append(tokenizer.encode(text, add_special_tokens=False))
+    return ids
+
+
+@torch.inference_mode()
+def reference_greedy(model: object, prompt_ids: list[int], max_new_tokens: int) -> ReferenceOutput:
+    """One prompt alone (no padding), greedy, with the reference's own logprobs."""
+    out = model.generate(
+        torch.tensor([prompt_ids]),
+        attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long),
+        max_new_tokens=max_new_tokens,
+        do_sample=False,
+        output_logits=True,
+        return_dict_in_generate=True,
+        pad_token_id=model.generation_config.eos_token_id,
+    )
+    tokens = out.sequences[0, len(prompt_ids) :].tolist()
+    logprobs, top5 = [], []
+    for step, logits in enumerate(out.logits):
+        lp = torch.log_softmax(logits[0].float(), dim=-1)
+        logprobs.append(float(lp[tokens[step]]))
+        top5.append(torch.topk(lp, 5).indices.tolist())
+    return ReferenceOutput(tokens, logprobs, top5)
+
+
+def save_tiny_hf_model(config: object, path: Path, seed: int = 0) -> Path:
+    """A tiny random transformers model saved as safetensors, for shapes the demo model lacks."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.save_pretrained(str(path), safe_serialization=True)
+    return path
