@@ -1,13 +1,14 @@
 """Paged KV-cache bookkeeping with prefix caching, in plain Python (no torch).
 
 Invariants:
-- Every block is either referenced (ref_count > 0, held by one or more sequences' block tables) or in the
-  free queue (ref_count == 0). The free queue's order is the eviction order: its front is reused first.
-- A freed block keeps its hash (and stays findable by prefix lookup) until it is reused: lazy LRU eviction.
-  Freed blocks without a hash go to the front, since nothing can hit them.
+- Every block is either referenced (ref_count > 0, held by one or more block tables) or in the free
+  queue (ref_count == 0). The free queue's order is the eviction order: its front is reused first.
+- A freed block keeps its hash (and stays findable by prefix lookup) until it is reused: lazy LRU
+  eviction. Freed blocks without a hash go to the front, since nothing can hit them.
 - Only full blocks are hashed. A hash chains the parent block's hash, the block's token ids and the
   request's cache_salt; a lookup hit is confirmed by comparing that stored key, not just the hash.
-- A prefix lookup never covers a sequence's last token: one token must always be computed to sample from.
+- A prefix lookup never covers a sequence's last token: one token must always be computed, to sample
+  from.
 """
 
 from __future__ import annotations
@@ -33,7 +34,9 @@ def hash_block(key: BlockKey) -> int:
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+    def __init__(
+        self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True
+    ) -> None:
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
         self.block_size = block_size
@@ -110,7 +113,9 @@ class BlockManager:
             self.cached[block_hash] = block.block_id
 
     # ---- allocation ----------------------------------------------------------------------------
-    def can_allocate(self, seq: Sequence, num_new_tokens: int, cached_blocks: list[int] = ()) -> bool:
+    def can_allocate(
+        self, seq: Sequence, num_new_tokens: int, cached_blocks: list[int] = ()
+    ) -> bool:
         needed = self._num_fresh_blocks(seq, num_new_tokens, len(cached_blocks))
         reclaimable = sum(1 for b in cached_blocks if self.blocks[b].ref_count == 0)
         return needed <= self.num_free_blocks - reclaimable
@@ -150,7 +155,9 @@ class BlockManager:
 
     # ---- internals -----------------------------------------------------------------------------
     def _num_fresh_blocks(self, seq: Sequence, num_new_tokens: int, num_cached_blocks: int) -> int:
-        num_computed = num_cached_blocks * self.block_size if num_cached_blocks else seq.num_computed_tokens
+        num_computed = (
+            num_cached_blocks * self.block_size if num_cached_blocks else seq.num_computed_tokens
+        )
         total = self.num_blocks_for(num_computed + num_new_tokens)
         return max(0, total - len(seq.block_table) - num_cached_blocks)
 

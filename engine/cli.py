@@ -1,4 +1,5 @@
-"""The `kvpilot` command: `generate` (offline demo), `serve` (the engine's HTTP server), `operator`."""
+"""The `kvpilot` command: `generate` (offline demo), `serve` (the engine's HTTP server),
+`operator`."""
 
 from __future__ import annotations
 
@@ -6,7 +7,8 @@ import sys
 
 USAGE = """usage: kvpilot {generate,serve,operator} [options]
 
-  generate   run the engine offline on a few chat prompts (default model: bundled SmolLM2-135M-Instruct)
+  generate   run the engine offline on a few chat prompts (default model: bundled
+  SmolLM2-135M-Instruct)
   serve      serve an OpenAI-compatible API on one model
   operator   run the Kubernetes operator (kopf)
 
@@ -19,7 +21,8 @@ def main(argv: list[str] | None = None) -> int:
         print(USAGE)
         return 0
     command, rest = args[0], args[1:]
-    # Each command imports only what it needs: the operator must not pay for torch, nor serve for kopf.
+    # Each command imports only what it needs: the operator must not pay for torch, nor serve for
+    # kopf.
     if command == "generate":
         from kvpilot.engine.generate_cli import main as run
     elif command == "serve":

@@ -108,7 +108,8 @@ class ModelConfig:
 
     @property
     def kv_bytes_per_token(self) -> int:
-        """Bytes of K and V per token over all layers, at 1 byte per element (multiply by itemsize)."""
+        """Bytes of K and V per token over all layers, at 1 byte per element (multiply by
+        itemsize)."""
         return 2 * self.num_hidden_layers * self.num_key_value_heads * self.head_dim
 
     @property
@@ -117,7 +118,9 @@ class ModelConfig:
         q = self.num_attention_heads * self.head_dim
         kv = self.num_key_value_heads * self.head_dim
         per_layer = h * (q + 2 * kv) + q * h + 3 * h * i + 2 * h
-        return self.num_hidden_layers * per_layer + v * h * (1 if self.tie_word_embeddings else 2) + h
+        return (
+            self.num_hidden_layers * per_layer + v * h * (1 if self.tie_word_embeddings else 2) + h
+        )
 
 
 @dataclass(frozen=True)
@@ -125,7 +128,9 @@ class CacheConfig:
     block_size: int = 16
     enable_prefix_caching: bool = True
     kv_cache_gib: float = 1.0  # the budget on CPU
-    gpu_memory_utilization: float = 0.9  # the fraction of GPU memory the engine may take, KV included
+    gpu_memory_utilization: float = (
+        0.9  # the fraction of GPU memory the engine may take, KV included
+    )
     num_blocks: int | None = None  # overrides both budgets (tests force tiny pools this way)
 
     def __post_init__(self) -> None:
@@ -197,7 +202,9 @@ class EngineConfig:
         return dtype
 
 
-def num_blocks_for_budget(budget_bytes: int, model: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
+def num_blocks_for_budget(
+    budget_bytes: int, model: ModelConfig, block_size: int, dtype: torch.dtype
+) -> int:
     """How many KV blocks fit in a byte budget."""
     itemsize = torch.empty((), dtype=dtype).element_size()
     per_block = model.kv_bytes_per_token * itemsize * block_size

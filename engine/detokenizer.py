@@ -1,8 +1,8 @@
 """Incremental detokenization and stop-string detection for one sequence.
 
-Text is decoded over a sliding window of token ids: the new text is what decoding the window gives beyond
-decoding its older part. A window whose text ends in U+FFFD is an incomplete multi-byte character, so the
-text waits for the next token.
+Text is decoded over a sliding window of token ids: the new text is what decoding the window gives
+beyond decoding its older part. A window whose text ends in U+FFFD is an incomplete multi-byte
+character, so the text waits for the next token.
 """
 
 from __future__ import annotations
@@ -35,7 +35,9 @@ def decode_new_text(tokenizer: Any, seq: Sequence, num_ids: int | None = None) -
     return full_text[len(prefix_text) :]
 
 
-def find_stop_string(text: str, num_new_chars: int, stops: tuple[str, ...]) -> tuple[int, str] | None:
+def find_stop_string(
+    text: str, num_new_chars: int, stops: tuple[str, ...]
+) -> tuple[int, str] | None:
     """The earliest stop string that appears in text and overlaps its last num_new_chars characters.
 
     Returns (index where it starts, the stop string)."""

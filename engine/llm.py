@@ -1,4 +1,5 @@
-"""The offline API in the style vLLM users know: LLM(model=...).generate(prompts, SamplingParams)."""
+"""The offline API in the style vLLM users know: LLM(model=...).generate(prompts,
+SamplingParams)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,13 @@ from kvpilot.engine.llm_engine import LLMEngine
 from kvpilot.engine.outputs import RequestOutput
 from kvpilot.engine.sampling_params import SamplingParams
 
-_CACHE_FIELDS = {"block_size", "enable_prefix_caching", "kv_cache_gib", "gpu_memory_utilization", "num_blocks"}
+_CACHE_FIELDS = {
+    "block_size",
+    "enable_prefix_caching",
+    "kv_cache_gib",
+    "gpu_memory_utilization",
+    "num_blocks",
+}
 _SCHEDULER_FIELDS = {"max_num_batched_tokens", "max_num_seqs"}
 
 

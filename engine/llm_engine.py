@@ -1,6 +1,8 @@
-"""The step-level engine: add_request / step / abort_request. Glue between scheduler, runner and outputs.
+"""The step-level engine: add_request / step / abort_request. Glue between scheduler, runner and
+outputs.
 
-Not thread-safe: one thread or task owns an engine; the server passes requests to it through a queue.
+Not thread-safe: one thread or task owns an engine; the server passes requests to it through a
+queue.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from kvpilot.engine.block_manager import BlockManager
 from kvpilot.engine.config import EngineConfig, ModelConfig
 from kvpilot.engine.detokenizer import decode_new_text, find_stop_string, init_offsets
 from kvpilot.engine.model.loader import (
+    has_tokenizer,
     load_tokenizer,
     read_hf_config,
     resolve_model,
@@ -67,9 +70,9 @@ class LLMEngine:
         self.model_config = ModelConfig.from_hf_config(hf_config)
         self.model_name = config.served_model_name or source.name
         self.max_model_len = config.max_model_len or self.model_config.max_position_embeddings
-        self.tokenizer = load_tokenizer(source.hf_dir) if source.load_format != "dummy" else None
-        if self.tokenizer is None and (source.hf_dir / "tokenizer_config.json").exists():
-            self.tokenizer = load_tokenizer(source.hf_dir)
+        self.tokenizer = load_tokenizer(source.hf_dir) if has_tokenizer(source.hf_dir) else None
+        if self.tokenizer is None:
+            log.warning("no tokenizer files in %s: prompts must be token ids", source.hf_dir)
         self.eos_token_ids = self._eos_token_ids()
         self.runner = ModelRunner(config, self.model_config, source, self.max_model_len)
         self.block_size = config.cache.block_size
@@ -78,7 +81,8 @@ class LLMEngine:
             self.num_blocks, self.block_size, config.cache.enable_prefix_caching
         )
         self.scheduler = Scheduler(config.scheduler, self.block_manager)
-        # A sequence can never outgrow the whole pool: it stops with "length" there instead of hanging.
+        # A sequence can never outgrow the whole pool: it stops with "length" there instead of
+        # hanging.
         self.max_seq_len = min(self.max_model_len, self.num_blocks * self.block_size)
         self.requests: dict[str, _Request] = {}
         self.num_prompt_tokens = 0
@@ -131,8 +135,12 @@ class LLMEngine:
             )
             init_offsets(seq)
             seqs.append(seq)
-        metrics = RequestMetrics(arrival_time=time.monotonic() if arrival_time is None else arrival_time)
-        self.requests[request_id] = _Request(request_id, prompt_text, list(prompt_ids), seqs, metrics)
+        metrics = RequestMetrics(
+            arrival_time=time.monotonic() if arrival_time is None else arrival_time
+        )
+        self.requests[request_id] = _Request(
+            request_id, prompt_text, list(prompt_ids), seqs, metrics
+        )
         for seq in seqs:
             self.scheduler.add(seq)
 
@@ -141,7 +149,8 @@ class LLMEngine:
             raise ValueError("the prompt is empty")
         if num_tokens >= self.max_model_len:
             raise ValueError(
-                f"the prompt has {num_tokens} tokens, but this model's context is {self.max_model_len} "
+                f"the prompt has {num_tokens} tokens, but this model's context is "
+                f"{self.max_model_len} "
                 "tokens, including at least one generated token"
             )
         if num_tokens >= self.num_blocks * self.block_size:
@@ -259,7 +268,9 @@ class LLMEngine:
                     index=seq.index,
                     text=text,
                     token_ids=seq.output_token_ids,
-                    cumulative_logprob=seq.cumulative_logprob if seq.params.logprobs is not None else None,
+                    cumulative_logprob=seq.cumulative_logprob
+                    if seq.params.logprobs is not None
+                    else None,
                     logprobs=list(seq.output_logprobs) if seq.params.logprobs is not None else None,
                     finish_reason=seq.finish_reason,
                     stop_reason=seq.stop_reason,

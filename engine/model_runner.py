@@ -1,7 +1,9 @@
-"""Everything on the device: the model, the KV pool, turning a scheduled batch into tensors, and sampling."""
+"""Everything on the device: the model, the KV pool, turning a scheduled batch into tensors, and
+sampling."""
 
 from __future__ import annotations
 
+import itertools
 import logging
 from dataclasses import dataclass
 
@@ -42,7 +44,11 @@ def layer_ops_for(backend: str) -> LayerOps:
 
 class ModelRunner:
     def __init__(
-        self, config: EngineConfig, model_config: ModelConfig, source: ResolvedModel, max_model_len: int
+        self,
+        config: EngineConfig,
+        model_config: ModelConfig,
+        source: ResolvedModel,
+        max_model_len: int,
     ) -> None:
         self.config = config
         self.model_config = model_config
@@ -51,14 +57,22 @@ class ModelRunner:
         self.block_size = config.cache.block_size
         backend = get_attention_backend(config.attention_backend)
         self.model: LlamaForCausalLM = build_model(
-            model_config, backend, max_model_len, self.device, self.dtype, layer_ops_for(backend.name)
+            model_config,
+            backend,
+            max_model_len,
+            self.device,
+            self.dtype,
+            layer_ops_for(backend.name),
         )
         if source.load_format == "dummy":
             init_dummy_weights(self.model, config.seed)
         else:
             load_safetensors_weights(self.model, source.hf_dir)
         log.info(
-            "model weights: %.2f GiB in %s on %s", model_size_gib(self.model), self.dtype, self.device
+            "model weights: %.2f GiB in %s on %s",
+            model_size_gib(self.model),
+            self.dtype,
+            self.device,
         )
         self.num_blocks = self._decide_num_blocks()
         shape = (
@@ -100,8 +114,10 @@ class ModelRunner:
         num_blocks = num_blocks_for_budget(budget, self.model_config, self.block_size, self.dtype)
         if num_blocks < 1:
             raise ValueError(
-                f"no room for the KV cache: the budget of {budget / 2**30:.2f} GiB holds no block of "
-                f"{self.bytes_per_block / 2**20:.1f} MiB (raise kv_cache_gib or gpu_memory_utilization)"
+                f"no room for the KV cache: the budget of {budget / 2**30:.2f} GiB holds no block "
+                f"of "
+                f"{self.bytes_per_block / 2**20:.1f} MiB (raise kv_cache_gib or "
+                f"gpu_memory_utilization)"
             )
         return num_blocks
 
@@ -127,13 +143,16 @@ class ModelRunner:
                 logits_indices.append(query_start[-1] - 1)
                 sampling.append(item)
         max_blocks = max(len(item.seq.block_table) for item in scheduled)
-        tables = [item.seq.block_table + [0] * (max_blocks - len(item.seq.block_table)) for item in scheduled]
+        tables = [
+            item.seq.block_table + [0] * (max_blocks - len(item.seq.block_table))
+            for item in scheduled
+        ]
         dev = self.device
 
         def tensor(values: list[int] | list[list[int]], dtype: torch.dtype) -> torch.Tensor:
             return torch.tensor(values, dtype=dtype).to(dev, non_blocking=True)
 
-        query_lens = tuple(b - a for a, b in zip(query_start, query_start[1:], strict=False))
+        query_lens = tuple(b - a for a, b in itertools.pairwise(query_start))
         meta = AttentionMetadata(
             query_start_loc=tensor(query_start, torch.int32),
             seq_lens=tensor(seq_lens, torch.int32),
@@ -150,7 +169,9 @@ class ModelRunner:
         )
 
     @torch.inference_mode()
-    def execute(self, scheduled: list[ScheduledSequence]) -> tuple[list[ScheduledSequence], SampleResult]:
+    def execute(
+        self, scheduled: list[ScheduledSequence]
+    ) -> tuple[list[ScheduledSequence], SampleResult]:
         """Runs one step. Returns the sequences that sampled, in order, and what they sampled."""
         batch = self.prepare(scheduled)
         hidden = self.model(batch.input_ids, batch.ctx)

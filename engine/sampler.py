@@ -1,8 +1,8 @@
 """Turns one row of logits per sampling sequence into a token (and its logprobs).
 
-Randomness comes from each sequence's own torch.Generator when it has a seed, so a seeded request samples
-the same tokens whatever else shares its batch. Logprobs are those of the model's raw distribution (before
-temperature, penalties and truncation), as vLLM and OpenAI report them.
+Randomness comes from each sequence's own torch.Generator when it has a seed, so a seeded request
+samples the same tokens whatever else shares its batch. Logprobs are those of the model's raw
+distribution (before temperature, penalties and truncation), as vLLM and OpenAI report them.
 """
 
 from __future__ import annotations
@@ -24,7 +24,8 @@ class SamplerRow:
 @dataclass(frozen=True)
 class SampleResult:
     token_ids: list[int]
-    # Per row: (sampled token logprob, its rank, top-N [(token, logprob)]) when the row asked for logprobs.
+    # Per row: (sampled token logprob, its rank, top-N [(token, logprob)]) when the row asked for
+    # logprobs.
     logprobs: list[tuple[float, int, list[tuple[int, float]]] | None]
 
 
@@ -35,7 +36,9 @@ def apply_penalties(logits: torch.Tensor, rows: list[SamplerRow]) -> torch.Tenso
             continue
         ids = torch.tensor(row.output_token_ids, device=logits.device)
         counts = torch.bincount(ids, minlength=logits.shape[1]).to(logits.dtype)
-        logits[i] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(logits.dtype)
+        logits[i] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(
+            logits.dtype
+        )
     return logits
 
 
@@ -57,10 +60,14 @@ def filter_logits(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
     return logits
 
 
-def sample(logits: torch.Tensor, rows: list[SamplerRow], default_generator: torch.Generator) -> SampleResult:
+def sample(
+    logits: torch.Tensor, rows: list[SamplerRow], default_generator: torch.Generator
+) -> SampleResult:
     """logits: [S, V] float32, one row per sequence that samples this step."""
     raw_logprobs = (
-        torch.log_softmax(logits, dim=-1) if any(r.params.logprobs is not None for r in rows) else None
+        torch.log_softmax(logits, dim=-1)
+        if any(r.params.logprobs is not None for r in rows)
+        else None
     )
     logits = apply_penalties(logits.clone(), rows)
     token_ids: list[int] = []
@@ -72,7 +79,8 @@ def sample(logits: torch.Tensor, rows: list[SamplerRow], default_generator: torc
             token_ids.append(greedy_by_row[i])
             continue
         probs = filter_logits(logits[i], row.params).softmax(-1)
-        # Exponential-race sampling: argmax(p / E) with E ~ Exp(1) draws from p, using only this row's
+        # Exponential-race sampling: argmax(p / E) with E ~ Exp(1) draws from p, using only this
+        # row's
         # generator, so the draw does not depend on the batch.
         noise = torch.empty_like(probs).exponential_(generator=row.generator or default_generator)
         token_ids.append(int((probs / noise).argmax()))

@@ -17,14 +17,17 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
-    logprobs: int | None = None  # number of top logprobs to return per token, besides the sampled one
+    logprobs: int | None = (
+        None  # number of top logprobs to return per token, besides the sampled one
+    )
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     include_stop_str_in_output: bool = False
     extra: dict[str, object] = field(default_factory=dict, compare=False, hash=False)
 
     def __post_init__(self) -> None:
-        # Accept lists (and a lone string) for convenience; store tuples so the object stays hashable.
+        # Accept lists (and a lone string) for convenience; store tuples so the object stays
+        # hashable.
         if isinstance(self.stop, str):
             object.__setattr__(self, "stop", (self.stop,))
         else:
@@ -40,7 +43,9 @@ class SamplingParams:
 
         if not isinstance(self.n, int) or self.n < 1:
             fail("n", "must be an integer >= 1")
-        if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens < 1):
+        if self.max_tokens is not None and (
+            not isinstance(self.max_tokens, int) or self.max_tokens < 1
+        ):
             fail("max_tokens", "must be an integer >= 1")
         if not 0.0 <= self.temperature <= 100.0:
             fail("temperature", "must be in [0, 100]")
@@ -56,7 +61,9 @@ class SamplingParams:
             fail("presence_penalty", "must be in [-2, 2]")
         if not -2.0 <= self.frequency_penalty <= 2.0:
             fail("frequency_penalty", "must be in [-2, 2]")
-        if self.logprobs is not None and (not isinstance(self.logprobs, int) or not 0 <= self.logprobs <= 20):
+        if self.logprobs is not None and (
+            not isinstance(self.logprobs, int) or not 0 <= self.logprobs <= 20
+        ):
             fail("logprobs", "must be an integer in [0, 20]")
         if any(not isinstance(s, str) or not s for s in self.stop):
             fail("stop", "must be non-empty strings")

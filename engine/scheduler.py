@@ -1,9 +1,11 @@
-"""Continuous batching under a per-step token budget, with chunked prefill and preemption by recompute.
+"""Continuous batching under a per-step token budget, with chunked prefill and preemption by
+recompute.
 
-Each step: running decodes first (a stream never stalls behind a long prompt), then running prefills that
-were cut into chunks, then waiting requests in arrival order, until the token budget (max_num_batched_tokens)
-or max_num_seqs is reached. When the KV pool runs dry, the newest running sequence is preempted: its blocks
-go back (its full blocks stay in the prefix cache) and it waits at the front of the queue to be recomputed.
+Each step: running decodes first (a stream never stalls behind a long prompt), then running prefills
+that were cut into chunks, then waiting requests in arrival order, until the token budget
+(max_num_batched_tokens) or max_num_seqs is reached. When the KV pool runs dry, the newest running
+sequence is preempted: its blocks go back (its full blocks stay in the prefix cache) and it waits at
+the front of the queue to be recomputed.
 """
 
 from __future__ import annotations
@@ -23,7 +25,8 @@ class ScheduledSequence:
 
     @property
     def will_sample(self) -> bool:
-        """This chunk reaches the end of the sequence's known tokens, so the step samples a token."""
+        """This chunk reaches the end of the sequence's known tokens, so the step samples a
+        token."""
         return self.seq.num_computed_tokens + self.num_new_tokens == self.seq.num_tokens
 
 

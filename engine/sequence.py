@@ -1,4 +1,5 @@
-"""The state of one generated sequence (a request with n > 1 has n of them). No policy lives here."""
+"""The state of one generated sequence (a request with n > 1 has n of them). No policy lives
+here."""
 
 from __future__ import annotations
 

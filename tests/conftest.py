@@ -20,5 +20,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(pytest.mark.skip(reason="needs a CUDA GPU (none present)"))
         if "k8s" in item.keywords and not has_cluster:
             item.add_marker(
-                pytest.mark.skip(reason="needs a real Kubernetes cluster: set KUBECONFIG (see e2e/)")
+                pytest.mark.skip(
+                    reason="needs a real Kubernetes cluster: set KUBECONFIG (see e2e/)"
+                )
             )

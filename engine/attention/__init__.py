@@ -19,4 +19,9 @@ def get_attention_backend(name: str) -> AttentionBackend:
     raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {name!r}")
 
 
-__all__ = ["AttentionBackend", "AttentionMetadata", "TorchAttentionBackend", "get_attention_backend"]
+__all__ = [
+    "AttentionBackend",
+    "AttentionMetadata",
+    "TorchAttentionBackend",
+    "get_attention_backend",
+]

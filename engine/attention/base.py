@@ -4,10 +4,10 @@ Layout, shared by every backend:
 - query:   [num_tokens, num_heads, head_dim]; the sequences of the batch laid end to end.
 - key/value (new tokens): [num_tokens, num_kv_heads, head_dim].
 - k_cache/v_cache (one layer): [num_blocks, block_size, num_kv_heads, head_dim].
-- Token j of sequence s sits at absolute position seq_lens[s] - query_len[s] + j and attends causally to
-  positions 0..that position of its own sequence, through block_tables[s].
+- Token j of sequence s sits at absolute position seq_lens[s] - query_len[s] + j and attends
+  causally to positions 0..that position of its own sequence, through block_tables[s].
 - slot_mapping[t] = block_id * block_size + offset: where new token t's key and value are written.
-The KV write happens before attention, so a chunk attends to itself through the cache.
+  The KV write happens before attention, so a chunk attends to itself through the cache.
 """
 
 from __future__ import annotations
@@ -65,5 +65,6 @@ class AttentionBackend(Protocol):
         meta: AttentionMetadata,
         scale: float,
     ) -> torch.Tensor:
-        """Causal attention of every query token over its sequence's cached keys: [num_tokens, H, D]."""
+        """Causal attention of every query token over its sequence's cached keys: [num_tokens, H,
+        D]."""
         ...

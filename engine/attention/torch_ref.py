@@ -1,4 +1,5 @@
-"""Plain-torch attention over the paged KV cache: the fallback path and the test oracle for kernels."""
+"""Plain-torch attention over the paged KV cache: the fallback path and the test oracle for
+kernels."""
 
 from __future__ import annotations
 
@@ -58,10 +59,11 @@ def paged_attention_reference(
         mask = k_pos <= q_pos  # [q_len, seq_len]
         o = F.scaled_dot_product_attention(
             q.transpose(0, 1).unsqueeze(0),
-            _expand_kv(k, num_heads, num_kv_heads).transpose(0, 1).unsqueeze(0),
-            _expand_kv(v, num_heads, num_kv_heads).transpose(0, 1).unsqueeze(0),
+            k.transpose(0, 1).unsqueeze(0),
+            v.transpose(0, 1).unsqueeze(0),
             attn_mask=mask,
             scale=scale,
+            enable_gqa=num_heads != num_kv_heads,
         )
         out[starts[s] : starts[s] + q_len] = o[0].transpose(0, 1)
     return out
@@ -89,20 +91,16 @@ def _decode_batch(
 
     def gather(cache: torch.Tensor) -> torch.Tensor:
         kv = cache[tables].reshape(len(rows), num_blocks * block_size, num_kv_heads, -1)
-        return _expand_kv(kv[:, :max_len], num_heads, num_kv_heads, dim=2).transpose(1, 2)
+        return kv[:, :max_len].transpose(1, 2)
 
     k, v = gather(k_cache), gather(v_cache)  # [B, H, L, D]
     lens_t = torch.tensor(lens, device=query.device)
     mask = torch.arange(max_len, device=query.device)[None, :] < lens_t[:, None]  # [B, L]
     q = query[token_idx].unsqueeze(2)  # [B, H, 1, D]
-    o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None, None, :], scale=scale)
+    o = F.scaled_dot_product_attention(
+        q, k, v, attn_mask=mask[:, None, None, :], scale=scale, enable_gqa=num_heads != num_kv_heads
+    )
     out[token_idx] = o.squeeze(2)
-
-
-def _expand_kv(x: torch.Tensor, num_heads: int, num_kv_heads: int, dim: int = 1) -> torch.Tensor:
-    if num_heads == num_kv_heads:
-        return x
-    return x.repeat_interleave(num_heads // num_kv_heads, dim=dim)
 
 
 class TorchAttentionBackend:

@@ -1,7 +1,8 @@
 """GGUF -> an HF-style directory (config.json, model.safetensors, tokenizer files) in a local cache.
 
-Dequantizing takes seconds and the tokenizer conversion more; both are done once per file, so a second start
-loads a plain safetensors directory. The cache key covers the file's path, size and modification time.
+Dequantizing takes seconds and the tokenizer conversion more; both are done once per file, so a
+second start loads a plain safetensors directory. The cache key covers the file's path, size and
+modification time.
 """
 
 from __future__ import annotations
@@ -73,7 +74,11 @@ def hf_name(gguf_name: str) -> str:
 def unpermute_qk(w: torch.Tensor, num_heads: int) -> torch.Tensor:
     """Undo llama.cpp's per-head interleaving of rotary pairs, back to HF's rotate-half layout."""
     rows = w.shape[0]
-    return w.reshape(num_heads, rows // num_heads // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
+    return (
+        w.reshape(num_heads, rows // num_heads // 2, 2, *w.shape[1:])
+        .transpose(1, 2)
+        .reshape(w.shape)
+    )
 
 
 def _field(reader: Any, key: str, default: Any = None) -> Any:
@@ -130,7 +135,9 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
     cfg = hf_config_from_gguf(reader)
     permute = cfg["model_type"] in PERMUTED_QK
     tensors: dict[str, torch.Tensor] = {}
-    for t in tqdm(reader.tensors, desc=f"dequantizing {gguf_path.name}", unit="tensor", leave=False):
+    for t in tqdm(
+        reader.tensors, desc=f"dequantizing {gguf_path.name}", unit="tensor", leave=False
+    ):
         name = hf_name(t.name)
         w = _dequantize(t)
         if permute and name.endswith("q_proj.weight"):

@@ -1,7 +1,7 @@
 """The small numeric building blocks of the decoder, in plain torch.
 
-Fused Triton versions (kvpilot.engine.kernels) keep these exact signatures, so the model swaps them in
-without knowing which it runs.
+Fused Triton versions (kvpilot.engine.kernels) keep these exact signatures, so the model swaps them
+in without knowing which it runs.
 """
 
 from __future__ import annotations
@@ -36,7 +36,8 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
 def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling) -> torch.Tensor:
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
     if scaling.rope_type == "llama3":
-        # Llama 3.1: long wavelengths are divided by `factor`, short ones kept, the band between blended.
+        # Llama 3.1: long wavelengths are divided by `factor`, short ones kept, the band between
+        # blended.
         old_len = scaling.original_max_position_embeddings
         low_wavelen = old_len / scaling.low_freq_factor
         high_wavelen = old_len / scaling.high_freq_factor

@@ -1,13 +1,15 @@
-"""A Llama-family decoder (Llama 2/3, Mistral, Qwen2, SmolLM2) over a flat token batch and a paged KV cache.
+"""A Llama-family decoder (Llama 2/3, Mistral, Qwen2, SmolLM2) over a flat token batch and a paged
+KV
+cache.
 
-Parameter names follow HF's, except that q/k/v and gate/up are merged (qkv_proj, gate_up_proj): one matmul
-each instead of three and two. The loader does the merging.
+Parameter names follow HF's, except that q/k/v and gate/up are merged (qkv_proj, gate_up_proj): one
+matmul each instead of three and two. The loader does the merging.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 from torch import nn
@@ -32,7 +34,9 @@ class ForwardContext:
 
     positions: torch.Tensor  # [T] int64
     attn: AttentionMetadata
-    kv_caches: list[tuple[torch.Tensor, torch.Tensor]]  # per layer: [num_blocks, block_size, KVH, D] x2
+    kv_caches: list[
+        tuple[torch.Tensor, torch.Tensor]
+    ]  # per layer: [num_blocks, block_size, KVH, D] x2
 
 
 class RMSNorm(nn.Module):
@@ -50,7 +54,9 @@ class Attention(nn.Module):
         self.head_dim = cfg.head_dim
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
-        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
+        self.qkv_proj = nn.Linear(
+            cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias
+        )
         self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
         self.scale = self.head_dim**-0.5
         self.backend = backend
@@ -115,7 +121,9 @@ class LlamaModel(nn.Module):
     def __init__(self, cfg: ModelConfig, backend: AttentionBackend, ops: LayerOps) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, backend, ops) for _ in range(cfg.num_hidden_layers))
+        self.layers = nn.ModuleList(
+            DecoderLayer(cfg, backend, ops) for _ in range(cfg.num_hidden_layers)
+        )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.ops = ops
 

@@ -1,4 +1,5 @@
-"""Finds a model, reads its config, and loads its weights (safetensors, GGUF or dummy) into our decoder."""
+"""Finds a model, reads its config, and loads its weights (safetensors, GGUF or dummy) into our
+decoder."""
 
 from __future__ import annotations
 
@@ -59,7 +60,9 @@ def bundled_gguf_path() -> Path:
 
 def resolve_model(model: str | None, load_format: str) -> ResolvedModel:
     if model is None:
-        return ResolvedModel(gguf_to_hf_dir(bundled_gguf_path()), BUNDLED_MODEL_NAME, _fmt(load_format))
+        return ResolvedModel(
+            gguf_to_hf_dir(bundled_gguf_path()), BUNDLED_MODEL_NAME, _fmt(load_format)
+        )
     path = Path(model).expanduser()
     if not path.exists():
         raise ModelFileError(f"model path not found: {path}")
@@ -112,7 +115,10 @@ def load_safetensors_weights(model: LlamaForCausalLM, hf_dir: Path) -> None:
     cfg = model.config
     q, kv = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
     qkv_slices = [(0, q), (q, q + kv), (q + kv, q + 2 * kv)]
-    gate_up_slices = [(0, cfg.intermediate_size), (cfg.intermediate_size, 2 * cfg.intermediate_size)]
+    gate_up_slices = [
+        (0, cfg.intermediate_size),
+        (cfg.intermediate_size, 2 * cfg.intermediate_size),
+    ]
     loaded: set[str] = set()
     for file in tqdm(files, desc="loading weights", unit="file", leave=False):
         try:
@@ -129,7 +135,9 @@ def load_safetensors_weights(model: LlamaForCausalLM, hf_dir: Path) -> None:
                 if target not in params:
                     raise ModelFileError(f"{file}: unexpected tensor {name!r}")
                 tensor = f.get_tensor(name)
-                dest = params[target].data if rows is None else params[target].data[rows[0] : rows[1]]
+                dest = (
+                    params[target].data if rows is None else params[target].data[rows[0] : rows[1]]
+                )
                 if dest.shape != tensor.shape:
                     raise ModelFileError(
                         f"{file}: tensor {name!r} has shape {tuple(tensor.shape)}, "
@@ -176,7 +184,8 @@ def _expected_loads(
 
 
 def init_dummy_weights(model: LlamaForCausalLM, seed: int = 0) -> None:
-    """Random weights of the real shape (benchmarks of big models, like vLLM's --load-format dummy)."""
+    """Random weights of the real shape (benchmarks of big models, like vLLM's --load-format
+    dummy)."""
     gen = torch.Generator(device=model.lm_head.weight.device).manual_seed(seed)
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -186,6 +195,13 @@ def init_dummy_weights(model: LlamaForCausalLM, seed: int = 0) -> None:
                 p.zero_()
             else:
                 p.normal_(0.0, 0.02, generator=gen)
+
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
+
+
+def has_tokenizer(hf_dir: Path) -> bool:
+    return any((hf_dir / name).exists() for name in TOKENIZER_FILES)
 
 
 def load_tokenizer(hf_dir: Path) -> Any:

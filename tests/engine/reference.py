@@ -1,4 +1,5 @@
-"""transformers as the reference: the same GGUF (or HF dir) loaded by transformers, generated greedily."""
+"""transformers as the reference: the same GGUF (or HF dir) loaded by transformers, generated
+greedily."""
 
 from __future__ import annotations
 

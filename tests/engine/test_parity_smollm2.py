@@ -1,4 +1,5 @@
-"""Greedy parity on the real model: SmolLM2-135M-Instruct through our engine vs transformers loading the
+"""Greedy parity on the real model: SmolLM2-135M-Instruct through our engine vs transformers
+loading the
 same GGUF, token for token, under every scheduling regime (prefix cache on/off, chunked prefill,
 preemption, block sizes)."""
 
@@ -11,14 +12,17 @@ from kvpilot.engine import LLM, SamplingParams
 from .reference import CHAT_QUESTIONS, chat_prompt_ids, reference_greedy, smollm2_reference
 
 MAX_NEW_TOKENS = 32
-# fp32 on both sides; differences come only from summation order (batched vs single-sequence matmuls).
+# fp32 on both sides; differences come only from summation order (batched vs single-sequence
+# matmuls).
 LOGPROB_ATOL = 2e-3
 
 SHARED_SYSTEM = (
     "You are a meticulous assistant for a railway company. Answer questions about timetables, "
-    "tickets, luggage and accessibility. Be concise and polite, never invent train numbers, and say "
+    "tickets, luggage and accessibility. Be concise and polite, never invent train numbers, and "
+    "say "
     "when you do not know. Prices are in euros. Children under six travel free. Bicycles need a "
-    "reservation on long-distance trains. Dogs travel at half price unless they are assistance dogs."
+    "reservation on long-distance trains. Dogs travel at half price unless they are assistance "
+    "dogs."
 )
 SHARED_QUESTIONS = [
     "Can I bring my bicycle on the night train?",
@@ -89,7 +93,9 @@ def test_greedy_parity_in_one_batch(setup: str, reference: tuple[list, list]) ->
 
 
 @pytest.mark.parametrize("prefix_caching", [True, False], ids=["cache-on", "cache-off"])
-def test_shared_prefix_parity_and_hits(prefix_caching: bool, shared_prefix_reference: tuple) -> None:
+def test_shared_prefix_parity_and_hits(
+    prefix_caching: bool, shared_prefix_reference: tuple
+) -> None:
     prompts, refs = shared_prefix_reference
     llm = LLM(dtype="float32", enable_prefix_caching=prefix_caching)
     first = llm.generate(prompts[:1], GREEDY)  # warms the cache with the shared system prompt
