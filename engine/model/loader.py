@@ -104,7 +104,7 @@ def build_model(
     model.cos_sin_cache = rope_cos_sin_cache(
         cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling
     ).to(device)
-    return model.eval()
+    return model.eval().requires_grad_(False)
 
 
 def load_safetensors_weights(model: LlamaForCausalLM, hf_dir: Path) -> None:

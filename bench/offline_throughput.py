@@ -1,0 +1,205 @@
+"""Offline throughput on CPU: kvpilot vs transformers generate, same requests, same maximum batch.
+
+Workload (fixed seed): N chat requests whose user message is 1-12 filler sentences (prompt lengths vary
+from ~40 to ~250 tokens with the chat template) and whose output length is uniform in
+[min_out, max_out], forced with ignore_eos (transformers: min_new_tokens) so every system produces
+exactly the tokens asked for. Only requested tokens count as output; the extra tokens static batching
+generates for the shorter requests of a batch are waste, as in serving.
+
+Systems, in one run:
+- kvpilot: all requests submitted at once, continuous batching with max_num_seqs = --max-batch.
+- transformers static batching: batches of --max-batch in request order, left-padded, each batch run to
+  its longest request.
+- transformers one at a time: --single-subset requests alone (a subset: it is slow), tokens/s compared.
+
+    python bench/offline_throughput.py --num-requests 64 --max-batch 32
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+FILLER = [
+    "The quick brown fox jumps over the lazy dog near the river bank.",
+    "Kubernetes schedules pods onto nodes that have enough free resources.",
+    "A paged KV cache stores attention keys and values in fixed-size blocks.",
+    "The museum opens at nine and the guided tours start every hour.",
+    "Continuous batching lets new requests join while others are still decoding.",
+    "Our team measured latency at the fiftieth and ninety-ninth percentiles.",
+    "Rain is expected in the afternoon, so bring an umbrella to the park.",
+    "Prefix caching reuses the blocks of a shared system prompt across requests.",
+]
+
+
+@dataclass(frozen=True)
+class Request:
+    messages: list[dict[str, str]]
+    max_tokens: int
+
+
+@dataclass
+class Result:
+    system: str
+    num_requests: int
+    output_tokens: int
+    seconds: float
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.output_tokens / self.seconds
+
+
+def make_requests(n: int, min_out: int, max_out: int, seed: int) -> list[Request]:
+    rng = random.Random(seed)
+    requests = []
+    for i in range(n):
+        sentences = " ".join(rng.choice(FILLER) for _ in range(rng.randint(1, 12)))
+        content = f"Request {i}. Read this and write a long, detailed reply: {sentences}"
+        requests.append(
+            Request([{"role": "user", "content": content}], rng.randint(min_out, max_out))
+        )
+    return requests
+
+
+def prompt_ids(tokenizer: object, requests: list[Request]) -> list[list[int]]:
+    return [
+        tokenizer.apply_chat_template(r.messages, add_generation_prompt=True, tokenize=True)
+        for r in requests
+    ]
+
+
+def run_kvpilot(llm: object, ids: list[list[int]], requests: list[Request]) -> Result:
+    from kvpilot.engine import SamplingParams
+
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=r.max_tokens, ignore_eos=True) for r in requests
+    ]
+    start = time.perf_counter()
+    outputs = llm.generate(ids, params, use_tqdm=True)
+    seconds = time.perf_counter() - start
+    produced = sum(len(o.outputs[0].token_ids) for o in outputs)
+    assert produced == sum(r.max_tokens for r in requests), "kvpilot did not produce every token"
+    return Result("kvpilot (continuous batching)", len(requests), produced, seconds)
+
+
+@torch.inference_mode()
+def run_hf_static(
+    model: object, tok: object, ids: list[list[int]], requests: list[Request], batch: int
+) -> Result:
+    useful = 0
+    start = time.perf_counter()
+    pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+    for lo in tqdm(range(0, len(ids), batch), desc="transformers static", unit="batch"):
+        chunk, reqs = ids[lo : lo + batch], requests[lo : lo + batch]
+        width = max(len(p) for p in chunk)
+        input_ids = torch.tensor([[pad] * (width - len(p)) + p for p in chunk])
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in chunk])
+        longest = max(r.max_tokens for r in reqs)
+        out = model.generate(
+            input_ids,
+            attention_mask=mask,
+            max_new_tokens=longest,
+            min_new_tokens=longest,
+            do_sample=False,
+            pad_token_id=pad,
+        )
+        assert out.shape[1] - width == longest
+        useful += sum(r.max_tokens for r in reqs)
+    return Result("transformers static batching", len(ids), useful, time.perf_counter() - start)
+
+
+@torch.inference_mode()
+def run_hf_single(
+    model: object, tok: object, ids: list[list[int]], requests: list[Request]
+) -> Result:
+    produced = 0
+    start = time.perf_counter()
+    pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+    for p, r in tqdm(list(zip(ids, requests, strict=True)), desc="transformers single", unit="req"):
+        out = model.generate(
+            torch.tensor([p]),
+            attention_mask=torch.ones(1, len(p), dtype=torch.long),
+            max_new_tokens=r.max_tokens,
+            min_new_tokens=r.max_tokens,
+            do_sample=False,
+            pad_token_id=pad,
+        )
+        produced += out.shape[1] - len(p)
+    return Result("transformers one at a time", len(ids), produced, time.perf_counter() - start)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument("--num-requests", type=int, default=64)
+    ap.add_argument("--max-batch", type=int, default=32)
+    ap.add_argument("--min-out", type=int, default=64)
+    ap.add_argument("--max-out", type=int, default=128)
+    ap.add_argument("--single-subset", type=int, default=8)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", default="bench/out/offline_throughput.json")
+    args = ap.parse_args()
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+    from transformers import AutoModelForCausalLM
+
+    from kvpilot.engine import LLM
+    from kvpilot.engine.model.loader import bundled_gguf_path
+
+    requests = make_requests(args.num_requests, args.min_out, args.max_out, args.seed)
+    llm = LLM(dtype="float32", max_num_seqs=args.max_batch, max_num_batched_tokens=2048)
+    ids = prompt_ids(llm.tokenizer, requests)
+    lens = sorted(len(p) for p in ids)
+    print(
+        f"{len(ids)} requests; prompt tokens min/median/max {lens[0]}/{lens[len(lens) // 2]}/"
+        f"{lens[-1]}; output tokens {sum(r.max_tokens for r in requests)}; torch threads "
+        f"{torch.get_num_threads()}"
+    )
+    gguf = bundled_gguf_path()
+    hf = AutoModelForCausalLM.from_pretrained(
+        str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32
+    ).eval()
+    tok = llm.tokenizer
+    # Warm both up on one short request so one-time costs stay out of the timings.
+    run_kvpilot(llm, ids[:1], [Request(requests[0].messages, 4)])
+    hf.generate(torch.tensor([ids[0]]), max_new_tokens=4, pad_token_id=tok.eos_token_id)
+
+    results = [
+        run_kvpilot(llm, ids, requests),
+        run_hf_static(hf, tok, ids, requests, args.max_batch),
+        run_hf_single(hf, tok, ids[: args.single_subset], requests[: args.single_subset]),
+    ]
+    ours = results[0].tokens_per_s
+    print(
+        f"\n{'system':34} {'requests':>8} {'out tokens':>10} {'seconds':>8} {'tok/s':>8} {'ours/x':>7}"
+    )
+    for r in results:
+        print(
+            f"{r.system:34} {r.num_requests:8d} {r.output_tokens:10d} {r.seconds:8.1f} "
+            f"{r.tokens_per_s:8.1f} {ours / r.tokens_per_s:7.2f}"
+        )
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(
+        json.dumps(
+            {
+                "args": vars(args),
+                "results": [asdict(r) | {"tokens_per_s": r.tokens_per_s} for r in results],
+            },
+            indent=2,
+        )
+    )
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
