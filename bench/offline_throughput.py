@@ -1,16 +1,17 @@
 """Offline throughput on CPU: kvpilot vs transformers generate, same requests, same maximum batch.
 
-Workload (fixed seed): N chat requests whose user message is 1-12 filler sentences (prompt lengths vary
-from ~40 to ~250 tokens with the chat template) and whose output length is uniform in
+Workload (fixed seed): N chat requests whose user message is 1-12 filler sentences (prompt lengths
+vary from ~40 to ~250 tokens with the chat template) and whose output length is uniform in
 [min_out, max_out], forced with ignore_eos (transformers: min_new_tokens) so every system produces
-exactly the tokens asked for. Only requested tokens count as output; the extra tokens static batching
-generates for the shorter requests of a batch are waste, as in serving.
+exactly the tokens asked for. Only requested tokens count as output; the extra tokens static
+batching generates for the shorter requests of a batch are waste, as in serving.
 
 Systems, in one run:
 - kvpilot: all requests submitted at once, continuous batching with max_num_seqs = --max-batch.
-- transformers static batching: batches of --max-batch in request order, left-padded, each batch run to
-  its longest request.
-- transformers one at a time: --single-subset requests alone (a subset: it is slow), tokens/s compared.
+- transformers static batching: batches of --max-batch in request order, left-padded, each batch
+  run to its longest request.
+- transformers one at a time: --single-subset requests alone (a subset: it is slow), tokens/s
+  compared.
 
     python bench/offline_throughput.py --num-requests 64 --max-batch 32
 """
@@ -181,7 +182,8 @@ def main() -> None:
     ]
     ours = results[0].tokens_per_s
     print(
-        f"\n{'system':34} {'requests':>8} {'out tokens':>10} {'seconds':>8} {'tok/s':>8} {'ours/x':>7}"
+        f"\n{'system':34} {'requests':>8} {'out tokens':>10} {'seconds':>8} {'tok/s':>8} "
+        f"{'ours/x':>7}"
     )
     for r in results:
         print(

@@ -68,6 +68,11 @@ class ModelConfig:
     @classmethod
     def from_hf_config(cls, cfg: dict[str, Any]) -> ModelConfig:
         model_type = cfg.get("model_type", "llama")
+        if model_type not in SUPPORTED_ARCHITECTURES:
+            raise ValueError(
+                f"model_type {model_type!r} is not supported (supported: "
+                f"{', '.join(SUPPORTED_ARCHITECTURES)})"
+            )
         num_heads = cfg["num_attention_heads"]
         hidden = cfg["hidden_size"]
         rope = cfg.get("rope_scaling") or cfg.get("rope_parameters") or {}

@@ -15,7 +15,7 @@ from kvpilot.engine.model.gguf_convert import ModelFileError, gguf_to_hf_dir
 from .reference import save_tiny_hf_model
 
 
-def tiny_llama(tmp_path: Path) -> tuple[Path, object]:
+def tiny_llama(tmp_path: Path) -> Path:
     from transformers import LlamaConfig
 
     cfg = LlamaConfig(
@@ -28,13 +28,13 @@ def tiny_llama(tmp_path: Path) -> tuple[Path, object]:
         max_position_embeddings=256,
         initializer_range=0.15,
     )
-    return save_tiny_hf_model(cfg, tmp_path / "tiny"), cfg
+    return save_tiny_hf_model(cfg, tmp_path / "tiny")
 
 
 def test_sharded_safetensors_load_like_a_single_file(tmp_path: Path) -> None:
     from transformers import AutoModelForCausalLM
 
-    path, _ = tiny_llama(tmp_path)
+    path = tiny_llama(tmp_path)
     model = AutoModelForCausalLM.from_pretrained(str(path))
     sharded = tmp_path / "sharded"
     model.save_pretrained(str(sharded), max_shard_size="60KB")
@@ -46,7 +46,7 @@ def test_sharded_safetensors_load_like_a_single_file(tmp_path: Path) -> None:
 
 
 def test_dummy_weights_from_a_config_only_directory(tmp_path: Path) -> None:
-    path, cfg = tiny_llama(tmp_path)
+    path = tiny_llama(tmp_path)
     config_only = tmp_path / "config-only"
     config_only.mkdir()
     (config_only / "config.json").write_text((path / "config.json").read_text())
@@ -67,11 +67,11 @@ def test_missing_and_corrupt_model_files_name_the_path(tmp_path: Path) -> None:
         gguf_to_hf_dir(corrupt)
     no_config = tmp_path / "empty-dir"
     no_config.mkdir()
-    with pytest.raises(ModelFileError, match="no config.json"):
+    with pytest.raises(ModelFileError, match=r"no config\.json"):
         LLM(model=str(no_config))
-    path, _ = tiny_llama(tmp_path)
+    path = tiny_llama(tmp_path)
     (path / "model.safetensors").write_bytes(b"not safetensors")
-    with pytest.raises(ModelFileError, match="model.safetensors"):
+    with pytest.raises(ModelFileError, match=r"model\.safetensors"):
         LLM(model=str(path))
 
 
@@ -79,12 +79,12 @@ def test_unsupported_architecture_is_a_clear_error(tmp_path: Path) -> None:
     d = tmp_path / "gpt2"
     d.mkdir()
     (d / "config.json").write_text(json.dumps({"model_type": "gpt2", "vocab_size": 10}))
-    with pytest.raises((ValueError, KeyError), match="gpt2|num_attention_heads"):
+    with pytest.raises(ValueError, match=r"model_type 'gpt2' is not supported"):
         LLM(model=str(d))
 
 
 def test_kv_pool_is_sized_from_the_cpu_budget(tmp_path: Path) -> None:
-    path, cfg = tiny_llama(tmp_path)
+    path = tiny_llama(tmp_path)
     llm = LLM(model=str(path), dtype="float32", kv_cache_gib=0.01, block_size=16)
     # 2 (K,V) x 2 layers x 2 kv heads x 16 dims x 4 bytes x 16 tokens = 8 KiB per block
     assert llm.engine.num_blocks == int(0.01 * 2**30) // (8 * 1024)
