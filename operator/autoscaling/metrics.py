@@ -1,0 +1,76 @@
+"""The operator's own Prometheus metrics, on a registry the caller owns (no global registry)."""
+
+from __future__ import annotations
+
+import contextlib
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from kvpilot.operator.autoscaling.scrape import SCRAPE_ERROR_KINDS
+
+# Reconciles talk to the API server; autoscaler ticks scrape pods with a ~1 s timeout.
+DURATION_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+RESOURCE_LABELS = ("namespace", "inferenceservice")
+
+
+class OperatorMetrics:
+    """Scale decisions, scrape errors, durations, and the autoscaler's view per InferenceService.
+
+    Serve it with prometheus_client.start_http_server(port, registry=registry).
+    """
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.registry = registry
+        self.scale_decisions = Counter(
+            "kvpilot_operator_scale_decisions",
+            "Scale decisions that changed a Deployment's replicas, by direction (up/down).",
+            [*RESOURCE_LABELS, "direction"],
+            registry=registry,
+        )
+        self.scrape_errors = Counter(
+            "kvpilot_operator_scrape_errors",
+            "Failed scrapes of engine /metrics, by kind (timeout, connect, http_status, parse...).",
+            [*RESOURCE_LABELS, "kind"],
+            registry=registry,
+        )
+        self.autoscale_tick_duration = Histogram(
+            "kvpilot_operator_autoscale_tick_duration_seconds",
+            "Duration of one autoscaler tick: scrape all Ready pods and decide.",
+            buckets=DURATION_BUCKETS,
+            registry=registry,
+        )
+        self.reconcile_duration = Histogram(
+            "kvpilot_operator_reconcile_duration_seconds",
+            "Duration of one reconcile of an InferenceService.",
+            buckets=DURATION_BUCKETS,
+            registry=registry,
+        )
+        self.desired_replicas = Gauge(
+            "kvpilot_operator_desired_replicas",
+            "Replicas the autoscaler wants for an InferenceService.",
+            RESOURCE_LABELS,
+            registry=registry,
+        )
+        self.load = Gauge(
+            "kvpilot_operator_load",
+            "Summed saturation of an InferenceService's Ready pods (1.0 = one pod at target).",
+            RESOURCE_LABELS,
+            registry=registry,
+        )
+        self.panic = Gauge(
+            "kvpilot_operator_panic",
+            "1 while the autoscaler of an InferenceService is in panic mode.",
+            RESOURCE_LABELS,
+            registry=registry,
+        )
+
+    def forget(self, namespace: str, name: str) -> None:
+        """Drops the per-InferenceService series once it is deleted."""
+        for gauge in (self.desired_replicas, self.load, self.panic):
+            with contextlib.suppress(KeyError):  # never set for this resource
+                gauge.remove(namespace, name)
+        series = [(self.scale_decisions, d) for d in ("up", "down")]
+        series += [(self.scrape_errors, kind) for kind in SCRAPE_ERROR_KINDS]
+        for counter, value in series:
+            with contextlib.suppress(KeyError):
+                counter.remove(namespace, name, value)

@@ -1,0 +1,56 @@
+"""What one autoscaler tick sees: each Ready pod's engine metrics, and the pods on their way."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class PodMetrics:
+    """The engine gauges the autoscaler reads from one pod's /metrics."""
+
+    num_waiting: float
+    kv_cache_usage: float  # fraction in [0, 1], like vLLM's kv_cache_usage_perc
+    num_running: float | None = None  # reported in status only; not part of saturation
+
+
+@dataclass(frozen=True)
+class PodSample:
+    """A Ready pod and what its scrape returned; metrics None means the scrape failed."""
+
+    name: str
+    metrics: PodMetrics | None
+
+
+@dataclass(frozen=True)
+class Observations:
+    """Input of decide().
+
+    current_replicas: the Deployment's spec.replicas now.
+    ready_pods: every Ready, not terminating pod, reporting or not.
+    num_starting: replicas on their way: pods created but not Ready yet (within the startup grace)
+        plus replicas the ReplicaSet has not created yet. They count as capacity, not as load.
+    """
+
+    current_replicas: int
+    ready_pods: tuple[PodSample, ...]
+    num_starting: int = 0
+
+    def __post_init__(self) -> None:
+        if self.current_replicas < 0 or self.num_starting < 0:
+            raise ValueError(
+                f"replica counts must be >= 0, got current_replicas={self.current_replicas},"
+                f" num_starting={self.num_starting}"
+            )
+
+    @property
+    def num_ready(self) -> int:
+        return len(self.ready_pods)
+
+    @property
+    def reporting(self) -> tuple[PodMetrics, ...]:
+        return tuple(pod.metrics for pod in self.ready_pods if pod.metrics is not None)
+
+    @property
+    def missing(self) -> tuple[str, ...]:
+        return tuple(pod.name for pod in self.ready_pods if pod.metrics is None)

@@ -1,0 +1,143 @@
+"""The operator's settings, from `kvpilot operator` flags and KVPILOT_* environment variables."""
+
+from __future__ import annotations
+
+import argparse
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from kvpilot.operator.constants import DEFAULT_ANNOTATION_PREFIX, DEFAULT_ENGINE_IMAGE
+
+LOG_LEVELS = ("debug", "info", "warning", "error")
+_DNS_SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
+_DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$")
+
+
+@dataclass(frozen=True)
+class OperatorConfig:
+    """namespaces=() watches the whole cluster."""
+
+    namespaces: tuple[str, ...] = ()
+    engine_image: str = DEFAULT_ENGINE_IMAGE
+    annotation_prefix: str = DEFAULT_ANNOTATION_PREFIX
+    log_level: str = "info"
+    log_format: str = "plain"
+    # How often every InferenceService is re-read and its status refreshed even if nothing we
+    # watch changed (pods crash-looping change no Deployment field).
+    resync_seconds: float = 30.0
+    liveness_endpoint: str | None = "http://0.0.0.0:8080/healthz"
+    max_workers: int = 8
+
+    def __post_init__(self) -> None:
+        for namespace in self.namespaces:
+            if not _DNS_LABEL.fullmatch(namespace):
+                raise ValueError(f"namespace {namespace!r} is not a valid namespace name")
+        if not self.engine_image.strip():
+            raise ValueError("the default engine image must not be empty")
+        prefix = self.annotation_prefix
+        if len(prefix) > 253 or not _DNS_SUBDOMAIN.fullmatch(prefix):
+            raise ValueError(
+                f"annotation prefix {prefix!r} must be a DNS subdomain such as kvpilot.dev"
+            )
+        if self.log_level not in LOG_LEVELS:
+            raise ValueError(f"log level {self.log_level!r} is not one of {', '.join(LOG_LEVELS)}")
+        if self.log_format not in ("plain", "json"):
+            raise ValueError(f"log format {self.log_format!r} is not plain or json")
+        if not self.resync_seconds > 0:
+            raise ValueError(f"resync seconds must be > 0, got {self.resync_seconds}")
+        if self.max_workers < 1:
+            raise ValueError(f"max workers must be >= 1, got {self.max_workers}")
+
+    @property
+    def is_clusterwide(self) -> bool:
+        return not self.namespaces
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="kvpilot operator",
+        description="Run the kvpilot Kubernetes operator (InferenceService -> engine pods).",
+        epilog="Each flag falls back to its KVPILOT_* environment variable, then the default.",
+    )
+    parser.add_argument(
+        "-n",
+        "--namespace",
+        action="append",
+        dest="namespaces",
+        metavar="NS",
+        help="watch only this namespace (repeatable; env KVPILOT_WATCH_NAMESPACES, "
+        "comma-separated; default: all namespaces)",
+    )
+    parser.add_argument(
+        "--engine-image",
+        help="engine image when spec.engine.image is not set (env KVPILOT_ENGINE_IMAGE)",
+    )
+    parser.add_argument(
+        "--annotation-prefix",
+        help="prefix of kopf's state annotations and finalizer on InferenceServices "
+        f"(env KVPILOT_ANNOTATION_PREFIX; default {DEFAULT_ANNOTATION_PREFIX})",
+    )
+    parser.add_argument(
+        "--log-level", choices=LOG_LEVELS, help="env KVPILOT_LOG_LEVEL; default info"
+    )
+    parser.add_argument(
+        "--log-format", choices=("plain", "json"), help="env KVPILOT_LOG_FORMAT; default plain"
+    )
+    parser.add_argument(
+        "--resync-seconds",
+        type=float,
+        help="status refresh period of every InferenceService (env KVPILOT_RESYNC_SECONDS; "
+        "default 30)",
+    )
+    parser.add_argument(
+        "--liveness-endpoint",
+        help="kopf's liveness endpoint, or 'none' (env KVPILOT_LIVENESS_ENDPOINT; default "
+        "http://0.0.0.0:8080/healthz)",
+    )
+    parser.add_argument(
+        "--max-workers",
+        type=int,
+        help="threads running reconciles (env KVPILOT_MAX_WORKERS; default 8)",
+    )
+    return parser
+
+
+def config_from(argv: list[str], env: Mapping[str, str]) -> OperatorConfig:
+    """Flags win over the environment, which wins over the defaults. Raises ValueError."""
+    args = build_parser().parse_args(argv)
+
+    def given(flag: object, name: str) -> str | None:
+        if flag is not None:
+            return str(flag)
+        return env.get(name, "").strip() or None
+
+    fields: dict[str, object] = {}
+    if args.namespaces:
+        fields["namespaces"] = tuple(ns for item in args.namespaces for ns in item.split(",") if ns)
+    else:
+        listed = env.get("KVPILOT_WATCH_NAMESPACES", "").split(",")
+        fields["namespaces"] = tuple(ns.strip() for ns in listed if ns.strip())
+    for field, flag, name in (
+        ("engine_image", args.engine_image, "KVPILOT_ENGINE_IMAGE"),
+        ("annotation_prefix", args.annotation_prefix, "KVPILOT_ANNOTATION_PREFIX"),
+        ("log_level", args.log_level, "KVPILOT_LOG_LEVEL"),
+        ("log_format", args.log_format, "KVPILOT_LOG_FORMAT"),
+    ):
+        value = given(flag, name)
+        if value is not None:
+            fields[field] = value.lower() if field.startswith("log_") else value
+    for field, flag, name, convert in (
+        ("resync_seconds", args.resync_seconds, "KVPILOT_RESYNC_SECONDS", float),
+        ("max_workers", args.max_workers, "KVPILOT_MAX_WORKERS", int),
+    ):
+        value = given(flag, name)
+        if value is not None:
+            try:
+                fields[field] = convert(value)
+            except ValueError:
+                raise ValueError(f"{name} must be a number, got {value!r}") from None
+    liveness = given(args.liveness_endpoint, "KVPILOT_LIVENESS_ENDPOINT")
+    if liveness is not None:
+        fields["liveness_endpoint"] = None if liveness.lower() == "none" else liveness
+    return OperatorConfig(**fields)  # type: ignore[arg-type]

@@ -1,0 +1,58 @@
+"""Names every part of the operator agrees on: the API, labels, ports, paths in the engine pod."""
+
+from __future__ import annotations
+
+# The custom resource.
+GROUP = "kvpilot.dev"
+VERSION = "v1alpha1"
+API_VERSION = f"{GROUP}/{VERSION}"
+KIND = "InferenceService"
+PLURAL = "inferenceservices"
+SINGULAR = "inferenceservice"
+SHORT_NAMES = ("kis",)
+CATEGORIES = ("kvpilot",)
+CRD_NAME = f"{PLURAL}.{GROUP}"
+
+# Labels on every child object. The selector pair (NAME + INSTANCE) never changes after create:
+# a Deployment's selector is immutable.
+LABEL_NAME = "app.kubernetes.io/name"
+LABEL_INSTANCE = "app.kubernetes.io/instance"
+LABEL_COMPONENT = "app.kubernetes.io/component"
+LABEL_MANAGED_BY = "app.kubernetes.io/managed-by"
+LABEL_PART_OF = "app.kubernetes.io/part-of"
+ENGINE_APP_NAME = "kvpilot-engine"
+ENGINE_COMPONENT = "engine"
+MANAGED_BY = "kvpilot-operator"
+PART_OF = "kvpilot"
+
+# Our own annotations on children (the prefix is the API group, as Kubernetes conventions ask).
+ANNOTATION_CONFIG_HASH = f"{GROUP}/config-hash"
+
+# Server-side apply field manager: the name under which our fields show in managedFields.
+FIELD_MANAGER = "kvpilot-operator"
+AUTOSCALER_FIELD_MANAGER = "kvpilot-autoscaler"
+
+# The engine container's contract: `kvpilot serve` on this port, /ready, /health and /metrics.
+ENGINE_PORT = 8000
+ENGINE_PORT_NAME = "http"
+ENGINE_CONTAINER = "engine"
+READY_PATH = "/ready"
+HEALTH_PATH = "/health"
+METRICS_PATH = "/metrics"
+
+# The model-cache volume: hf:// downloads land here, pvc:// claims are mounted here.
+MODEL_CACHE_VOLUME = "model-cache"
+MODEL_CACHE_MOUNT = "/models"
+MODEL_FETCH_CONTAINER = "model-fetch"
+NVIDIA_GPU = "nvidia.com/gpu"
+
+# Our image runs as this non-root user (see the Dockerfile); pods run with it under PSS restricted.
+ENGINE_UID = 10001
+
+# Seconds the preStop hook waits so endpoints drop the pod before the engine sees SIGTERM, and the
+# margin after the engine's drain before the kubelet kills it.
+PRESTOP_SLEEP_SECONDS = 5
+TERMINATION_MARGIN_SECONDS = 10
+
+DEFAULT_ENGINE_IMAGE = "ghcr.io/kvpilot/kvpilot:0.1.0"
+DEFAULT_ANNOTATION_PREFIX = GROUP

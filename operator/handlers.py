@@ -1,0 +1,140 @@
+"""kopf wiring: thin handlers, each one line over Reconciler.reconcile.
+
+`build_registry(config)` returns a registry of its own (no module-level handler state), so the
+CLI, tests and embedders each run exactly the handlers they built.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import kopf
+
+from kvpilot.operator.config import OperatorConfig
+from kvpilot.operator.constants import (
+    GROUP,
+    LABEL_MANAGED_BY,
+    MANAGED_BY,
+    PLURAL,
+    VERSION,
+)
+from kvpilot.operator.kube import KubeApi, KubeError, connect
+from kvpilot.operator.reconcile import Outcome, Reconciler
+
+logger = logging.getLogger(__name__)
+
+# Retries of a failed reconcile wait 2, 4, 8 ... seconds, at most this long.
+MAX_RETRY_DELAY_SECONDS = 120.0
+
+
+def retry_delay(retry: int) -> float:
+    """Exponential backoff for the `retry`-th retry of a handler (0 for the first)."""
+    return min(MAX_RETRY_DELAY_SECONDS, 2.0 ** (retry + 1))
+
+
+def post_kopf_event(body: Mapping[str, Any], type_: str, reason: str, message: str) -> None:
+    kopf.event(dict(body), type=type_, reason=reason, message=message[:1024])
+
+
+def configure_kopf(settings: kopf.OperatorSettings, config: OperatorConfig) -> None:
+    """kopf's settings for our operator: our prefix for its state, no status.kopf, no scans."""
+    prefix = config.annotation_prefix
+    settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=prefix)
+    settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
+        prefix=prefix, key="last-handled-configuration"
+    )
+    # kopf's timers need a finalizer (to stop cleanly when the object goes); it carries our name.
+    settings.persistence.finalizer = f"{prefix}/finalizer"
+    settings.posting.reporting_component = MANAGED_BY
+    settings.posting.reporting_instance = os.environ.get("POD_NAME", MANAGED_BY)
+    # The CRD comes with the chart before the operator starts: no need to watch CRDs and
+    # namespaces (and no RBAC for them).
+    settings.scanning.disabled = True
+    settings.execution.max_workers = config.max_workers
+    # A deleted InferenceService keeps its finalizer until its resync timer has exited; kopf
+    # checks on an exiting timer this often (its default, 60 s, would hold every deletion).
+    settings.background.cancellation_polling = 1.0
+    # Server-side watch timeouts make kopf reconnect now and then, so a silently dead
+    # connection (a load balancer dropping it) never leaves the operator deaf.
+    settings.watching.server_timeout = 300
+    settings.watching.client_timeout = 330
+    settings.networking.request_timeout = 60
+    settings.networking.connect_timeout = 10
+
+
+def build_registry(config: OperatorConfig, api: KubeApi | None = None) -> kopf.OperatorRegistry:
+    """All handlers of the operator. `api` defaults to a client connected at startup."""
+    registry = kopf.OperatorRegistry()
+    state: dict[str, Reconciler] = {}
+    if api is not None:
+        state["reconciler"] = Reconciler(api, config, post_kopf_event)
+
+    def reconciler() -> Reconciler:
+        return state["reconciler"]
+
+    # A registry of our own has no login handlers: use kopf's for the kubernetes client (in-cluster
+    # service account, else kubeconfig), which also re-logs in when a token expires.
+    kopf.on.login(id="login", registry=registry)(kopf.login_via_client)
+
+    # Explicit ids: kopf names its progress annotations after them (`<prefix>/reconcile`).
+    @kopf.on.startup(id="startup", registry=registry)
+    def operator_startup(settings: kopf.OperatorSettings, **_: Any) -> None:
+        configure_kopf(settings, config)
+        if "reconciler" not in state:
+            state["reconciler"] = Reconciler(KubeApi(connect()), config, post_kopf_event)
+        scope = ", ".join(config.namespaces) or "all namespaces"
+        logger.info("kvpilot operator watching %s; engine image %s", scope, config.engine_image)
+
+    @kopf.on.resume(GROUP, VERSION, PLURAL, id="reconcile", registry=registry)
+    @kopf.on.create(GROUP, VERSION, PLURAL, id="reconcile", registry=registry)
+    @kopf.on.update(GROUP, VERSION, PLURAL, id="reconcile", registry=registry)
+    def inferenceservice_changed(body: kopf.Body, retry: int, **_: Any) -> None:
+        report(run_reconcile(lambda: reconciler().reconcile(body), retry))
+
+    @kopf.timer(
+        GROUP, VERSION, PLURAL, id="resync", interval=config.resync_seconds, registry=registry
+    )
+    def inferenceservice_resync(body: kopf.Body, retry: int, **_: Any) -> None:
+        run_reconcile(lambda: reconciler().reconcile(body), retry)
+
+    child_filter = {LABEL_MANAGED_BY: MANAGED_BY}
+
+    @kopf.on.event(
+        "apps", "v1", "deployments", id="deployment", labels=child_filter, registry=registry
+    )
+    def deployment_event(body: kopf.Body, **_: Any) -> None:
+        run_child_reconcile(lambda: reconciler().reconcile_owner_of(body))
+
+    @kopf.on.event("", "v1", "services", id="service", labels=child_filter, registry=registry)
+    def service_event(body: kopf.Body, **_: Any) -> None:
+        run_child_reconcile(lambda: reconciler().reconcile_owner_of(body))
+
+    return registry
+
+
+def run_reconcile(step: Callable[[], Outcome], retry: int) -> Outcome:
+    """API trouble becomes a retry with exponential backoff; anything else propagates."""
+    try:
+        outcome = step()
+    except KubeError as error:
+        if not error.is_retryable:
+            raise kopf.PermanentError(str(error)) from error
+        raise kopf.TemporaryError(str(error), delay=retry_delay(retry)) from error
+    return outcome
+
+
+def report(outcome: Outcome) -> None:
+    """A spec that cannot work is final until the user edits it: no retry storm."""
+    if outcome.invalid is not None:
+        raise kopf.PermanentError(f"invalid spec: {outcome.invalid}")
+
+
+def run_child_reconcile(step: Callable[[], Outcome | None]) -> None:
+    # A watch event has no retries: the resync timer repairs whatever this attempt could not.
+    try:
+        step()
+    except KubeError as error:
+        logger.warning("reconcile after a child change failed, the timer will retry: %s", error)

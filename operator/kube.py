@@ -1,0 +1,221 @@
+"""Every Kubernetes API call the operator's own code makes, as plain dicts in and out.
+
+kopf makes its own calls (watching, its annotations, Events); the chart's ClusterRole grants both
+(tests/operator checks it against the requests a real run makes). The kubernetes client is used
+without its model classes: bodies stay the JSON the API speaks, which is what builders produce
+and what drift detection compares.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Callable
+from typing import Any
+
+import kubernetes
+import urllib3.exceptions
+from kubernetes.client.exceptions import ApiException
+
+from kvpilot.operator.constants import (
+    AUTOSCALER_FIELD_MANAGER,
+    FIELD_MANAGER,
+    GROUP,
+    PLURAL,
+    VERSION,
+)
+
+# (connect, read) seconds: a hung API server must fail the call, not the operator.
+REQUEST_TIMEOUT = (5.0, 30.0)
+APPLY_CONTENT_TYPE = "application/apply-patch+yaml"
+MERGE_PATCH_CONTENT_TYPE = "application/merge-patch+json"
+
+# What this module calls, as RBAC sees it: (apiGroup, resource, verb).
+API_CALLS = (
+    ("apps", "deployments", "get"),
+    ("apps", "deployments", "create"),
+    ("apps", "deployments", "patch"),
+    ("", "services", "get"),
+    ("", "services", "create"),
+    ("", "services", "patch"),
+    ("", "pods", "list"),
+    (GROUP, PLURAL, "get"),
+    (GROUP, f"{PLURAL}/status", "patch"),
+)
+
+
+class KubeError(RuntimeError):
+    """An API call failed; `is_retryable` says whether trying again later can help."""
+
+    def __init__(self, message: str, *, status: int | None, is_retryable: bool) -> None:
+        super().__init__(message)
+        self.status = status
+        self.is_retryable = is_retryable
+
+
+def connect() -> kubernetes.client.ApiClient:
+    """In-cluster service account first, then $KUBECONFIG (read now, not at import)."""
+    configuration = kubernetes.client.Configuration()
+    try:
+        kubernetes.config.load_incluster_config(client_configuration=configuration)
+    except kubernetes.config.ConfigException:
+        kubernetes.config.load_kube_config(
+            config_file=os.environ.get("KUBECONFIG") or None,
+            client_configuration=configuration,
+            persist_config=False,
+        )
+    return kubernetes.client.ApiClient(configuration)
+
+
+class KubeApi:
+    """Typed API objects behind a handful of dict-in, dict-out calls."""
+
+    def __init__(self, client: kubernetes.client.ApiClient) -> None:
+        self._apps = kubernetes.client.AppsV1Api(client)
+        self._core = kubernetes.client.CoreV1Api(client)
+        self._custom = kubernetes.client.CustomObjectsApi(client)
+
+    # -- children --------------------------------------------------------------------------
+
+    def get(self, kind: str, namespace: str, name: str) -> dict[str, Any] | None:
+        read = {
+            "Deployment": self._apps.read_namespaced_deployment,
+            "Service": self._core.read_namespaced_service,
+        }[kind]
+        return _call_or_none(lambda: read(name, namespace, **_RAW))
+
+    def apply(self, manifest: dict[str, Any]) -> dict[str, Any]:
+        """Create-or-patch by server-side apply; we own exactly the fields we send.
+
+        SSA creates a missing object itself; the create fallback serves API servers (and test
+        emulators) that answer 404 instead, and a concurrent create (409) goes back to apply.
+        """
+        kind, metadata = manifest["kind"], manifest["metadata"]
+        name, namespace = metadata["name"], metadata["namespace"]
+        patch, create = {
+            "Deployment": (
+                self._apps.patch_namespaced_deployment,
+                self._apps.create_namespaced_deployment,
+            ),
+            "Service": (
+                self._core.patch_namespaced_service,
+                self._core.create_namespaced_service,
+            ),
+        }[kind]
+
+        def apply_once() -> dict[str, Any]:
+            return _call(
+                lambda: patch(
+                    name,
+                    namespace,
+                    manifest,
+                    field_manager=FIELD_MANAGER,
+                    force=True,
+                    _content_type=APPLY_CONTENT_TYPE,
+                    **_RAW,
+                )
+            )
+
+        try:
+            return apply_once()
+        except KubeError as error:
+            if error.status != 404:
+                raise
+        try:
+            return _call(lambda: create(namespace, manifest, field_manager=FIELD_MANAGER, **_RAW))
+        except KubeError as error:
+            if error.status != 409:
+                raise
+        return apply_once()
+
+    def scale_deployment(self, namespace: str, name: str, replicas: int) -> None:
+        """Sets only spec.replicas, as the autoscaler (its own field manager) does."""
+        _call(
+            lambda: self._apps.patch_namespaced_deployment(
+                name,
+                namespace,
+                {"spec": {"replicas": replicas}},
+                field_manager=AUTOSCALER_FIELD_MANAGER,
+                _content_type=MERGE_PATCH_CONTENT_TYPE,
+                **_RAW,
+            )
+        )
+
+    def list_pods(self, namespace: str, selector: dict[str, str]) -> list[dict[str, Any]]:
+        text = ",".join(f"{key}={value}" for key, value in selector.items())
+        listing = _call(
+            lambda: self._core.list_namespaced_pod(namespace, label_selector=text, **_RAW)
+        )
+        # The server filters by the selector already; filtering again costs nothing and keeps a
+        # stray pod (from a server or proxy that ignores selectors) out of the diagnosis.
+        return [
+            pod
+            for pod in listing.get("items") or []
+            if all(
+                ((pod.get("metadata") or {}).get("labels") or {}).get(key) == value
+                for key, value in selector.items()
+            )
+        ]
+
+    # -- the InferenceService ----------------------------------------------------------------
+
+    def get_inferenceservice(self, namespace: str, name: str) -> dict[str, Any] | None:
+        return _call_or_none(
+            lambda: self._custom.get_namespaced_custom_object(
+                GROUP, VERSION, namespace, PLURAL, name, **_RAW
+            )
+        )
+
+    def patch_inferenceservice_status(
+        self, namespace: str, name: str, status: dict[str, Any]
+    ) -> None:
+        # A merge patch of only the keys given: the autoscaler's keys stay as they are.
+        _call(
+            lambda: self._custom.patch_namespaced_custom_object_status(
+                GROUP,
+                VERSION,
+                namespace,
+                PLURAL,
+                name,
+                {"status": status},
+                _content_type=MERGE_PATCH_CONTENT_TYPE,
+                **_RAW,
+            )
+        )
+
+
+# Skip the client's model classes: return the raw HTTP response, decoded by _call.
+_RAW: dict[str, Any] = {"_preload_content": False, "_request_timeout": REQUEST_TIMEOUT}
+
+
+def _call(request: Callable[[], Any]) -> dict[str, Any]:
+    try:
+        response = request()
+    except ApiException as error:
+        status = error.status
+        retryable = status in (409, 429) or (status is not None and status >= 500)
+        raise KubeError(
+            f"API error {status} {error.reason}: {_message(error)}",
+            status=status,
+            is_retryable=retryable,
+        ) from error
+    except (urllib3.exceptions.HTTPError, OSError) as error:
+        raise KubeError(f"API unreachable: {error}", status=None, is_retryable=True) from error
+    data = response.data
+    return json.loads(data) if data else {}
+
+
+def _call_or_none(request: Callable[[], Any]) -> dict[str, Any] | None:
+    try:
+        return _call(request)
+    except KubeError as error:
+        if error.status == 404:
+            return None
+        raise
+
+
+def _message(error: ApiException) -> str:
+    try:
+        return str(json.loads(error.body).get("message") or error.body)
+    except (TypeError, ValueError, AttributeError):
+        return str(error.body)

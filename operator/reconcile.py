@@ -1,0 +1,285 @@
+"""The one level-based reconcile of an InferenceService: read, build desired, apply on drift,
+write status, report state changes as Events. Every kopf handler ends up here.
+
+Idempotent: running it twice in a row changes nothing the second time (no API write, no Event).
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import threading
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from kvpilot.operator.builders import (
+    Owner,
+    build_deployment,
+    build_service,
+    label_selector,
+    selector_labels,
+    served_model_name,
+    service_url,
+)
+from kvpilot.operator.conditions import DEGRADED, changed_conditions
+from kvpilot.operator.config import OperatorConfig
+from kvpilot.operator.constants import ANNOTATION_CONFIG_HASH, KIND
+from kvpilot.operator.drift import has_drifted, is_subset, with_config_hash
+from kvpilot.operator.kube import KubeApi, KubeError
+from kvpilot.operator.spec import InferenceServiceSpec, InvalidSpecError, parse_spec, validate_name
+from kvpilot.operator.status import (
+    Observed,
+    build_blocked_status,
+    build_invalid_status,
+    build_status,
+    owned_status,
+)
+
+logger = logging.getLogger(__name__)
+
+# (object body, event type, reason, message): kopf.event in the operator, a list in tests.
+PostEvent = Callable[[Mapping[str, Any], str, str, str], None]
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """What one reconcile found; `invalid` is the spec error a change handler reports."""
+
+    invalid: str | None = None
+    blocked: str | None = None
+
+
+def replicas_for(spec: InferenceServiceSpec, live: Mapping[str, Any] | None) -> int:
+    """The Deployment's replicas reconcile applies — the autoscaler's hook.
+
+    Without spec.autoscaling: spec.replicas. With it, the autoscaler owns the count: reconcile
+    starts a new Deployment at minReplicas and afterwards only clamps the live count into
+    [minReplicas, maxReplicas] (when the user narrows the bounds); it never undoes a scale.
+    """
+    if spec.autoscaling is None:
+        return spec.effective_replicas
+    bounds = spec.autoscaling
+    current = None if live is None else (live.get("spec") or {}).get("replicas")
+    if current is None:
+        return bounds.min_replicas
+    return min(max(current, bounds.min_replicas), bounds.max_replicas)
+
+
+def is_controlled_by(live: Mapping[str, Any], uid: str) -> bool:
+    references = (live.get("metadata") or {}).get("ownerReferences") or []
+    return any(ref.get("uid") == uid and ref.get("controller") for ref in references)
+
+
+class Reconciler:
+    """Holds the API and a lock per object: kopf runs an object's timer and change handlers
+    (and the child watchers) concurrently, and two reconciles of one object must not interleave.
+    """
+
+    def __init__(
+        self,
+        api: KubeApi,
+        config: OperatorConfig,
+        post_event: PostEvent,
+        clock: Callable[[], datetime.datetime] | None = None,
+    ) -> None:
+        self._api = api
+        self._config = config
+        self._post_event = post_event
+        self._clock = clock or (lambda: datetime.datetime.now(datetime.timezone.utc))
+        self._locks: dict[tuple[str, str], threading.Lock] = {}
+        self._locks_guard = threading.Lock()
+
+    def _lock(self, namespace: str, name: str) -> threading.Lock:
+        with self._locks_guard:
+            return self._locks.setdefault((namespace, name), threading.Lock())
+
+    def reconcile(self, body: Mapping[str, Any]) -> Outcome:
+        """Reconciles the InferenceService `body` identifies (by namespace, name and uid)."""
+        metadata = body["metadata"]
+        return self.reconcile_named(metadata["namespace"], metadata["name"], metadata.get("uid"))
+
+    def reconcile_owner_of(self, child: Mapping[str, Any]) -> Outcome | None:
+        """A child changed (edited, scaled, deleted): reconcile the InferenceService owning it."""
+        metadata = child.get("metadata") or {}
+        for ref in metadata.get("ownerReferences") or []:
+            if ref.get("kind") == KIND and ref.get("controller"):
+                return self.reconcile_named(metadata["namespace"], ref["name"], ref.get("uid"))
+        return None
+
+    def reconcile_named(self, namespace: str, name: str, uid: str | None = None) -> Outcome:
+        with self._lock(namespace, name):
+            # Always from the API, never the caller's copy: kopf hands timers and handlers the
+            # body they were triggered with, and a reconcile queued behind another on the lock
+            # must see the status that one wrote.
+            body = self._api.get_inferenceservice(namespace, name)
+            if body is None:
+                return Outcome()
+            metadata = body["metadata"]
+            if (uid is not None and metadata.get("uid") != uid) or metadata.get(
+                "deletionTimestamp"
+            ):
+                return Outcome()  # gone or going: the garbage collector removes the children
+            return self._reconcile(body)
+
+    def apply_scale(
+        self,
+        namespace: str,
+        name: str,
+        replicas: int,
+        status_patch: Mapping[str, Any] | None = None,
+    ) -> int | None:
+        """The autoscaler's hook: set the Deployment's replicas (and write the autoscaler's own
+        status keys), under this object's lock so that no reconcile interleaves.
+
+        Only for an InferenceService with a valid spec.autoscaling and a Deployment it controls;
+        the count is clamped into [minReplicas, maxReplicas]. Returns the replicas applied, or
+        None when refused. Reconcile keeps whatever count this sets (see replicas_for).
+        """
+        with self._lock(namespace, name):
+            body = self._api.get_inferenceservice(namespace, name)
+            if body is None or body["metadata"].get("deletionTimestamp"):
+                return None
+            try:
+                spec = parse_spec(body.get("spec"))
+            except InvalidSpecError:
+                return None
+            live = self._api.get("Deployment", namespace, name)
+            if (
+                spec.autoscaling is None
+                or live is None
+                or not is_controlled_by(live, body["metadata"]["uid"])
+            ):
+                return None
+            bounds = spec.autoscaling
+            bounded = min(max(replicas, bounds.min_replicas), bounds.max_replicas)
+            if (live.get("spec") or {}).get("replicas") != bounded:
+                self._api.scale_deployment(namespace, name, bounded)
+            if status_patch:
+                self._api.patch_inferenceservice_status(namespace, name, dict(status_patch))
+            return bounded
+
+    def _reconcile(self, body: Mapping[str, Any]) -> Outcome:
+        metadata = body["metadata"]
+        namespace, name = metadata["namespace"], metadata["name"]
+        generation = metadata.get("generation")
+        previous = dict(body.get("status") or {})
+        try:
+            validate_name(name)
+            spec = parse_spec(body.get("spec"))
+        except InvalidSpecError as error:
+            message = str(error)
+            status = build_invalid_status(previous, generation, message, self._clock())
+            self._write_status(body, previous, status)
+            return Outcome(invalid=message)
+
+        owner = Owner(name=name, namespace=namespace, uid=metadata["uid"])
+        live_deployment = self._api.get("Deployment", namespace, name)
+        live_service = self._api.get("Service", namespace, name)
+        for kind, live in (("Deployment", live_deployment), ("Service", live_service)):
+            if live is not None and not is_controlled_by(live, owner.uid):
+                message = (
+                    f"a {kind} named {name} already exists and is not controlled by this "
+                    "InferenceService: delete or rename one of them"
+                )
+                status = build_blocked_status(
+                    previous, generation, "OwnershipConflict", message, self._clock()
+                )
+                self._write_status(body, previous, status)
+                return Outcome(blocked=message)
+
+        replicas = replicas_for(spec, live_deployment)
+        try:
+            deployment = self._apply(
+                body,
+                with_config_hash(
+                    build_deployment(
+                        owner, spec, default_image=self._config.engine_image, replicas=replicas
+                    )
+                ),
+                live_deployment,
+            )
+            self._apply(body, with_config_hash(build_service(owner)), live_service)
+        except KubeError as error:
+            if error.status not in (400, 422):
+                raise
+            # The API server rejected a child built from the spec (say, a malformed affinity):
+            # the spec is what needs fixing, and retrying cannot help.
+            message = f"the API server rejected a child built from this spec: {error}"
+            status = build_invalid_status(previous, generation, message, self._clock())
+            self._write_status(body, previous, status)
+            return Outcome(invalid=message)
+
+        observed = Observed(
+            generation=generation,
+            deployment=deployment,
+            pods=self._api.list_pods(namespace, selector_labels(name)),
+            desired_replicas=replicas,
+            selector=label_selector(name),
+            url=service_url(owner),
+            model=served_model_name(owner, spec),
+        )
+        status = build_status(previous, observed, self._clock())
+        if spec.autoscaling is None and previous.get("autoscaling") is not None:
+            status["autoscaling"] = None  # a merge patch deletes the autoscaler's stale state
+        self._write_status(body, previous, status)
+        return Outcome()
+
+    def _apply(
+        self, body: Mapping[str, Any], desired: dict[str, Any], live: dict[str, Any] | None
+    ) -> dict[str, Any]:
+        if not has_drifted(desired, live):
+            assert live is not None  # has_drifted is True for a missing object
+            return live
+        kind, name = desired["kind"], desired["metadata"]["name"]
+        applied = self._api.apply(desired)
+        if live is None:
+            self._post_event(body, "Normal", "Created", f"created {kind} {name}")
+        elif _config_hash_of(live) != _config_hash_of(desired):
+            self._post_event(body, "Normal", "Updated", f"updated {kind} {name} to the spec")
+        elif _only_replicas_differ(desired, live):
+            replicas = desired["spec"]["replicas"]
+            self._post_event(body, "Normal", "Scaled", f"scaled {kind} {name} to {replicas}")
+        else:
+            self._post_event(
+                body,
+                "Warning",
+                "DriftRepaired",
+                f"{kind} {name} was changed outside the operator; restored it",
+            )
+        logger.info("applied %s %s/%s", kind, desired["metadata"]["namespace"], name)
+        return applied
+
+    def _write_status(
+        self, body: Mapping[str, Any], previous: dict[str, Any], status: dict[str, Any]
+    ) -> None:
+        """Writes status only when it changed; one Event per changed condition reason."""
+        current = {key: value for key, value in status.items() if value is not None}
+        stale = [key for key, value in status.items() if value is None and key in previous]
+        if owned_status(previous) == owned_status(current) and not stale:
+            return
+        metadata = body["metadata"]
+        self._api.patch_inferenceservice_status(metadata["namespace"], metadata["name"], status)
+        # One Event per reason (Ready and Degraded often share one): Warning if any says so.
+        changed: dict[str, tuple[bool, str]] = {}
+        for condition in changed_conditions(
+            previous.get("conditions") or [], status.get("conditions") or []
+        ):
+            reason = condition["reason"]
+            is_warning = (condition["type"] == DEGRADED and condition["status"] == "True") or (
+                reason == "InvalidSpec"
+            )
+            message = f"{condition['type']}={condition['status']}: {condition['message']}"
+            if reason not in changed or (is_warning and not changed[reason][0]):
+                changed[reason] = (is_warning, message)
+        for reason, (is_warning, message) in changed.items():
+            self._post_event(body, "Warning" if is_warning else "Normal", reason, message)
+
+
+def _config_hash_of(manifest: Mapping[str, Any]) -> str | None:
+    return ((manifest.get("metadata") or {}).get("annotations") or {}).get(ANNOTATION_CONFIG_HASH)
+
+
+def _only_replicas_differ(desired: dict[str, Any], live: dict[str, Any]) -> bool:
+    without = {**desired, "spec": {k: v for k, v in desired["spec"].items() if k != "replicas"}}
+    return is_subset(without, live)

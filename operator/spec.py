@@ -1,0 +1,351 @@
+"""The InferenceService spec as pydantic models: the single source of truth for the CRD schema.
+
+crdgen.py turns these models into crds/*.yaml; reconcile validates every object through
+`parse_spec`, so a spec the API server let through (an old CRD, a rule CEL cannot express) still
+meets one definition. Field descriptions are what `kubectl explain` shows.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Annotated, Any, Literal
+
+from pydantic import (
+    ConfigDict,
+    Field,
+    ValidationError,
+    WithJsonSchema,
+    field_validator,
+    model_validator,
+)
+
+from kvpilot.operator.constants import (
+    ENGINE_PORT,
+    LABEL_INSTANCE,
+    LABEL_NAME,
+    NVIDIA_GPU,
+)
+from kvpilot.operator.kubetypes import (
+    EnvVar,
+    FreeForm,
+    IntOrPercent,
+    KubeModel,
+    Quantity,
+    ResourceRequirements,
+    SecretKeyRef,
+    Toleration,
+)
+from kvpilot.operator.modeluri import URI_PATTERN, ModelSource, parse_model_uri
+from kvpilot.operator.quantity import parse_quantity
+from kvpilot.operator.spec_autoscaling import AutoscalingSpec
+
+# metadata.name names the Service too, so it must be a DNS-1035 label.
+NAME_PATTERN = r"^[a-z]([-a-z0-9]*[a-z0-9])?$"
+MAX_NAME_LENGTH = 63
+# Arguments the operator sets itself: overriding them through extraArgs would break the pod's
+# contract (probes and the Service expect the engine on 0.0.0.0:8000).
+RESERVED_ARGS = ("--host", "--port", "--model")
+RESERVED_LABELS = (LABEL_NAME, LABEL_INSTANCE)
+
+
+class InvalidSpecError(ValueError):
+    """The object cannot be reconciled as written; the message is meant for `kubectl describe`."""
+
+
+class ModelCache(KubeModel):
+    """The model-cache volume mounted at /models (an emptyDir unless a claim is named)."""
+
+    size_limit: Quantity | None = Field(
+        default=None, description="Size limit of the emptyDir cache, e.g. 40Gi."
+    )
+    claim_name: str | None = Field(
+        default=None,
+        pattern=r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$",
+        max_length=63,
+        description=(
+            "A PersistentVolumeClaim to use as the cache instead of an emptyDir, so hf:// "
+            "downloads survive pod restarts (ReadWriteMany when replicas share it)."
+        ),
+    )
+
+
+class ModelSpec(KubeModel):
+    """Which model the engine serves."""
+
+    uri: Annotated[str, WithJsonSchema({"type": "string", "pattern": URI_PATTERN})] = Field(
+        description=(
+            "Where the weights come from: hf://org/name[@revision] (downloaded by an init "
+            "container), pvc://claim/path (a PersistentVolumeClaim mounted read-only), "
+            "file:///path (inside the image) or builtin://smollm2-135m-instruct (bundled with "
+            "the engine, runs on CPU)."
+        )
+    )
+    served_name: str | None = Field(
+        default=None,
+        pattern=r"^[A-Za-z0-9][A-Za-z0-9._/:-]{0,127}$",
+        description=(
+            "The model name clients put in OpenAI requests. Defaults to the InferenceService's "
+            "name."
+        ),
+    )
+    token_secret: SecretKeyRef | None = Field(
+        default=None,
+        description="Hugging Face token for gated or private hf:// models (set as HF_TOKEN).",
+    )
+    allow_patterns: list[str] | None = Field(
+        default=None,
+        min_length=1,
+        description=(
+            "hf:// only: glob patterns of the repo files to download. Defaults to config, "
+            "tokenizer and safetensors files (*.json, *.safetensors, *.model, *.txt, "
+            "*.tiktoken, *.jinja); set e.g. ['*.json', '*Q8_0.gguf'] for a GGUF repo."
+        ),
+    )
+    cache: ModelCache | None = Field(default=None, description=ModelCache.__doc__)
+
+    @field_validator("uri")
+    @classmethod
+    def _valid_uri(cls, uri: str) -> str:
+        parse_model_uri(uri)
+        return uri
+
+    @model_validator(mode="after")
+    def _coherent(self) -> ModelSpec:
+        scheme = self.uri.partition("://")[0]
+        if self.token_secret is not None and scheme != "hf":
+            raise ValueError("tokenSecret is only used with hf:// models")
+        if self.allow_patterns is not None and scheme != "hf":
+            raise ValueError("allowPatterns is only used with hf:// models")
+        if self.cache is not None and self.cache.claim_name is not None and scheme == "pvc":
+            raise ValueError("cache.claimName cannot be set with a pvc:// model (the claim is it)")
+        return self
+
+    @property
+    def source(self) -> ModelSource:
+        return parse_model_uri(self.uri)
+
+
+class EngineSpec(KubeModel):
+    """The engine container: image and `kvpilot serve` options."""
+
+    image: str | None = Field(
+        default=None,
+        min_length=1,
+        description="Engine image. Defaults to the operator's default engine image.",
+    )
+    image_pull_policy: Literal["Always", "IfNotPresent", "Never"] | None = Field(
+        default=None, description="Image pull policy of the engine and model-fetch containers."
+    )
+    block_size: int | None = Field(
+        default=None, ge=1, le=1024, description="Tokens per KV-cache block (--block-size)."
+    )
+    max_model_len: int | None = Field(
+        default=None,
+        ge=1,
+        description="Longest prompt plus completion, in tokens (--max-model-len).",
+    )
+    max_num_seqs: int | None = Field(
+        default=None, ge=1, description="Most sequences in one batch (--max-num-seqs)."
+    )
+    max_num_batched_tokens: int | None = Field(
+        default=None,
+        ge=1,
+        description="Most tokens scheduled in one step (--max-num-batched-tokens).",
+    )
+    enable_prefix_caching: bool = Field(
+        default=True,
+        description="Reuse KV-cache blocks of shared prompt prefixes (false adds "
+        "--no-enable-prefix-caching).",
+    )
+    dtype: Literal["auto", "float16", "bfloat16", "float32"] | None = Field(
+        default=None, description="Weights and activations dtype (--dtype)."
+    )
+    gpu_memory_utilization: float | None = Field(
+        default=None,
+        gt=0,
+        le=1,
+        description="Fraction of GPU memory the engine may use (--gpu-memory-utilization).",
+    )
+    extra_args: list[str] = Field(
+        default_factory=list,
+        description="More `kvpilot serve` arguments, appended as written.",
+    )
+    env: list[EnvVar] = Field(
+        default_factory=list,
+        description="Environment of the engine container and the model download.",
+    )
+    startup_timeout_seconds: int = Field(
+        default=1800,
+        ge=10,
+        le=86400,
+        description=(
+            "How long the engine may take to load before the kubelet restarts it (the "
+            "startupProbe's budget): large models read from slow storage need minutes."
+        ),
+    )
+
+    @field_validator("extra_args")
+    @classmethod
+    def _no_reserved_args(cls, args: list[str]) -> list[str]:
+        for arg in args:
+            flag = arg.split("=", 1)[0]
+            if flag in RESERVED_ARGS:
+                raise ValueError(
+                    f"extraArgs may not set {flag}: the operator sets it (the engine must listen "
+                    f"on 0.0.0.0:{ENGINE_PORT}; the model comes from spec.model.uri)"
+                )
+        return args
+
+    @field_validator("env")
+    @classmethod
+    def _unique_env(cls, env: list[EnvVar]) -> list[EnvVar]:
+        names = [var.name for var in env]
+        duplicates = sorted({name for name in names if names.count(name) > 1})
+        if duplicates:
+            raise ValueError(f"env names must be unique, repeated: {', '.join(duplicates)}")
+        return env
+
+
+class RolloutSpec(KubeModel):
+    """How a spec change replaces engine pods (the Deployment's RollingUpdate)."""
+
+    max_surge: IntOrPercent = Field(
+        default=1,
+        description="Extra pods during a rollout (needs spare GPUs). Default: 1.",
+    )
+    max_unavailable: IntOrPercent = Field(
+        default=0,
+        description="Pods that may be down during a rollout; set 1 (with maxSurge 0) where "
+        "there is no spare GPU. Default: 0.",
+    )
+
+    @model_validator(mode="after")
+    def _not_both_zero(self) -> RolloutSpec:
+        if self.max_surge in (0, "0%") and self.max_unavailable in (0, "0%"):
+            raise ValueError("rollout.maxSurge and rollout.maxUnavailable cannot both be 0")
+        return self
+
+
+class InferenceServiceSpec(KubeModel):
+    """An OpenAI-compatible endpoint serving one model with kvpilot's engine."""
+
+    model_config = ConfigDict(
+        json_schema_extra={
+            "x-kubernetes-validations": [
+                {
+                    "rule": "!(has(self.replicas) && has(self.autoscaling))",
+                    "message": "spec.replicas and spec.autoscaling are mutually exclusive: set "
+                    "replicas for a fixed size, or autoscaling to let the operator scale",
+                }
+            ]
+        }
+    )
+
+    model: ModelSpec = Field(description=ModelSpec.__doc__)
+    engine: EngineSpec = Field(default_factory=EngineSpec, description=EngineSpec.__doc__)
+    resources: ResourceRequirements | None = Field(
+        default=None, description=ResourceRequirements.__doc__
+    )
+    gpus: int = Field(
+        default=0,
+        ge=0,
+        le=64,
+        description=f"GPUs per replica: requested as {NVIDIA_GPU} (and the matching taint is "
+        "tolerated).",
+    )
+    node_selector: dict[str, str] = Field(
+        default_factory=dict, description="Node labels the engine pods must match."
+    )
+    tolerations: list[Toleration] = Field(
+        default_factory=list, description="Tolerations of the engine pods."
+    )
+    affinity: FreeForm | None = Field(
+        default=None, description="Affinity of the engine pods (as in a Pod)."
+    )
+    priority_class_name: str | None = Field(
+        default=None, description="PriorityClass of the engine pods."
+    )
+    service_account_name: str | None = Field(
+        default=None, description="ServiceAccount the engine pods run as."
+    )
+    image_pull_secrets: list[str] = Field(
+        default_factory=list, description="Names of Secrets to pull the engine image with."
+    )
+    pod_annotations: dict[str, str] = Field(
+        default_factory=dict, description="Extra annotations on the engine pods."
+    )
+    pod_labels: dict[str, str] = Field(
+        default_factory=dict, description="Extra labels on the engine pods."
+    )
+    replicas: int | None = Field(
+        default=None,
+        ge=0,
+        description="Fixed number of engine pods (exclusive with autoscaling). Default: 1.",
+    )
+    autoscaling: AutoscalingSpec | None = Field(default=None, description=AutoscalingSpec.__doc__)
+    rollout: RolloutSpec = Field(default_factory=RolloutSpec, description=RolloutSpec.__doc__)
+    drain_seconds: int = Field(
+        default=30,
+        ge=0,
+        le=3600,
+        description="On shutdown, how long the engine finishes in-flight requests "
+        "(--shutdown-timeout); the pod's grace period adds a margin to it.",
+    )
+
+    @model_validator(mode="after")
+    def _coherent(self) -> InferenceServiceSpec:
+        if self.replicas is not None and self.autoscaling is not None:
+            raise ValueError(
+                "spec.replicas and spec.autoscaling are mutually exclusive: set replicas for a "
+                "fixed size, or autoscaling to let the operator scale"
+            )
+        if self.resources is not None and self.gpus:
+            for kind in ("limits", "requests"):
+                given = getattr(self.resources, kind).get(NVIDIA_GPU)
+                if given is not None and parse_quantity(given) != self.gpus:
+                    raise ValueError(
+                        f"resources.{kind}[{NVIDIA_GPU}] = {given} contradicts gpus = "
+                        f"{self.gpus}: set only gpus"
+                    )
+        reserved = sorted(set(self.pod_labels) & set(RESERVED_LABELS))
+        if reserved:
+            raise ValueError(
+                f"podLabels may not set {', '.join(reserved)}: the operator selects its pods "
+                "by them"
+            )
+        return self
+
+    @property
+    def effective_replicas(self) -> int:
+        """The replica count of a fixed-size service (1 when neither field is set)."""
+        return 1 if self.replicas is None else self.replicas
+
+
+def validate_name(name: str) -> None:
+    """metadata.name becomes the Service's name, which must be a DNS-1035 label."""
+    if len(name) > MAX_NAME_LENGTH or not re.fullmatch(NAME_PATTERN, name):
+        raise InvalidSpecError(
+            f"metadata.name {name!r} must be a DNS-1035 label (lowercase letters, digits and "
+            f"'-', starting with a letter, at most {MAX_NAME_LENGTH} characters): it names the "
+            "Service"
+        )
+
+
+def parse_spec(spec: Any) -> InferenceServiceSpec:
+    """Validates a raw spec; raises InvalidSpecError with one readable line per problem."""
+    if not isinstance(spec, dict):
+        raise InvalidSpecError("spec is missing or not an object")
+    try:
+        return InferenceServiceSpec.model_validate(spec)
+    except ValidationError as error:
+        raise InvalidSpecError(format_validation_error(error)) from None
+
+
+def format_validation_error(error: ValidationError) -> str:
+    """'spec.engine.blockSize: Input should be ...; spec.model: ...' in the CRD's field names."""
+    problems = []
+    for item in error.errors(include_url=False):
+        where = ".".join(["spec", *(str(part) for part in item["loc"])])
+        message = item["msg"].removeprefix("Value error, ")
+        problems.append(f"{where}: {message}")
+    return "; ".join(problems)

@@ -1,0 +1,138 @@
+"""spec.autoscaling: the knobs of the queue-depth and KV-cache autoscaler.
+
+The autoscaler (operator/autoscaling/) owns the defaults; the descriptions quote them, so
+`kubectl explain` shows the numbers in force.
+"""
+
+from __future__ import annotations
+
+from dataclasses import fields as dataclass_fields
+
+from pydantic import ConfigDict, Field, model_validator
+
+from kvpilot.operator.autoscaling.policy import AutoscalingPolicy
+from kvpilot.operator.kubetypes import KubeModel
+
+_AUTOSCALER_DEFAULTS = {field.name: field.default for field in dataclass_fields(AutoscalingPolicy)}
+
+
+def _autoscaler_default(name: str) -> str:
+    return f" Default: {_AUTOSCALER_DEFAULTS[name]:g}."
+
+
+class ScaleUp(KubeModel):
+    """How fast the autoscaler adds replicas."""
+
+    stabilization_window_seconds: float | None = Field(
+        default=None,
+        ge=0,
+        description="Scale up to the lowest recommendation seen in this window."
+        + _autoscaler_default("scale_up_window_s"),
+    )
+    max_rate: float | None = Field(
+        default=None,
+        gt=1,
+        description="One step may multiply replicas by this."
+        + _autoscaler_default("scale_up_max_rate"),
+    )
+    max_pods_per_step: int | None = Field(
+        default=None,
+        ge=1,
+        description="...or add this many pods, whichever is more."
+        + _autoscaler_default("scale_up_max_pods"),
+    )
+
+
+class ScaleDown(KubeModel):
+    """How fast the autoscaler removes replicas."""
+
+    stabilization_window_seconds: float | None = Field(
+        default=None,
+        ge=0,
+        description="Scale down to the highest recommendation seen in this window."
+        + _autoscaler_default("scale_down_window_s"),
+    )
+    max_rate: float | None = Field(
+        default=None,
+        gt=1,
+        description="One step may divide replicas by this."
+        + _autoscaler_default("scale_down_max_rate"),
+    )
+
+
+class AutoscalingSpec(KubeModel):
+    """Queue-depth and KV-cache driven autoscaling (exclusive with spec.replicas)."""
+
+    model_config = ConfigDict(
+        json_schema_extra={
+            "x-kubernetes-validations": [
+                {
+                    "rule": "!has(self.minReplicas) || self.minReplicas <= self.maxReplicas",
+                    "message": "autoscaling.minReplicas must be <= autoscaling.maxReplicas",
+                }
+            ]
+        }
+    )
+
+    min_replicas: int = Field(
+        default=1, ge=1, description="Fewest replicas (scale to zero is not supported)."
+    )
+    max_replicas: int = Field(ge=1, description="Most replicas.")
+    target_queue_depth: float | None = Field(
+        default=None,
+        gt=0,
+        description="Waiting requests per pod at target load."
+        + _autoscaler_default("target_queue_depth"),
+    )
+    target_kv_cache_utilization: float | None = Field(
+        default=None,
+        gt=0,
+        le=1,
+        alias="targetKVCacheUtilization",
+        description="KV-cache usage per pod at target load, a fraction."
+        + _autoscaler_default("target_kv_cache_utilization"),
+    )
+    interval_seconds: float | None = Field(
+        default=None,
+        gt=0,
+        description="Seconds between two decisions." + _autoscaler_default("interval_s"),
+    )
+    stable_window_seconds: float | None = Field(
+        default=None,
+        gt=0,
+        description="Window of the averaged load." + _autoscaler_default("stable_window_s"),
+    )
+    panic_window_seconds: float | None = Field(
+        default=None,
+        gt=0,
+        description="Short window that catches bursts." + _autoscaler_default("panic_window_s"),
+    )
+    panic_threshold: float | None = Field(
+        default=None,
+        gt=1,
+        description="Load per ready pod in the panic window that scales up at once."
+        + _autoscaler_default("panic_threshold"),
+    )
+    tolerance: float | None = Field(
+        default=None,
+        ge=0,
+        lt=1,
+        description="No change while load per pod is within 1 ± tolerance."
+        + _autoscaler_default("tolerance"),
+    )
+    startup_grace_seconds: float | None = Field(
+        default=None,
+        ge=0,
+        description="A pod not Ready after this long stops counting as coming capacity."
+        + _autoscaler_default("startup_grace_s"),
+    )
+    scale_up: ScaleUp | None = Field(default=None, description=ScaleUp.__doc__)
+    scale_down: ScaleDown | None = Field(default=None, description=ScaleDown.__doc__)
+
+    @model_validator(mode="after")
+    def _bounds(self) -> AutoscalingSpec:
+        if self.min_replicas > self.max_replicas:
+            raise ValueError(
+                f"minReplicas ({self.min_replicas}) must be <= maxReplicas ({self.max_replicas})"
+            )
+        return self

@@ -1,0 +1,162 @@
+"""kmock's KubernetesEmulator with the API-server behaviour our operator and kopf rely on.
+
+The stock emulator stores objects as plain dicts (see /work/shared/notes/kopf-with-kmock.md).
+This subclass adds what a real API server does and the tests need: uid, resourceVersion,
+generation and creationTimestamp; generateName; 422 for a failed JSON-patch test; status
+subresource isolation; and no watch event (nor resourceVersion bump) for a patch that changes
+nothing. Everything else (no garbage collection, selectors ignored) stays the emulator's limit,
+which the operator's code never relies on.
+"""
+
+from __future__ import annotations
+
+import copy
+import datetime
+import itertools
+import secrets
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+import aiohttp.web
+import jsonpatch
+import kmock
+from kmock._internal import dicts, rendering
+
+# (resource, kind, namespaced, subresources): every resource the operator or kopf touches must be
+# declared before kopf starts, as kopf discovers them through /apis. kopf waits for namespaces
+# and CRDs to be discoverable even when it never lists them (scanning is disabled).
+RESOURCES = (
+    ("kvpilot.dev/v1alpha1/inferenceservices", "InferenceService", True, {"status", "scale"}),
+    ("apps/v1/deployments", "Deployment", True, {"status", "scale"}),
+    ("v1/services", "Service", True, {"status"}),
+    ("v1/pods", "Pod", True, {"status"}),
+    ("v1/events", "Event", True, set()),
+    ("v1/namespaces", "Namespace", False, {"status"}),
+    ("apiextensions.k8s.io/v1/customresourcedefinitions", "CustomResourceDefinition", False, set()),
+)
+VERBS = {"get", "list", "watch", "create", "patch", "update", "delete"}
+
+
+class KubeEmulator(kmock.KubernetesEmulator):
+    def __attrs_post_init__(self) -> None:
+        super().__attrs_post_init__()
+        self._versions = itertools.count(1000)
+        self._last_version = 999
+        for resource, kind, namespaced, subresources in RESOURCES:
+            info = self.resources[resource]
+            info.kind, info.namespaced, info.verbs = kind, namespaced, VERBS
+            info.subresources = subresources
+
+    def _next_version(self) -> str:
+        self._last_version = next(self._versions)
+        return str(self._last_version)
+
+    async def _handle(self, request: rendering.Request) -> aiohttp.web.StreamResponse:
+        if request.resource is not None:
+            if request.action == kmock.action.CREATE and isinstance(request.data, dict):
+                self._prepare_create(request)
+            elif request.action == kmock.action.UPDATE and request.data is not None:
+                unchanged = self._prepare_patch(request)
+                if unchanged is not None:
+                    return aiohttp.web.json_response(unchanged)
+            elif request.action == kmock.action.DELETE:
+                self._prepare_delete(request)
+        return await super()._handle(request)
+
+    async def _serve_list(self, request: rendering.Request) -> Any:
+        # A real list carries the resourceVersion a watch continues from.
+        listing = await super()._serve_list(request)
+        listing["metadata"]["resourceVersion"] = str(self._last_version)
+        return listing
+
+    async def _serve_watch(self, request: rendering.Request) -> AsyncIterator[Any]:
+        # A watch from a resourceVersion sends only what changed after it; the stock emulator
+        # replays every object as ADDED, and kopf then handles a stale copy twice.
+        since = request.params.get("resourceVersion", "")
+        async for event in super()._serve_watch(request):
+            if isinstance(event, dict) and since.isdigit():
+                version = str(event.get("object", {}).get("metadata", {}).get("resourceVersion"))
+                if version.isdigit() and int(version) <= int(since):
+                    continue
+            yield event
+
+    def _prepare_delete(self, request: rendering.Request) -> None:
+        """Marking a finalized object for deletion is a change too: a new resourceVersion."""
+        key = (request.resource, request.namespace, request.name)
+        if key in self._objects and not self._objects[key].deleted:
+            metadata = self._objects[key].get("metadata", {})
+            if metadata.get("finalizers") and not metadata.get("deletionTimestamp"):
+                self._objects[key].patch({"metadata": {"resourceVersion": self._next_version()}})
+
+    def _has_status(self, request: rendering.Request) -> bool:
+        for resource, _, _, subresources in RESOURCES:
+            if kmock.resource(resource) == request.resource:
+                return "status" in subresources
+        return False
+
+    def _prepare_create(self, request: rendering.Request) -> None:
+        data = request.data
+        metadata = data.setdefault("metadata", {})
+        if not metadata.get("name") and metadata.get("generateName"):
+            metadata["name"] = metadata["generateName"] + secrets.token_hex(3)
+        if request.namespace and not metadata.get("namespace"):
+            metadata["namespace"] = request.namespace
+        metadata.update(
+            uid=str(uuid.uuid4()),
+            resourceVersion=self._next_version(),
+            generation=1,
+            creationTimestamp=_now(),
+        )
+        if self._has_status(request):
+            data.pop("status", None)  # status is written through /status only
+
+    def _prepare_patch(self, request: rendering.Request) -> dict[str, Any] | None:
+        """Adds the server's metadata changes to a patch; returns the object if it is a no-op.
+
+        The patch stays a patch (applied later, under the emulator's lock, to whatever the object
+        is by then), so concurrent writers of different fields never undo each other.
+        """
+        key = (request.resource, request.namespace, request.name)
+        if key not in self._objects or self._objects[key].deleted:
+            return None  # the emulator answers 404
+        old = copy.deepcopy(self._objects[key].raw)
+        patch = request.data
+        if self._has_status(request):
+            patch = _isolate(patch, to_status=request.subresource == "status")
+        try:
+            new = dict(dicts.patch_dict(copy.deepcopy(old), copy.deepcopy(patch)))
+        except jsonpatch.JsonPatchException as error:  # e.g. kopf's resourceVersion "test"
+            raise kmock.KubernetesError(status=422, reason="Invalid", message=str(error)) from None
+        if new == old:
+            return old  # a real API server neither bumps resourceVersion nor emits an event
+        server_side = {"resourceVersion": self._next_version()}
+        if new.get("spec") != old.get("spec"):
+            server_side["generation"] = (old.get("metadata", {}).get("generation") or 1) + 1
+        if isinstance(patch, dict):
+            metadata = {**(patch.get("metadata") or {}), **server_side}
+            patch = {**patch, "metadata": metadata}
+        else:
+            patch = [
+                *patch,
+                *(
+                    {"op": "add", "path": f"/metadata/{k}", "value": v}
+                    for k, v in server_side.items()
+                ),
+            ]
+        object.__setattr__(request, "data", patch)
+        return None
+
+
+def _isolate(patch: Any, *, to_status: bool) -> Any:
+    """Only status through /status; anything but status through the object itself."""
+    if isinstance(patch, dict):
+        if to_status:
+            return {"status": patch["status"]} if "status" in patch else {}
+        return {key: value for key, value in patch.items() if key != "status"}
+    keep = [op for op in patch if str(op.get("path", "")).startswith("/status") == to_status]
+    return keep
+
+
+def _now() -> str:
+    return datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")

@@ -1,0 +1,120 @@
+"""charts/kvpilot, rendered and linted by real Helm through helm-python-sdk."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import helm_python as helm
+import pytest
+import yaml
+
+from kvpilot.operator import crdgen
+from kvpilot.operator.config import OperatorConfig, config_from
+from kvpilot.operator.kube import API_CALLS
+
+from .chart import CHART, of_kind, operator_rules, rbac_allows, render
+
+
+def test_chart_lints_clean_in_strict_mode() -> None:
+    report = helm.lint(CHART, strict=True, namespace="kvpilot-system")
+    assert report["errors"] == []
+    problems = [m for m in report["messages"] if m["severity"] >= 2]  # warnings and errors
+    assert problems == []
+
+
+def test_default_render_is_one_recreate_replica_with_a_liveness_probe() -> None:
+    docs = render()
+    kinds = sorted(doc["kind"] for doc in docs)
+    assert kinds == ["ClusterRole", "ClusterRoleBinding", "Deployment", "ServiceAccount"]
+    (deployment,) = of_kind(docs, "Deployment")
+    assert deployment["metadata"]["namespace"] == "kvpilot-system"
+    assert deployment["spec"]["replicas"] == 1
+    assert deployment["spec"]["strategy"] == {"type": "Recreate"}
+    pod = deployment["spec"]["template"]["spec"]
+    (container,) = pod["containers"]
+    assert container["command"] == ["kvpilot", "operator"]
+    assert container["image"] == "ghcr.io/kvpilot/kvpilot:0.1.0"
+    assert container["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "health"}
+    assert container["ports"] == [{"name": "health", "containerPort": 8080, "protocol": "TCP"}]
+    assert pod["securityContext"]["runAsNonRoot"] is True
+    (account,) = of_kind(docs, "ServiceAccount")
+    assert pod["serviceAccountName"] == account["metadata"]["name"]
+    (binding,) = of_kind(docs, "ClusterRoleBinding")
+    assert binding["subjects"] == [
+        {
+            "kind": "ServiceAccount",
+            "name": account["metadata"]["name"],
+            "namespace": "kvpilot-system",
+        }
+    ]
+
+
+def operator_config(values: dict[str, Any] | None = None) -> OperatorConfig:
+    (deployment,) = of_kind(render(values), "Deployment")
+    return config_from(deployment["spec"]["template"]["spec"]["containers"][0]["args"], {})
+
+
+def test_rendered_arguments_parse_with_the_real_cli() -> None:
+    config = operator_config()
+    assert config.namespaces == ()
+    assert config.engine_image == "ghcr.io/kvpilot/kvpilot:0.1.0"  # the one image
+    assert config.annotation_prefix == "kvpilot.dev"
+    assert config.log_level == "info"
+    assert config.liveness_endpoint == "http://0.0.0.0:8080/healthz"
+    assert config.resync_seconds == 30
+
+
+def test_values_reach_the_operator() -> None:
+    config = operator_config(
+        {
+            "watchNamespaces": ["team-a", "team-b"],
+            "engine": {"image": "mirror.example/kvpilot:gpu"},
+            "image": {"tag": "0.2.0"},
+            "logLevel": "debug",
+            "logFormat": "json",
+            "annotationPrefix": "ml.example.com",
+            "resyncSeconds": 10,
+        }
+    )
+    assert config.namespaces == ("team-a", "team-b")
+    assert config.engine_image == "mirror.example/kvpilot:gpu"
+    assert (config.log_level, config.log_format) == ("debug", "json")
+    assert config.annotation_prefix == "ml.example.com"
+    assert config.resync_seconds == 10
+
+
+def test_watched_namespaces_get_role_bindings_instead_of_a_cluster_binding() -> None:
+    docs = render({"watchNamespaces": ["team-a", "team-b"]})
+    assert of_kind(docs, "ClusterRoleBinding") == []
+    bindings = of_kind(docs, "RoleBinding")
+    assert sorted(b["metadata"]["namespace"] for b in bindings) == ["team-a", "team-b"]
+    assert {b["roleRef"]["kind"] for b in bindings} == {"ClusterRole"}
+
+
+def test_values_schema_rejects_bad_values() -> None:
+    with helm.Chart.load(CHART) as chart, pytest.raises(helm.HelmValuesError, match="logLevel"):
+        chart.validate_schema({"logLevel": "loud"})
+    report = helm.lint(CHART, {"watchNamespaces": ["Not_A_Namespace"]}, strict=True)
+    assert report["errors"], report
+
+
+def test_chart_ships_the_generated_crd() -> None:
+    with helm.Chart.load(CHART) as chart:
+        (crd,) = chart.crds
+    assert yaml.safe_load(crd["data"]) == crdgen.build_crd()
+
+
+def test_cluster_role_covers_the_operators_own_calls() -> None:
+    rules = operator_rules()
+    missing = [call for call in API_CALLS if not rbac_allows(rules, *call)]
+    assert missing == []
+
+
+def test_cluster_role_grants_nothing_it_does_not_need() -> None:
+    rules = operator_rules()
+    for rule in rules:
+        assert "*" not in rule["verbs"] and "*" not in rule["resources"]
+    assert not rbac_allows(rules, "", "secrets", "get")  # the kubelet reads the token Secret
+    for resource in ("deployments", "services", "inferenceservices"):
+        group = {"deployments": "apps", "services": ""}.get(resource, "kvpilot.dev")
+        assert not rbac_allows(rules, group, resource, "delete")  # garbage collection deletes

@@ -1,0 +1,87 @@
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from kvpilot.operator.cli import main
+from kvpilot.operator.config import OperatorConfig, config_from
+from kvpilot.operator.handlers import retry_delay
+
+
+def test_defaults() -> None:
+    config = config_from([], {})
+    assert config == OperatorConfig()
+    assert config.is_clusterwide
+    assert config.annotation_prefix == "kvpilot.dev"
+    assert config.liveness_endpoint == "http://0.0.0.0:8080/healthz"
+
+
+def test_environment_then_flags() -> None:
+    env = {
+        "KVPILOT_WATCH_NAMESPACES": "a, b,",
+        "KVPILOT_ENGINE_IMAGE": "env:1",
+        "KVPILOT_LOG_LEVEL": "WARNING",
+        "KVPILOT_RESYNC_SECONDS": "12.5",
+        "KVPILOT_ANNOTATION_PREFIX": "ml.example.com",
+        "KVPILOT_LIVENESS_ENDPOINT": "none",
+    }
+    from_env = config_from([], env)
+    assert from_env.namespaces == ("a", "b")
+    assert from_env.engine_image == "env:1"
+    assert from_env.log_level == "warning"
+    assert from_env.resync_seconds == 12.5
+    assert from_env.annotation_prefix == "ml.example.com"
+    assert from_env.liveness_endpoint is None
+    flags = config_from(["-n", "c", "--namespace=d,e", "--engine-image", "flag:2"], env)
+    assert flags.namespaces == ("c", "d", "e")
+    assert flags.engine_image == "flag:2"
+    assert not flags.is_clusterwide
+
+
+@pytest.mark.parametrize(
+    ("argv", "env", "message"),
+    [
+        ([], {"KVPILOT_RESYNC_SECONDS": "often"}, "KVPILOT_RESYNC_SECONDS must be a number"),
+        (["--annotation-prefix", "Not A Prefix"], {}, "must be a DNS subdomain"),
+        (["--namespace", "Bad_NS"], {}, "is not a valid namespace name"),
+        (["--resync-seconds", "0"], {}, "resync seconds must be > 0"),
+        ([], {"KVPILOT_LOG_LEVEL": "loud"}, "log level 'loud'"),
+    ],
+)
+def test_bad_settings_are_refused_clearly(
+    argv: list[str], env: dict[str, str], message: str
+) -> None:
+    with pytest.raises(ValueError, match=message):
+        config_from(argv, env)
+
+
+def test_main_exit_codes(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["--help"]) == 0
+    assert "--engine-image" in capsys.readouterr().out
+    assert main(["--log-level", "loud"]) == 2
+    assert main(["--resync-seconds", "-1"]) == 2
+    assert "resync seconds must be > 0" in capsys.readouterr().err
+
+
+def test_the_operator_never_imports_torch() -> None:
+    # The operator's image runs `kvpilot operator`: its modules must not pay for torch.
+    code = (
+        "import sys\n"
+        "from kvpilot.operator.cli import main\n"
+        "assert main(['--help']) == 0\n"
+        "import kvpilot.operator.handlers, kvpilot.operator.reconcile, kvpilot.operator.crdgen\n"
+        "assert 'torch' not in sys.modules, 'torch was imported'\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=False
+    )
+    assert result.returncode == 0, result.stderr
+
+
+def test_retries_back_off_exponentially_up_to_a_cap() -> None:
+    delays = [retry_delay(n) for n in range(10)]
+    assert delays[:4] == [2, 4, 8, 16]
+    assert delays == sorted(delays)
+    assert max(delays) == 120
