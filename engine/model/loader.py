@@ -97,7 +97,8 @@ def build_model(
     # Built on the meta device, then given uninitialised storage: no time spent on random init.
     with torch.device("meta"):
         model = LlamaForCausalLM(cfg, backend, max_positions, ops)
-    model = model.to_empty(device=device).to(dtype)
+    # dtype first, on meta: the device then only ever holds the weights in their final dtype.
+    model = model.to(dtype).to_empty(device=device)
     if cfg.tie_word_embeddings:  # to_empty re-creates parameters, which unties them
         model.lm_head.weight = model.model.embed_tokens.weight
     # The rotary table was built on meta like the rest: build it for real (float32, on the device).

@@ -1,0 +1,453 @@
+"""Offline throughput on one GPU at the Llama-3.1-8B shape, against published SGLang/vLLM figures.
+
+Four parts, each runnable alone (--parts), all on dummy bf16 weights (no download):
+- kvpilot: 1000 ShareGPT-like requests through kvpilot.engine.LLM, ignore_eos; output tokens/s.
+- idle: the GPU idle fraction under that load, from a torch.profiler trace of steady-state steps
+  (1 - union of CUDA kernel intervals / wall time of the window).
+- single: one request alone, decode tokens/s against the bandwidth roofline (weight bytes + KV bytes
+  per token over the measured device-to-device copy bandwidth).
+- hf: transformers generate on the same shape and workload, static batches (left-padded, every batch
+  runs to its longest output), on a subset; counted in requested output tokens only.
+
+The workload generator (`sharegpt_like_lengths`): lognormal input and output lengths with means
+220 and 185 tokens (sigma 0.9 and 0.8; ShareGPT's spread, long tail included), clipped like vLLM's
+ShareGPT filter (4 <= input <= 1024, 4 <= output, input + output <= 2048), rescaled once so the
+clipped means land on the targets; random token ids; numpy seed 0. Its realized statistics are part
+of the JSON result.
+
+    python bench/gpu_offline_throughput.py --parts kvpilot,idle,single,hf
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import math
+import platform
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+LLAMA_31_8B: dict[str, Any] = {
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "hidden_size": 4096,
+    "intermediate_size": 14336,
+    "num_hidden_layers": 32,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "head_dim": 128,
+    "vocab_size": 128256,
+    "max_position_embeddings": 131072,
+    "rms_norm_eps": 1e-5,
+    "rope_theta": 500000.0,
+    "rope_scaling": {
+        "rope_type": "llama3",
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192,
+    },
+    "tie_word_embeddings": False,
+    "attention_bias": False,
+    "bos_token_id": 128000,
+    "eos_token_id": [128001, 128008, 128009],
+    "torch_dtype": "bfloat16",
+}
+PUBLISHED_OUTPUT_TOKENS_PER_S = {"SGLang": 16200, "LMDeploy": 16100, "vLLM": 12600}
+GOAL_OUTPUT_TOKENS_PER_S = 16000
+
+
+@dataclass(frozen=True)
+class Workload:
+    input_lens: list[int]
+    output_lens: list[int]
+    prompts: list[list[int]]
+
+    def stats(self) -> dict[str, float]:
+        inp, out = np.array(self.input_lens), np.array(self.output_lens)
+        return {
+            "num_requests": len(inp),
+            "input_mean": float(inp.mean()),
+            "input_median": float(np.median(inp)),
+            "input_p99": float(np.percentile(inp, 99)),
+            "output_mean": float(out.mean()),
+            "output_median": float(np.median(out)),
+            "output_p99": float(np.percentile(out, 99)),
+            "total_output_tokens": int(out.sum()),
+        }
+
+
+def _lognormal_with_mean(
+    rng: np.random.Generator, mean: float, sigma: float, size: int
+) -> np.ndarray:
+    # E[lognormal(mu, sigma)] = exp(mu + sigma^2 / 2)
+    return rng.lognormal(math.log(mean) - sigma**2 / 2, sigma, size)
+
+
+def sharegpt_like_lengths(
+    num_requests: int,
+    *,
+    input_mean: float = 220.0,
+    output_mean: float = 185.0,
+    input_sigma: float = 0.9,
+    output_sigma: float = 0.8,
+    max_input: int = 1024,
+    max_total: int = 2048,
+    seed: int = 0,
+) -> tuple[list[int], list[int]]:
+    """(input_lens, output_lens): see the module docstring."""
+    rng = np.random.default_rng(seed)
+    raw_in = _lognormal_with_mean(rng, input_mean, input_sigma, num_requests)
+    raw_out = _lognormal_with_mean(rng, output_mean, output_sigma, num_requests)
+
+    def clip(inp: np.ndarray, out: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        inp = np.clip(np.rint(inp), 4, max_input)
+        out = np.clip(np.rint(out), 4, max_total - inp)
+        return inp, out
+
+    inp, out = clip(raw_in, raw_out)
+    # One rescale brings the clipped means back to the targets (the clip cut the long tail).
+    inp, out = clip(raw_in * input_mean / inp.mean(), raw_out * output_mean / out.mean())
+    return inp.astype(int).tolist(), out.astype(int).tolist()
+
+
+def build_workload(num_requests: int, vocab_size: int, seed: int = 0) -> Workload:
+    input_lens, output_lens = sharegpt_like_lengths(num_requests, seed=seed)
+    rng = np.random.default_rng(seed + 1)
+    # Random ids: no two prompts share a prefix, so the prefix cache neither helps nor hurts.
+    prompts = [rng.integers(0, vocab_size, n).tolist() for n in input_lens]
+    return Workload(input_lens, output_lens, prompts)
+
+
+def write_model_dir(root: Path) -> Path:
+    """A config-only model directory: the engine's load_format='dummy' needs nothing else."""
+    path = root / "llama-3.1-8b-shape"
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps(LLAMA_31_8B, indent=2))
+    return path
+
+
+def device_info() -> dict[str, Any]:
+    import torch
+    import triton
+
+    props = torch.cuda.get_device_properties(0)
+    return {
+        "gpu": props.name,
+        "gpu_memory_gib": round(props.total_memory / 2**30, 1),
+        "sm_count": props.multi_processor_count,
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "cuda": torch.version.cuda,
+        "python": platform.python_version(),
+    }
+
+
+def measure_copy_bandwidth(num_bytes: int = 4 * 2**30, iters: int = 20) -> float:
+    """Device-to-device copy: bytes read + bytes written per second, the practical HBM ceiling."""
+    import torch
+
+    src = torch.empty(num_bytes, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    for _ in range(3):
+        dst.copy_(src)
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(iters):
+        dst.copy_(src)
+    end.record()
+    torch.cuda.synchronize()
+    seconds = start.elapsed_time(end) / 1e3 / iters
+    del src, dst
+    torch.cuda.empty_cache()
+    return 2 * num_bytes / seconds
+
+
+def make_llm(model_dir: Path, args: argparse.Namespace) -> Any:
+    from kvpilot.engine import LLM
+
+    return LLM(
+        model=str(model_dir),
+        load_format="dummy",
+        dtype="bfloat16",
+        attention_backend=args.attention_backend,
+        max_model_len=args.max_model_len,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        gpu_memory_utilization=args.gpu_memory_utilization,
+        block_size=args.block_size,
+    )
+
+
+def sampling(max_tokens: int) -> Any:
+    from kvpilot.engine import SamplingParams
+
+    # As vLLM's benchmark_throughput: temperature 1, every request runs to its length.
+    return SamplingParams(temperature=1.0, top_p=1.0, max_tokens=max_tokens, ignore_eos=True)
+
+
+def warm_up(llm: Any, vocab_size: int) -> None:
+    """Compiles the Triton kernels for prefill, mixed and decode shapes before anything is timed."""
+    rng = np.random.default_rng(123)
+    prompts = [rng.integers(0, vocab_size, n).tolist() for n in (17, 300, 1000, 64)]
+    llm.generate(prompts, [sampling(n) for n in (40, 8, 4, 64)])
+
+
+def run_kvpilot(llm: Any, workload: Workload) -> dict[str, Any]:
+    import torch
+
+    params = [sampling(n) for n in workload.output_lens]
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    outputs = llm.generate(workload.prompts, params)
+    torch.cuda.synchronize()
+    elapsed = time.perf_counter() - start
+    num_out = sum(len(o.outputs[0].token_ids) for o in outputs)
+    if num_out != sum(workload.output_lens):
+        raise RuntimeError(f"generated {num_out} tokens, asked {sum(workload.output_lens)}")
+    num_in = sum(workload.input_lens)
+    stats = llm.engine.stats()
+    return {
+        "elapsed_s": elapsed,
+        "output_tokens_per_s": num_out / elapsed,
+        "total_tokens_per_s": (num_in + num_out) / elapsed,
+        "requests_per_s": len(outputs) / elapsed,
+        "num_preemptions": stats.num_preemptions,
+        "num_blocks": stats.num_blocks,
+        "goal_output_tokens_per_s": GOAL_OUTPUT_TOKENS_PER_S,
+        "published_output_tokens_per_s": PUBLISHED_OUTPUT_TOKENS_PER_S,
+    }
+
+
+def measure_idle_fraction(
+    llm: Any, workload: Workload, warm_steps: int, profiled_steps: int
+) -> dict[str, Any]:
+    """Loads the engine with the whole workload, skips warm_steps, profiles profiled_steps."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    engine = llm.engine
+    for i, (prompt, n) in enumerate(zip(workload.prompts, workload.output_lens, strict=True)):
+        engine.add_request(f"idle-{i}", prompt, sampling(n))
+    for _ in range(warm_steps):
+        engine.step()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(profiled_steps):
+            engine.step()
+        torch.cuda.synchronize()
+    intervals, starts, ends = [], [], []
+    for evt in prof.events():
+        tr = evt.time_range
+        starts.append(tr.start)
+        ends.append(tr.end)
+        if evt.device_type == torch.autograd.DeviceType.CUDA:
+            intervals.append((tr.start, tr.end))
+    busy = _union_length(intervals)
+    window = max(ends) - min(starts)
+    running = engine.stats().num_running
+    while engine.has_unfinished_requests():  # leave the engine empty for the next part
+        engine.step()
+    return {
+        "profiled_steps": profiled_steps,
+        "running_sequences": running,
+        "window_ms": window / 1e3,
+        "gpu_busy_ms": busy / 1e3,
+        "gpu_idle_fraction": 1 - busy / window,
+    }
+
+
+def _union_length(intervals: list[tuple[float, float]]) -> float:
+    total, cur_start, cur_end = 0.0, None, None
+    for start, end in sorted(intervals):
+        if cur_end is None or start > cur_end:
+            if cur_end is not None:
+                total += cur_end - cur_start
+            cur_start, cur_end = start, end
+        else:
+            cur_end = max(cur_end, end)
+    if cur_end is not None:
+        total += cur_end - cur_start
+    return total
+
+
+def run_single_stream(llm: Any, prompt_len: int, output_len: int) -> dict[str, Any]:
+    from kvpilot.engine.config import ModelConfig
+
+    rng = np.random.default_rng(7)
+    cfg = ModelConfig.from_hf_config(LLAMA_31_8B)
+    prompt = rng.integers(0, cfg.vocab_size, prompt_len).tolist()
+    out = llm.generate([prompt], sampling(output_len))[0]
+    m = out.metrics
+    decode_s = m.finished_time - m.first_token_time
+    decode_tps = (len(out.outputs[0].token_ids) - 1) / decode_s
+    weight_bytes = sum(p.numel() * p.element_size() for p in llm.engine.runner.model.parameters())
+    mean_context = prompt_len + output_len / 2
+    kv_bytes = cfg.kv_bytes_per_token * 2 * mean_context  # bf16: 2 bytes per element
+    bandwidth = measure_copy_bandwidth()
+    roofline = bandwidth / (weight_bytes + kv_bytes)
+    return {
+        "prompt_len": prompt_len,
+        "output_len": output_len,
+        "decode_tokens_per_s": decode_tps,
+        "ttft_s": m.first_token_time - m.arrival_time,
+        "weight_gb": weight_bytes / 1e9,
+        "kv_gb_per_token_at_mean_context": kv_bytes / 1e9,
+        "copy_bandwidth_gb_s": bandwidth / 1e9,
+        "roofline_tokens_per_s": roofline,
+        "fraction_of_roofline": decode_tps / roofline,
+        "goal_fraction": 0.85,
+    }
+
+
+def run_transformers(workload: Workload, batch_size: int, num_requests: int) -> dict[str, Any]:
+    import torch
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    config = LlamaConfig(**{k: v for k, v in LLAMA_31_8B.items() if k != "architectures"})
+    with torch.device("cuda"):
+        model = AutoModelForCausalLM.from_config(
+            config, dtype=torch.bfloat16, attn_implementation="sdpa"
+        ).eval()
+    requested = generated = 0
+    subset = range(min(num_requests, len(workload.prompts)))
+    batches = [list(subset[i : i + batch_size]) for i in range(0, len(subset), batch_size)]
+    pad = 0
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    with torch.inference_mode():
+        for batch in batches:
+            prompts = [workload.prompts[i] for i in batch]
+            width = max(map(len, prompts))
+            ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts], device="cuda")
+            mask = torch.tensor(
+                [[0] * (width - len(p)) + [1] * len(p) for p in prompts], device="cuda"
+            )
+            new = max(workload.output_lens[i] for i in batch)
+            out = model.generate(
+                ids,
+                attention_mask=mask,
+                max_new_tokens=new,
+                min_new_tokens=new,
+                do_sample=True,
+                temperature=1.0,
+                top_p=1.0,
+                top_k=0,
+                eos_token_id=None,
+                pad_token_id=pad,
+            )
+            generated += (out.shape[1] - width) * len(batch)
+            requested += sum(workload.output_lens[i] for i in batch)
+    torch.cuda.synchronize()
+    elapsed = time.perf_counter() - start
+    del model
+    gc.collect()
+    torch.cuda.empty_cache()
+    return {
+        "num_requests": len(subset),
+        "batch_size": batch_size,
+        "elapsed_s": elapsed,
+        "output_tokens_per_s": requested / elapsed,
+        "generated_tokens_per_s_including_padding_waste": generated / elapsed,
+    }
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--parts", default="kvpilot,idle,single,hf")
+    p.add_argument("--num-requests", type=int, default=1000)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--attention-backend", default="triton", choices=("triton", "torch"))
+    p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    p.add_argument("--max-model-len", type=int, default=4096)
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--idle-warm-steps", type=int, default=60)
+    p.add_argument("--idle-profiled-steps", type=int, default=30)
+    p.add_argument("--single-prompt-len", type=int, default=128)
+    p.add_argument("--single-output-len", type=int, default=512)
+    p.add_argument("--hf-batch-size", type=int, default=64)
+    p.add_argument("--hf-num-requests", type=int, default=256)
+    p.add_argument("--out", type=Path, default=Path("bench/out/gpu_offline_throughput.json"))
+    p.add_argument(
+        "--workload-only", action="store_true", help="print the workload statistics and exit (CPU)"
+    )
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    workload = build_workload(args.num_requests, LLAMA_31_8B["vocab_size"], args.seed)
+    result: dict[str, Any] = {
+        "workload": workload.stats(),
+        "args": vars(args) | {"out": str(args.out)},
+    }
+    if args.workload_only:
+        print(json.dumps(result["workload"], indent=2))
+        return 0
+    import torch
+
+    if not torch.cuda.is_available():
+        print(
+            "this benchmark needs a CUDA GPU (torch.cuda.is_available() is False)", file=sys.stderr
+        )
+        return 2
+    parts = set(args.parts.split(","))
+    unknown = parts - {"kvpilot", "idle", "single", "hf"}
+    if unknown:
+        print(f"unknown parts: {sorted(unknown)}", file=sys.stderr)
+        return 2
+    result["device"] = device_info()
+    command = "python bench/gpu_offline_throughput.py " + " ".join(sys.argv[1:])
+    result["command"] = command
+    if parts & {"kvpilot", "idle", "single"}:
+        with tempfile.TemporaryDirectory() as tmp:
+            started = time.perf_counter()
+            llm = make_llm(write_model_dir(Path(tmp)), args)
+            result["engine_start_s"] = time.perf_counter() - started
+            warm_up(llm, LLAMA_31_8B["vocab_size"])
+            if "kvpilot" in parts:
+                result["kvpilot"] = run_kvpilot(llm, workload)
+                print(f"kvpilot: {result['kvpilot']['output_tokens_per_s']:.0f} output tok/s")
+            if "idle" in parts:
+                result["idle"] = measure_idle_fraction(
+                    llm, workload, args.idle_warm_steps, args.idle_profiled_steps
+                )
+                print(f"GPU idle fraction under load: {result['idle']['gpu_idle_fraction']:.1%}")
+            if "single" in parts:
+                result["single_stream"] = run_single_stream(
+                    llm, args.single_prompt_len, args.single_output_len
+                )
+                s = result["single_stream"]
+                print(
+                    f"single stream: {s['decode_tokens_per_s']:.1f} tok/s, "
+                    f"{s['fraction_of_roofline']:.1%} of {s['roofline_tokens_per_s']:.1f} roofline"
+                )
+            del llm
+            gc.collect()
+            torch.cuda.empty_cache()
+    if "hf" in parts:
+        result["transformers"] = run_transformers(
+            workload, args.hf_batch_size, args.hf_num_requests
+        )
+        hf = result["transformers"]["output_tokens_per_s"]
+        print(f"transformers (static batches of {args.hf_batch_size}): {hf:.0f} output tok/s")
+        if "kvpilot" in result:
+            result["kvpilot_over_transformers"] = result["kvpilot"]["output_tokens_per_s"] / hf
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=2, default=str))
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,56 @@
+"""The 'triton' attention backend: the paged-attention and KV-write kernels behind AttentionBackend.
+
+Tensors the kernels cannot take (CPU without TRITON_INTERPRET=1, unsupported dtypes or layouts) go
+to the torch reference, so selecting this backend never changes what the engine can run, only how
+fast.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvpilot.engine.attention.base import AttentionMetadata
+from kvpilot.engine.attention.torch_ref import paged_attention_reference, write_kv_reference
+from kvpilot.engine.kernels import attention, kv_cache
+from kvpilot.engine.kernels.runtime import can_use_triton
+
+
+class TritonAttentionBackend:
+    """num_splits: None chooses split-K per step from occupancy (on CUDA); an int fixes it, which is
+    what a CUDA graph wants, since the split count is baked into the captured launch."""
+
+    name = "triton"
+
+    def __init__(self, num_splits: int | None = None) -> None:
+        if num_splits is not None and not 1 <= num_splits <= attention.MAX_SPLITS:
+            raise ValueError(f"num_splits must be in [1, {attention.MAX_SPLITS}], got {num_splits}")
+        self.num_splits = num_splits
+
+    def write_kv(
+        self,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,
+    ) -> None:
+        if can_use_triton(key, value, k_cache, v_cache, slot_mapping) and kv_cache.is_supported(
+            key, k_cache
+        ):
+            kv_cache.write_kv(key, value, k_cache, v_cache, slot_mapping)
+        else:
+            write_kv_reference(key, value, k_cache, v_cache, slot_mapping)
+
+    def forward(
+        self,
+        query: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        if can_use_triton(query, k_cache, v_cache) and attention.is_supported(query, k_cache):
+            return attention.paged_attention(
+                query, k_cache, v_cache, meta, scale, num_splits=self.num_splits
+            )
+        return paged_attention_reference(query, k_cache, v_cache, meta, scale)

@@ -1,0 +1,169 @@
+"""Where a Triton kernel runs: compiled on CUDA tensors, interpreted on CPU tensors.
+
+`triton.jit` decides between compiler and interpreter once, at decoration time, from
+TRITON_INTERPRET, so whichever module happened to import the kernels first would fix the mode for
+the whole process. We decide per launch instead, from the device of the tensors: CUDA tensors get
+the compiled kernel, CPU tensors the interpreter, and the interpreter only when TRITON_INTERPRET=1
+asks for it (it is far too slow to be the default CPU path; without it the launchers fall back to
+the torch reference).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import os
+import sys
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+
+_TRUTHY = ("1", "true", "yes", "on")
+
+
+def is_interpret_enabled() -> bool:
+    """TRITON_INTERPRET=1: run kernels on CPU tensors under Triton's interpreter (tests, debug)."""
+    return os.environ.get("TRITON_INTERPRET", "0").strip().lower() in _TRUTHY
+
+
+@functools.cache
+def has_triton() -> bool:
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def can_use_triton(*tensors: torch.Tensor) -> bool:
+    """All tensors share one device a kernel can run on: CUDA, or the CPU under the interpreter."""
+    device = tensors[0].device
+    if any(t.device != device for t in tensors[1:]) or not has_triton():
+        return False
+    if device.type == "cuda":
+        return True
+    return device.type == "cpu" and is_interpret_enabled()
+
+
+@functools.cache
+def num_sms(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def next_power_of_2(n: int) -> int:
+    return 1 if n <= 1 else 1 << (n - 1).bit_length()
+
+
+class TritonKernel:
+    """One kernel source with two launchers: `kernel.on(device)[grid](*args, **constexprs)`."""
+
+    def __init__(self, fn: Callable[..., None]) -> None:
+        self.fn = fn
+        self._compiled: Any = None
+        self._interpreted: Any = None
+
+    @property
+    def __name__(self) -> str:
+        return self.fn.__name__
+
+    def on(self, device: torch.device) -> Any:
+        if device.type == "cuda":
+            if self._compiled is None:
+                from triton.runtime.jit import JITFunction
+
+                self._compiled = JITFunction(self.fn)
+            return self._compiled
+        if self._interpreted is None:
+            from triton.runtime.interpreter import InterpretedFunction
+
+            self._interpreted = _Interpreted(InterpretedFunction(self.fn), self.fn.__globals__)
+        return self._interpreted
+
+
+class _Interpreted:
+    """Launches an interpreted kernel with triton.language's own jit helpers interpreted too."""
+
+    def __init__(self, fn: Any, kernel_globals: dict[str, Any]) -> None:
+        self.fn = fn
+        self.kernel_globals = kernel_globals
+
+    def __getitem__(self, grid: tuple[int, ...]) -> Callable[..., None]:
+        def launch(*args: Any, **kwargs: Any) -> None:
+            with _interpretable_jit_functions(self.kernel_globals):
+                self.fn[grid](*args, **kwargs)
+
+        return launch
+
+
+# Keyed by id(): hashing a JITFunction computes its cache key, which walks its globals mid-swap.
+_TWINS: dict[int, Any] = {}
+
+
+@functools.cache
+def _nested_interpreted_class() -> type:
+    from triton.runtime.interpreter import InterpretedFunction, _patch_lang
+
+    class NestedInterpreted(InterpretedFunction):
+        """Triton's own nested-call path patches triton.language for the interpreter and never
+        undoes it, which breaks any later compilation in the process; this one restores."""
+
+        def __call__(self, *args: Any, **kwargs: Any) -> Any:
+            scope = _patch_lang(self.fn)
+            try:
+                return self.rewrite()(*args, **kwargs)
+            finally:
+                scope.restore()
+
+    return NestedInterpreted
+
+
+def _interpreted_twin(jit_fn: Any) -> Any:
+    twin = _TWINS.get(id(jit_fn))
+    if twin is None:
+        twin = _TWINS[id(jit_fn)] = _nested_interpreted_class()(jit_fn.fn)
+    return twin
+
+
+@contextlib.contextmanager
+def _interpretable_jit_functions(kernel_globals: dict[str, Any]) -> Iterator[None]:
+    """tl.max, tl.sum, tl.cdiv, tl.zeros... are themselves @triton.jit functions, made compiled or
+    interpreted when triton.language is first imported, and our helpers are always compiled. The
+    interpreter cannot call compiled functions, so for the duration of one launch swap in
+    interpreted twins, in triton.language and in the kernel's module (the interpreter recognizes its
+    reduction helpers by identity, and swapping the module attributes keeps that consistent)."""
+    from triton.runtime.interpreter import InterpretedFunction
+    from triton.runtime.jit import JITFunction
+
+    twin_class = _nested_interpreted_class()
+    namespaces = [
+        vars(m) for name, m in list(sys.modules.items()) if name.startswith("triton.language")
+    ]
+    namespaces.append(kernel_globals)
+    swapped: list[tuple[dict[str, Any], str, Any]] = []
+    try:
+        for namespace in namespaces:
+            for name, value in list(namespace.items()):
+                if isinstance(value, JITFunction | InterpretedFunction) and not isinstance(
+                    value, twin_class
+                ):
+                    swapped.append((namespace, name, value))
+                    namespace[name] = _interpreted_twin(value)
+        yield
+    finally:
+        for namespace, name, value in reversed(swapped):
+            namespace[name] = value
+
+
+def triton_kernel(fn: Callable[..., None]) -> TritonKernel:
+    """Decorator used instead of @triton.jit, so that the import order never decides the mode."""
+    return TritonKernel(fn)
+
+
+def triton_helper(fn: Callable[..., Any]) -> Any:
+    """A device function called from kernels: always a compiled JITFunction (whatever
+    TRITON_INTERPRET says), swapped for an interpreted twin while an interpreted kernel of the same
+    module runs."""
+    from triton.runtime.jit import JITFunction
+
+    return JITFunction(fn)

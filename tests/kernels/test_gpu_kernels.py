@@ -1,0 +1,196 @@
+"""The kernel grid at real sizes on a CUDA GPU (marker gpu), CUDA-graph replay of the decode launch,
+and SmolLM2 greedy parity against transformers with every Triton kernel selected."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import replace
+from typing import Any
+
+import pytest
+import torch
+
+from kvpilot.engine.attention.torch_ref import paged_attention_reference, write_kv_reference
+from kvpilot.engine.config import RopeScaling
+from kvpilot.engine.kernels import activation, kv_cache, rms_norm, rotary
+from kvpilot.engine.kernels.attention import paged_attention
+from kvpilot.engine.model import layers
+
+pytestmark = pytest.mark.gpu
+
+# (num_heads, num_kv_heads, head_dim): Llama-3.1-8B, SmolLM2-135M, Qwen2-0.5B (group 7), MQA.
+MODELS = ((32, 8, 128), (9, 3, 64), (14, 2, 64), (16, 1, 128))
+BATCHES = {
+    "decode-64": tuple((n * 61 % 4000, 1) for n in range(64)),
+    "prefill-2048": ((0, 2048),),
+    "chunk-after-prefix": ((1000, 512), (4093, 256)),
+    "mixed": ((0, 300), (2047, 1), (513, 200), (7, 1), (3000, 1), (100, 77)),
+}
+
+
+def reference(batch: Any, scale: float) -> torch.Tensor:
+    tensors = (batch.query.float(), batch.k_cache.float(), batch.v_cache.float())
+    return paged_attention_reference(*tensors, batch.meta, scale).to(batch.query.dtype)
+
+
+@pytest.mark.parametrize("dtype", (torch.float16, torch.bfloat16), ids=str)
+@pytest.mark.parametrize("block_size", (16, 32, 64))
+@pytest.mark.parametrize("model", MODELS, ids=lambda m: f"h{m[0]}kv{m[1]}d{m[2]}")
+@pytest.mark.parametrize("name", sorted(BATCHES))
+def test_attention_real_sizes(
+    name: str,
+    model: tuple[int, int, int],
+    block_size: int,
+    dtype: torch.dtype,
+    cuda_device: torch.device,
+    paged_batch: Callable[..., Any],
+    assert_close: Callable[..., None],
+) -> None:
+    heads, kv_heads, head_dim = model
+    batch = paged_batch(
+        BATCHES[name],
+        num_heads=heads,
+        num_kv_heads=kv_heads,
+        head_dim=head_dim,
+        block_size=block_size,
+        dtype=dtype,
+        device=cuda_device,
+    )
+    scale = 1 / math.sqrt(head_dim)
+    out = paged_attention(batch.query, batch.k_cache, batch.v_cache, batch.meta, scale)
+    assert_close(out, reference(batch, scale))
+
+
+@pytest.mark.parametrize("num_splits", (None, 1, 4, 16))
+@pytest.mark.parametrize("context", (8192, 32768))
+def test_split_k_long_context(
+    context: int,
+    num_splits: int | None,
+    cuda_device: torch.device,
+    paged_batch: Callable[..., Any],
+    assert_close: Callable[..., None],
+) -> None:
+    batch = paged_batch(
+        ((context - 1, 1), (context // 3, 1)),
+        num_heads=32,
+        num_kv_heads=8,
+        head_dim=128,
+        block_size=16,
+        dtype=torch.bfloat16,
+        device=cuda_device,
+    )
+    scale = 1 / math.sqrt(128)
+    out = paged_attention(
+        batch.query, batch.k_cache, batch.v_cache, batch.meta, scale, num_splits=num_splits
+    )
+    assert_close(out, reference(batch, scale))
+
+
+def test_decode_attention_replays_in_a_cuda_graph(
+    cuda_device: torch.device, paged_batch: Callable[..., Any], assert_close: Callable[..., None]
+) -> None:
+    """Captured once, replayed after the sequences grew: the kernel reads lengths on the device."""
+    seqs = tuple((100 + 37 * i, 1) for i in range(8))
+    batch = paged_batch(
+        seqs, num_heads=32, num_kv_heads=8, head_dim=128, block_size=16, dtype=torch.bfloat16,
+        device=cuda_device,
+    )  # fmt: skip
+    meta, scale = batch.meta, 1 / math.sqrt(128)
+    out = paged_attention(batch.query, batch.k_cache, batch.v_cache, meta, scale)  # JIT warm-up
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = paged_attention(batch.query, batch.k_cache, batch.v_cache, meta, scale)
+    # Shorten every sequence in place (same blocks), as later steps change lengths, then replay.
+    new_lens = torch.tensor([60 + 11 * i for i in range(8)], dtype=torch.int32)
+    meta.seq_lens.copy_(new_lens)
+    graph.replay()
+    torch.cuda.synchronize()
+    shorter = replace(meta, max_seq_len=int(new_lens.max()), seq_lens_cpu=tuple(new_lens.tolist()))
+    assert_close(out, reference(replace(batch, meta=shorter), scale))
+
+
+@pytest.mark.parametrize("dtype", (torch.float16, torch.bfloat16), ids=str)
+def test_kv_write_real_sizes(dtype: torch.dtype, cuda_device: torch.device) -> None:
+    num_tokens, num_blocks, block_size = 4096, 2048, 16
+    key = torch.randn(num_tokens, 8, 128, device=cuda_device).to(dtype)
+    value = torch.randn(num_tokens, 8, 128, device=cuda_device).to(dtype)
+    k_cache = torch.randn(num_blocks, block_size, 8, 128, device=cuda_device).to(dtype)
+    v_cache = torch.randn_like(k_cache)
+    slots = torch.randperm(num_blocks * block_size, device=cuda_device)[:num_tokens]
+    k_ref, v_ref = k_cache.clone(), v_cache.clone()
+    write_kv_reference(key, value, k_ref, v_ref, slots)
+    kv_cache.write_kv(key, value, k_cache, v_cache, slots)
+    assert torch.equal(k_cache, k_ref) and torch.equal(v_cache, v_ref)
+
+
+@pytest.mark.parametrize("dtype", (torch.float16, torch.bfloat16), ids=str)
+def test_layer_ops_real_sizes(
+    dtype: torch.dtype, cuda_device: torch.device, assert_close: Callable[..., None]
+) -> None:
+    tokens, hidden, inter = 512, 4096, 14336
+    x = torch.randn(tokens, hidden, device=cuda_device).to(dtype)
+    residual = torch.randn_like(x)
+    weight = (1 + 0.1 * torch.randn(hidden, device=cuda_device)).to(dtype)
+    out, res = rms_norm.rms_norm(x, weight, 1e-5, residual)
+    ref_out, ref_res = layers.rms_norm(x, weight, 1e-5, residual)
+    assert_close(out, ref_out)
+    assert torch.equal(res, ref_res)
+    gate_up = torch.randn(tokens, 2 * inter, device=cuda_device).to(dtype)
+    assert_close(activation.silu_and_mul(gate_up), layers.silu_and_mul(gate_up))
+    scaling = RopeScaling("llama3", 8.0, 1.0, 4.0, 8192)
+    cache = layers.rope_cos_sin_cache(128, 131072, 500000.0, scaling).to(cuda_device)
+    qkv = torch.randn(tokens, 48, 128, device=cuda_device).to(dtype)
+    positions = torch.randint(0, 131072, (tokens,), device=cuda_device)
+    q, k = rotary.apply_rotary(qkv[:, :32], qkv[:, 32:40], positions, cache)
+    q_ref, k_ref = layers.apply_rotary(qkv[:, :32], qkv[:, 32:40], positions, cache)
+    assert_close(q, q_ref)
+    assert_close(k, k_ref)
+
+
+def test_smollm2_greedy_parity_on_gpu(cuda_device: torch.device) -> None:
+    """The bundled SmolLM2-135M through the engine (all Triton kernels, float32) vs transformers on
+    the same GPU loading the same GGUF: identical greedy tokens."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from kvpilot.engine import LLM, SamplingParams
+    from kvpilot.engine.model.loader import bundled_gguf_path
+
+    path = bundled_gguf_path()
+    tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    model = AutoModelForCausalLM.from_pretrained(
+        str(path.parent), gguf_file=path.name, dtype=torch.float32
+    ).to(cuda_device)
+    questions = [
+        "What is the capital of France?",
+        "Write a haiku about the sea.",
+        "Explain in two sentences why the sky looks blue during the day but red at sunset.",
+        "List three uses of a paperclip, briefly.",
+    ]
+    prompts = [
+        tok.encode(
+            tok.apply_chat_template(
+                [{"role": "user", "content": q}], add_generation_prompt=True, tokenize=False
+            ),
+            add_special_tokens=False,
+        )
+        for q in questions
+    ]
+    max_new = 48
+    expected = []
+    with torch.inference_mode():
+        for p in prompts:
+            ids = torch.tensor([p], device=cuda_device)
+            out = model.generate(
+                ids,
+                attention_mask=torch.ones_like(ids),
+                max_new_tokens=max_new,
+                do_sample=False,
+                pad_token_id=model.generation_config.eos_token_id,
+            )
+            expected.append(out[0, len(p) :].tolist())
+    del model
+    llm = LLM(dtype="float32", device="cuda", attention_backend="triton")
+    outputs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=max_new))
+    for i, (out, ref) in enumerate(zip(outputs, expected, strict=True)):
+        assert out.outputs[0].token_ids == ref, f"prompt {i}"
