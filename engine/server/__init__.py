@@ -1,0 +1,1 @@
+"""`kvpilot serve`: the OpenAI-compatible HTTP server of one engine (see README.md here)."""

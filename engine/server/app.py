@@ -1,0 +1,118 @@
+"""The FastAPI app: routes, probes, /metrics, and OpenAI-shaped errors for everything that fails."""
+
+from __future__ import annotations
+
+import hmac
+import logging
+import time
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.responses import JSONResponse, Response
+
+from kvpilot.engine.server import errors
+from kvpilot.engine.server.serving import create_chat_completion, create_completion
+from kvpilot.engine.server.state import ServerState
+
+logger = logging.getLogger("kvpilot.server")
+
+
+def error_response(error: errors.APIError) -> JSONResponse:
+    return JSONResponse(error.body(), status_code=error.status_code, headers=error.headers)
+
+
+def create_app(state: ServerState) -> FastAPI:
+    """One app serves one model; `state` holds the engine, the settings and the drain flag."""
+    app = FastAPI(title="kvpilot", docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.kvpilot = state
+    created = int(time.time())
+
+    @app.exception_handler(errors.APIError)
+    async def api_error(_: Request, exc: errors.APIError) -> JSONResponse:
+        if exc.status_code == 400:
+            state.reject("invalid_request", exc)
+        return error_response(exc)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+        return error_response(errors.APIError(exc.status_code, str(exc.detail), type=kind))
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
+        return error_response(errors.bad_request(str(exc.errors()[0]["msg"])))
+
+    @app.exception_handler(Exception)
+    async def unexpected(_: Request, exc: Exception) -> JSONResponse:
+        logger.exception("unhandled error")
+        return error_response(errors.internal_error(f"Internal server error: {exc!r}"))
+
+    def check_auth(request: Request) -> None:
+        key = state.settings.api_key
+        if key is None:
+            return
+        given = request.headers.get("authorization", "")
+        if not hmac.compare_digest(given.encode(), f"Bearer {key}".encode()):
+            raise errors.unauthorized()
+
+    @app.get("/health")
+    async def health() -> Response:
+        """Liveness: the process answers and its engine thread has not crashed."""
+        if state.engine.error is not None:
+            return JSONResponse({"status": "engine_dead"}, status_code=503)
+        return JSONResponse({"status": "ok"})
+
+    @app.get("/ready")
+    async def ready() -> Response:
+        """Readiness: the model is loaded and servable, and the server is not draining."""
+        if state.is_ready:
+            return JSONResponse({"status": "ready"})
+        reason = (
+            "draining" if state.draining else "loading" if not state.engine.is_loaded else "dead"
+        )
+        return JSONResponse({"status": reason}, status_code=503)
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        registry = state.engine.registry
+        body = generate_latest(registry) if registry is not None else b""
+        return Response(body, media_type=CONTENT_TYPE_LATEST)
+
+    def model_card() -> dict[str, object]:
+        info = state.model_info()
+        return {
+            "id": info.model_name,
+            "object": "model",
+            "created": created,
+            "owned_by": "kvpilot",
+            "root": info.model_name,
+            "parent": None,
+            "max_model_len": info.max_model_len,
+        }
+
+    @app.get("/v1/models")
+    async def list_models(request: Request) -> Response:
+        check_auth(request)
+        return JSONResponse({"object": "list", "data": [model_card()]})
+
+    @app.get("/v1/models/{model:path}")
+    async def get_model(model: str, request: Request) -> Response:
+        check_auth(request)
+        card = model_card()
+        if model != card["id"]:
+            raise errors.model_not_found(model, str(card["id"]))
+        return JSONResponse(card)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        check_auth(request)
+        return await create_completion(state, request)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        check_auth(request)
+        return await create_chat_completion(state, request)
+
+    return app

@@ -1,0 +1,214 @@
+"""`kvpilot serve`: flags (vLLM's names where it has one), engine configs, uvicorn, graceful drain.
+
+The HTTP server listens at once, and the model loads on the engine thread meanwhile: /health answers
+200 during the load, /ready 503 until the model is servable (what a Kubernetes startup probe wants).
+
+SIGTERM starts a drain instead of uvicorn's immediate close: /ready turns 503, new requests get a
+503 (the listener stays open, because endpoints are removed from Services only after the pod is told
+to stop), and in-flight requests, streams included, run to completion for up to --shutdown-timeout
+seconds; then uvicorn shuts down and the process exits 0. A second SIGTERM or SIGINT exits at once.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+import time
+from types import FrameType
+
+import uvicorn
+from prometheus_client import CollectorRegistry
+
+from kvpilot.engine.config import DTYPES, LOAD_FORMATS, CacheConfig, EngineConfig, SchedulerConfig
+from kvpilot.engine.server.app import create_app
+from kvpilot.engine.server.async_engine import AsyncEngine
+from kvpilot.engine.server.state import ServerSettings, ServerState
+
+logger = logging.getLogger("kvpilot.server")
+LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="kvpilot serve",
+        description="Serve one model over an OpenAI-compatible HTTP API.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    p.add_argument(
+        "--model",
+        default=None,
+        help="HF model directory or .gguf file (default: bundled SmolLM2-135M-Instruct)",
+    )
+    p.add_argument(
+        "--served-model-name",
+        default=None,
+        help="the name clients pass as `model` (default: derived from the model)",
+    )
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000, help="0 picks a free port (logged at startup)")
+    p.add_argument("--api-key", default=None, help="require `Authorization: Bearer KEY` on /v1/*")
+    g = p.add_argument_group("engine")
+    g.add_argument("--dtype", default="auto", choices=["auto", *DTYPES])
+    g.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
+    g.add_argument("--load-format", default="auto", choices=LOAD_FORMATS)
+    g.add_argument("--attention-backend", default="torch", choices=["torch", "triton"])
+    g.add_argument(
+        "--max-model-len", type=int, default=None, help="default: the model's context length"
+    )
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--block-size", type=int, default=16, choices=[8, 16, 32, 64, 128])
+    g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
+    g.add_argument("--kv-cache-gib", type=float, default=1.0, help="KV-cache budget on CPU")
+    g.add_argument(
+        "--gpu-memory-utilization",
+        type=float,
+        default=0.9,
+        help="fraction of GPU memory the engine may use",
+    )
+    g.add_argument(
+        "--num-gpu-blocks-override",
+        type=int,
+        default=None,
+        help="exact number of KV blocks (overrides both budgets)",
+    )
+    g.add_argument("--max-num-seqs", type=int, default=128)
+    g.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    s = p.add_argument_group("server")
+    s.add_argument(
+        "--max-queue",
+        type=int,
+        default=None,
+        help="429 when this many requests wait (default: no limit)",
+    )
+    s.add_argument("--retry-after", type=int, default=1, help="seconds a 429 tells clients to wait")
+    s.add_argument(
+        "--shutdown-timeout",
+        type=float,
+        default=30.0,
+        help="seconds in-flight requests get to finish after SIGTERM",
+    )
+    s.add_argument(
+        "--disable-vllm-metrics",
+        action="store_true",
+        help="expose only kvpilot:* metrics, not the vllm:* names",
+    )
+    s.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    return p  # fmt: skip
+
+
+def engine_config(args: argparse.Namespace) -> EngineConfig:
+    """Map the flags onto the engine's frozen configs (which validate themselves)."""
+    return EngineConfig(
+        model=args.model,
+        load_format=args.load_format,
+        dtype=args.dtype,
+        device=args.device,
+        attention_backend=args.attention_backend,
+        max_model_len=args.max_model_len,
+        seed=args.seed,
+        served_model_name=args.served_model_name,
+        cache=CacheConfig(
+            block_size=args.block_size,
+            enable_prefix_caching=args.enable_prefix_caching,
+            kv_cache_gib=args.kv_cache_gib,
+            gpu_memory_utilization=args.gpu_memory_utilization,
+            num_blocks=args.num_gpu_blocks_override,
+        ),
+        scheduler=SchedulerConfig(
+            max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs
+        ),
+    )
+
+
+class DrainingServer(uvicorn.Server):
+    """uvicorn, except that the first SIGTERM/SIGINT drains instead of closing the listener."""
+
+    def __init__(self, config: uvicorn.Config, state: ServerState, shutdown_timeout: float) -> None:
+        super().__init__(config)
+        self.state = state
+        self.shutdown_timeout = shutdown_timeout
+        self.drain_requested = False
+        self.drain_started: float | None = None
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        # Runs in the main thread between bytecodes: only set flags; on_tick does the work.
+        # Not recording the signal keeps uvicorn from re-raising it at exit (which would make
+        # the exit status 143 instead of 0).
+        if self.drain_requested or self.drain_started is not None:
+            logger.warning("second signal: exiting without waiting for in-flight requests")
+            self.should_exit = True
+            self.force_exit = True
+        else:
+            self.drain_requested = True
+
+    async def on_tick(self, counter: int) -> bool:
+        if self.state.engine.error is not None and not self.state.engine.is_loaded:
+            return True  # the model failed to load: nothing to serve
+        if self.drain_requested and self.drain_started is None:
+            self.drain_started = time.monotonic()
+            self.state.start_draining()
+        if self.drain_started is not None and not self.should_exit:
+            await super().on_tick(counter)  # keeps the Date header fresh
+            if self.state.num_in_flight == 0:
+                logger.info("drained: no request in flight")
+                return True
+            if time.monotonic() - self.drain_started > self.shutdown_timeout:
+                logger.warning(
+                    "shutdown timeout (%.0f s) reached with %d request(s) in flight; cutting them",
+                    self.shutdown_timeout,
+                    self.state.num_in_flight,
+                )
+                # Each cut request ends with an error its client can read, then uvicorn closes.
+                self.state.cut_all()
+                return True
+            return False
+        return await super().on_tick(counter)
+
+
+def main(argv: list[str]) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format=LOG_FORMAT, stream=sys.stderr)
+    try:
+        config = engine_config(args)
+        settings = ServerSettings(
+            max_queue=args.max_queue, retry_after_s=args.retry_after, api_key=args.api_key
+        )
+    except ValueError as exc:
+        print(f"kvpilot serve: {exc}", file=sys.stderr)
+        return 2
+    if args.shutdown_timeout < 0:
+        print("kvpilot serve: --shutdown-timeout must be >= 0", file=sys.stderr)
+        return 2
+
+    from kvpilot.engine import LLMEngine  # torch and the model code load only once flags are sane
+
+    registry = CollectorRegistry()
+    engine = AsyncEngine(
+        lambda: LLMEngine(config), registry=registry, vllm_metrics=not args.disable_vllm_metrics
+    )
+    state = ServerState(engine, settings)
+    uv_config = uvicorn.Config(
+        create_app(state),
+        host=args.host,
+        port=args.port,
+        log_config=None,  # keep our logging setup; uvicorn's loggers propagate to it
+        log_level=args.log_level,
+        timeout_graceful_shutdown=5,  # after the drain: only cut-off requests are left
+        access_log=args.log_level == "debug",
+    )
+    server = DrainingServer(uv_config, state, args.shutdown_timeout)
+    logger.info("loading %s", args.model or "the bundled SmolLM2-135M-Instruct")
+    engine.start()
+    try:
+        server.run()
+    finally:
+        engine.shutdown()
+    if engine.error is not None and engine.info is None:
+        logger.error("exiting: the model could not be loaded: %s", engine.error)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

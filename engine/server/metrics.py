@@ -1,0 +1,269 @@
+"""Prometheus metrics of one served model, under `kvpilot:` and (by default) vLLM's `vllm:` names.
+
+Every metric is registered on the CollectorRegistry passed in (never the global one), so tests and
+several servers in one process do not collide. Each logical metric fans out to one child per prefix,
+so the two name sets can never disagree. The engine thread records through `record_step` and
+`record_finished`; gauges of engine state are read at scrape time from callables (no lag between a
+scheduler change and what KEDA or the Gateway API Inference Extension sees, beyond one engine step).
+See engine/server/README.md for the meaning of every metric.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from kvpilot.engine.outputs import RequestOutput
+
+KVPILOT = "kvpilot"
+VLLM = "vllm"
+
+# vLLM's buckets, so dashboards built for vLLM's histograms render the same quantiles.
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
+                7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)  # fmt: skip
+TOKEN_LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5,
+                         5.0, 7.5, 10.0, 20.0, 40.0, 80.0)  # fmt: skip
+REQUEST_LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0,
+                           50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)  # fmt: skip
+STEP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+FINISHED_REASONS = ("stop", "length", "abort")
+REJECT_REASONS = ("invalid_request", "model_not_found", "queue_full", "draining", "loading")
+
+
+@dataclass(frozen=True)
+class EngineCounters:
+    """The cumulative engine counters the metrics follow (a subset of EngineStats)."""
+
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
+    num_preemptions: int = 0
+    num_prompt_tokens: int = 0
+    num_generation_tokens: int = 0
+
+    @classmethod
+    def of(cls, stats: Any) -> EngineCounters:
+        return cls(
+            prefix_cache_queries=stats.prefix_cache_queries,
+            prefix_cache_hits=stats.prefix_cache_hits,
+            num_preemptions=stats.num_preemptions,
+            num_prompt_tokens=stats.num_prompt_tokens,
+            num_generation_tokens=stats.num_generation_tokens,
+        )
+
+
+class _Fanout:
+    """One logical metric with a labelled child per prefix (`kvpilot:x`, `vllm:x`)."""
+
+    def __init__(self, children: Sequence[Any]) -> None:
+        self.children = list(children)
+
+    def inc(self, amount: float = 1.0) -> None:
+        if amount:
+            for child in self.children:
+                child.inc(amount)
+
+    def set(self, value: float) -> None:
+        for child in self.children:
+            child.set(value)
+
+    def observe(self, value: float) -> None:
+        for child in self.children:
+            child.observe(value)
+
+    def set_function(self, fn: Callable[[], float]) -> None:
+        for child in self.children:
+            child.set_function(fn)
+
+
+class ServerMetrics:
+    def __init__(
+        self,
+        registry: CollectorRegistry,
+        model_name: str,
+        *,
+        block_size: int,
+        num_gpu_blocks: int,
+        enable_prefix_caching: bool,
+        vllm_names: bool = True,
+    ) -> None:
+        self.registry = registry
+        self.model_name = model_name
+        self._prefixes = (KVPILOT, VLLM) if vllm_names else (KVPILOT,)
+        self._last = EngineCounters()
+
+        # Engine state, read at scrape time.
+        self.num_requests_waiting = self._gauge(
+            "num_requests_waiting",
+            "Requests waiting to be scheduled (queued in the engine or being handed to it).",
+        )
+        self.num_requests_running = self._gauge(
+            "num_requests_running", "Requests in the engine's running batch (prefill or decode)."
+        )
+        self.kv_cache_usage = self._gauge(
+            "kv_cache_usage_perc", "Fraction of KV-cache blocks held by running requests (0 to 1)."
+        )
+        if vllm_names:
+            # vLLM's pre-0.9 name of kv_cache_usage_perc, still read by many KEDA and HPA recipes.
+            self.kv_cache_usage.children.append(
+                Gauge(
+                    "vllm:gpu_cache_usage_perc",
+                    "Deprecated alias of vllm:kv_cache_usage_perc.",
+                    ["model_name"],
+                    registry=registry,
+                ).labels(model_name)
+            )
+
+        # Engine counters, advanced by deltas of the engine's cumulative stats.
+        self.prefix_cache_queries = self._counter(
+            "prefix_cache_queries", "Prompt tokens looked up in the prefix cache."
+        )
+        self.prefix_cache_hits = self._counter(
+            "prefix_cache_hits", "Prompt tokens served from the prefix cache."
+        )
+        self.num_preemptions = self._counter("num_preemptions", "Requests preempted by the engine.")
+        self.prompt_tokens = self._counter("prompt_tokens", "Prompt tokens computed (prefilled).")
+        self.generation_tokens = self._counter("generation_tokens", "Tokens generated.")
+        success = self._labelled(
+            Counter, "request_success", "Finished requests by finish reason.", ["finished_reason"]
+        )
+        self.request_success = {
+            reason: _Fanout([c.labels(model_name, reason) for c in success])
+            for reason in FINISHED_REASONS
+        }
+
+        # Per-request latencies, observed when a request finishes (ITL per token-producing step).
+        self.time_to_first_token = self._histogram(
+            "time_to_first_token_seconds", "Arrival to first generated token.", TTFT_BUCKETS
+        )
+        self.inter_token_latency = self._histogram(
+            "inter_token_latency_seconds",
+            "Time between successive token-producing engine steps of a request.",
+            TOKEN_LATENCY_BUCKETS,
+        )
+        self.time_per_output_token = self._histogram(
+            "time_per_output_token_seconds",
+            "Per request: (last token time - first token time) / (generated tokens - 1).",
+            TOKEN_LATENCY_BUCKETS,
+        )
+        self.e2e_request_latency = self._histogram(
+            "e2e_request_latency_seconds",
+            "Arrival to finish of a request.",
+            REQUEST_LATENCY_BUCKETS,
+        )
+        self.request_queue_time = self._histogram(
+            "request_queue_time_seconds",
+            "Arrival to first scheduling (time spent waiting).",
+            REQUEST_LATENCY_BUCKETS,
+        )
+
+        info = self._labelled(
+            Gauge,
+            "cache_config_info",
+            "KV-cache configuration; the value is always 1.",
+            ["block_size", "num_gpu_blocks", "enable_prefix_caching"],
+        )
+        for gauge in info:
+            gauge.labels(
+                model_name, str(block_size), str(num_gpu_blocks), str(enable_prefix_caching)
+            ).set(1)
+
+        # kvpilot's own server-level metrics (no vLLM equivalent).
+        own = {"registry": registry}
+        self.engine_step_duration = Histogram(
+            f"{KVPILOT}:engine_step_duration_seconds",
+            "Wall time of one engine step (scheduling, forward, sampling, detokenizing).",
+            ["model_name"],
+            buckets=STEP_BUCKETS,
+            **own,
+        ).labels(model_name)
+        self.num_requests_in_flight = Gauge(
+            f"{KVPILOT}:num_requests_in_flight",
+            "HTTP generation requests admitted and not yet answered (what a drain waits for).",
+            ["model_name"],
+            **own,
+        ).labels(model_name)
+        rejected = Counter(
+            f"{KVPILOT}:requests_rejected",
+            "Requests refused before reaching the engine, by reason.",
+            ["model_name", "reason"],
+            **own,
+        )
+        self.requests_rejected = {r: rejected.labels(model_name, r) for r in REJECT_REASONS}
+        self.draining = Gauge(
+            f"{KVPILOT}:draining",
+            "1 while the server drains after SIGTERM, else 0.",
+            ["model_name"],
+            **own,
+        ).labels(model_name)
+
+    def _labelled(
+        self, kind: type, name: str, doc: str, labels: list[str], **kwargs: Any
+    ) -> list[Any]:
+        return [
+            kind(f"{prefix}:{name}", doc, ["model_name", *labels], registry=self.registry, **kwargs)
+            for prefix in self._prefixes
+        ]
+
+    def _gauge(self, name: str, doc: str) -> _Fanout:
+        return _Fanout([g.labels(self.model_name) for g in self._labelled(Gauge, name, doc, [])])
+
+    def _counter(self, name: str, doc: str) -> _Fanout:
+        return _Fanout([c.labels(self.model_name) for c in self._labelled(Counter, name, doc, [])])
+
+    def _histogram(self, name: str, doc: str, buckets: Sequence[float]) -> _Fanout:
+        hists = self._labelled(Histogram, name, doc, [], buckets=buckets)
+        return _Fanout([h.labels(self.model_name) for h in hists])
+
+    def bind_engine_state(
+        self,
+        num_waiting: Callable[[], float],
+        num_running: Callable[[], float],
+        kv_cache_usage: Callable[[], float],
+    ) -> None:
+        self.num_requests_waiting.set_function(num_waiting)
+        self.num_requests_running.set_function(num_running)
+        self.kv_cache_usage.set_function(kv_cache_usage)
+
+    def record_counters(self, counters: EngineCounters) -> None:
+        """Advance the counters to the engine's cumulative values (engine thread only)."""
+        last, self._last = self._last, counters
+        self.prefix_cache_queries.inc(
+            max(0, counters.prefix_cache_queries - last.prefix_cache_queries)
+        )
+        self.prefix_cache_hits.inc(max(0, counters.prefix_cache_hits - last.prefix_cache_hits))
+        self.num_preemptions.inc(max(0, counters.num_preemptions - last.num_preemptions))
+        self.prompt_tokens.inc(max(0, counters.num_prompt_tokens - last.num_prompt_tokens))
+        self.generation_tokens.inc(
+            max(0, counters.num_generation_tokens - last.num_generation_tokens)
+        )
+
+    def record_finished(self, output: RequestOutput, finished_reason: str) -> None:
+        """Observe the latencies of a finished request (engine thread only)."""
+        self.request_success[
+            finished_reason if finished_reason in FINISHED_REASONS else "stop"
+        ].inc()
+        m = output.metrics
+        if m is None:
+            return
+        if m.first_token_time is not None:
+            self.time_to_first_token.observe(max(0.0, m.first_token_time - m.arrival_time))
+        if m.first_scheduled_time is not None:
+            self.request_queue_time.observe(max(0.0, m.first_scheduled_time - m.arrival_time))
+        if m.finished_time is not None:
+            self.e2e_request_latency.observe(max(0.0, m.finished_time - m.arrival_time))
+        num_generated = max((len(o.token_ids) for o in output.outputs), default=0)
+        if num_generated > 1 and m.first_token_time is not None and m.last_token_time is not None:
+            decode = max(0.0, m.last_token_time - m.first_token_time)
+            self.time_per_output_token.observe(decode / (num_generated - 1))
+
+
+def finished_reason(output: RequestOutput) -> str:
+    """One label for a request of n choices: abort beats length beats stop."""
+    reasons = {o.finish_reason for o in output.outputs}
+    for reason in ("abort", "length"):
+        if reason in reasons:
+            return reason
+    return "stop"

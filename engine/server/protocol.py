@@ -1,0 +1,225 @@
+"""The OpenAI request bodies we accept, validated strictly, and their mapping onto SamplingParams.
+
+Strict mode on purpose: OpenAI answers `"temperature": "0.5"` or `"n": true` with a 400, and so do
+we (pydantic's lax mode would coerce them). Unknown fields are ignored, as OpenAI does; known OpenAI
+fields we cannot honour (tools, logit_bias, suffix, ...) are a 400 rather than silently dropped.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Annotated, Any, Literal, TypeVar
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from kvpilot.engine.sampling_params import SamplingParams
+from kvpilot.engine.server.errors import APIError, bad_request
+
+MAX_LOGPROBS = 20  # the engine returns at most 20 top logprobs per token
+MAX_N = 128  # OpenAI's own limit on n
+# torch.Generator.manual_seed accepts exactly this range.
+SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False)
+
+
+class StreamOptions(_Strict):
+    include_usage: bool = False
+
+
+class _SamplingRequest(_Strict):
+    """Fields shared by /v1/completions and /v1/chat/completions."""
+
+    model: str | None = None
+    max_tokens: Annotated[int, Field(ge=1)] | None = None
+    n: Annotated[int, Field(ge=1, le=MAX_N)] = 1
+    temperature: Annotated[float, Field(ge=0.0, le=2.0)] | None = None
+    top_p: Annotated[float, Field(gt=0.0, le=1.0)] | None = None
+    top_k: Annotated[int, Field(ge=-1)] | None = None
+    min_p: Annotated[float, Field(ge=0.0, le=1.0)] | None = None
+    seed: Annotated[int, Field(ge=SEED_MIN, le=SEED_MAX)] | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    presence_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] = 0.0
+    frequency_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] = 0.0
+    ignore_eos: bool = False
+    include_stop_str_in_output: bool = False
+    user: str | None = None
+    # kvpilot/vLLM extension: requests with different salts never share prefix-cache blocks.
+    cache_salt: Annotated[str, Field(min_length=1)] | None = None
+    # OpenAI fields we do not implement: accepted only at their neutral value.
+    logit_bias: dict[str, float] | None = None
+    repetition_penalty: float | None = None
+
+    @property
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
+
+RequestT = TypeVar("RequestT", bound=_SamplingRequest)
+
+
+class CompletionRequest(_SamplingRequest):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    echo: bool = False
+    logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
+    suffix: str | None = None
+    best_of: Annotated[int, Field(ge=1)] | None = None
+
+
+class TextPart(_Strict):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(_Strict):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+
+    def text(self) -> str:
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(part.text for part in self.content)
+
+
+class ResponseFormat(_Strict):
+    type: Literal["text"]
+
+
+class ChatCompletionRequest(_SamplingRequest):
+    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
+    logprobs: bool = False
+    top_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
+    response_format: ResponseFormat | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+
+    def chat_messages(self) -> list[dict[str, str]]:
+        """Messages as HF chat templates want them; `developer` is OpenAI's new name for system."""
+        return [
+            {"role": "system" if m.role == "developer" else m.role, "content": m.text()}
+            for m in self.messages
+        ]
+
+
+def parse_request(model: type[RequestT], body: bytes) -> RequestT:
+    """Parse and validate a JSON body; any problem becomes a 400 naming the offending field."""
+    try:
+        data = json.loads(body)
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise bad_request(f"The request body is not valid JSON: {exc}") from None
+    if not isinstance(data, dict):
+        raise bad_request("The request body must be a JSON object.")
+    try:
+        request = model.model_validate(data)
+    except ValidationError as exc:
+        raise validation_error(exc) from None
+    check_unsupported(request)
+    return request
+
+
+def validation_error(exc: ValidationError) -> APIError:
+    err = exc.errors(include_url=False)[0]
+    # Union members add their type name to `loc` ("stop", "list[str]", 0): keep only real keys.
+    loc = [str(p) for p in err["loc"] if isinstance(p, int) or not _is_type_tag(str(p))]
+    param = ".".join(loc) if loc else None
+    extra = f" ({len(exc.errors())} errors in all)" if len(exc.errors()) > 1 else ""
+    message = f"{param}: {err['msg']}{extra}" if param else f"{err['msg']}{extra}"
+    return bad_request(message, param=loc[0] if loc else None)
+
+
+def _is_type_tag(part: str) -> bool:
+    return (
+        part in ("str", "int", "float", "bool", "TextPart")
+        or "[" in part
+        or part.startswith("function-")
+    )
+
+
+def check_unsupported(request: _SamplingRequest) -> None:
+    """Reject OpenAI features we do not implement instead of silently ignoring them."""
+    if request.logit_bias:
+        raise bad_request("logit_bias is not supported.", param="logit_bias")
+    if request.repetition_penalty not in (None, 1.0):
+        raise bad_request(
+            "repetition_penalty is not supported; use presence_penalty or frequency_penalty.",
+            param="repetition_penalty",
+        )
+    if request.stream_options is not None and not request.stream:
+        raise bad_request(
+            "stream_options is only allowed when stream is true.", param="stream_options"
+        )
+    if isinstance(request, CompletionRequest):
+        if request.suffix:
+            raise bad_request("suffix is not supported.", param="suffix")
+        if request.best_of is not None and request.best_of != request.n:
+            raise bad_request("best_of is not supported (it must equal n).", param="best_of")
+        if request.echo and request.logprobs is not None:
+            raise bad_request("echo together with logprobs is not supported.", param="echo")
+    if isinstance(request, ChatCompletionRequest):
+        if request.tools:
+            raise bad_request("Tool calling is not supported.", param="tools")
+        if request.tool_choice not in (None, "none", "auto"):
+            raise bad_request("Tool calling is not supported.", param="tool_choice")
+        if request.top_logprobs is not None and not request.logprobs:
+            raise bad_request("top_logprobs requires logprobs to be true.", param="top_logprobs")
+        if request.continue_final_message and request.add_generation_prompt:
+            raise bad_request(
+                "continue_final_message and add_generation_prompt cannot both be true.",
+                param="continue_final_message",
+            )
+        if request.continue_final_message and request.messages[-1].role != "assistant":
+            raise bad_request(
+                "continue_final_message needs the last message to be from the assistant.",
+                param="messages",
+            )
+
+
+def requested_max_tokens(request: _SamplingRequest) -> int | None:
+    if isinstance(request, ChatCompletionRequest) and request.max_completion_tokens is not None:
+        return request.max_completion_tokens
+    return request.max_tokens
+
+
+def num_logprobs(request: _SamplingRequest) -> int | None:
+    """How many top logprobs the engine must return per token (None: no logprobs at all)."""
+    if isinstance(request, ChatCompletionRequest):
+        return (request.top_logprobs or 0) if request.logprobs else None
+    assert isinstance(request, CompletionRequest)
+    return request.logprobs
+
+
+def to_sampling_params(request: _SamplingRequest, max_tokens: int) -> SamplingParams:
+    """Map validated request fields onto SamplingParams (OpenAI defaults for absent fields)."""
+    stop = [request.stop] if isinstance(request.stop, str) else (request.stop or [])
+    try:
+        return SamplingParams(
+            n=request.n,
+            max_tokens=max_tokens,
+            temperature=1.0 if request.temperature is None else request.temperature,
+            top_p=1.0 if request.top_p is None else request.top_p,
+            top_k=0 if request.top_k is None else request.top_k,
+            min_p=0.0 if request.min_p is None else request.min_p,
+            seed=request.seed,
+            stop=tuple(stop),
+            stop_token_ids=tuple(request.stop_token_ids or ()),
+            ignore_eos=request.ignore_eos,
+            logprobs=num_logprobs(request),
+            presence_penalty=request.presence_penalty,
+            frequency_penalty=request.frequency_penalty,
+            include_stop_str_in_output=request.include_stop_str_in_output,
+        )
+    except ValueError as exc:
+        # SamplingParams names the field first in its message.
+        message = str(exc)
+        raise bad_request(message, param=message.split(" ", 1)[0]) from None

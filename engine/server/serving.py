@@ -1,0 +1,409 @@
+"""/v1/completions and /v1/chat/completions: from a validated request to engine requests and back.
+
+One HTTP request becomes one engine request per prompt (completions accept a batch of prompts);
+the engine itself expands `n`. Choice index = prompt index * n + the engine's output index, as
+OpenAI does.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from kvpilot.engine.outputs import RequestOutput
+from kvpilot.engine.server import errors, render
+from kvpilot.engine.server.async_engine import (
+    EngineDeadError,
+    ModelInfo,
+    RequestCut,
+    RequestFailed,
+    RequestStream,
+)
+from kvpilot.engine.server.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    num_logprobs,
+    parse_request,
+    requested_max_tokens,
+    to_sampling_params,
+)
+from kvpilot.engine.server.sse import ClientGone, SSEResponse, unless_disconnected
+from kvpilot.engine.server.state import InFlight, ServerState
+
+
+@dataclass(frozen=True)
+class Prompt:
+    text: str | None  # None for token-id prompts until decoded for echo
+    token_ids: list[int]
+
+
+def resolve_max_tokens(
+    requested: int | None, prompt_len: int, max_model_len: int, *, what: str, param: str
+) -> int:
+    """max_tokens to use, or a 400 with OpenAI's context-length message and the numbers."""
+    if prompt_len >= max_model_len:
+        raise errors.bad_request(
+            f"This model's maximum context length is {max_model_len} tokens. However, your "
+            f"{what} has {prompt_len} tokens, which leaves no room for a completion. Please reduce "
+            f"the length of the {what}.",
+            param=param,
+            code="context_length_exceeded",
+        )
+    if requested is None:
+        return max_model_len - prompt_len
+    if prompt_len + requested > max_model_len:
+        raise errors.bad_request(
+            f"This model's maximum context length is {max_model_len} tokens. However, you "
+            f"requested {prompt_len + requested} tokens ({prompt_len} in the {what}, "
+            f"{requested} in the completion). Please reduce the length of the {what} or "
+            "completion.",
+            param="max_tokens",
+            code="context_length_exceeded",
+        )
+    return requested
+
+
+def completion_prompts(request: CompletionRequest, info: ModelInfo) -> list[Prompt]:
+    raw = request.prompt
+    if isinstance(raw, str):
+        items: list[str | list[int]] = [raw]
+    elif raw and all(isinstance(x, int) for x in raw):
+        items = [raw]  # type: ignore[list-item]
+    else:
+        items = list(raw)  # type: ignore[arg-type]
+    if not items:
+        raise errors.bad_request("prompt must not be empty.", param="prompt")
+    prompts = []
+    for item in items:
+        if isinstance(item, str):
+            if info.tokenizer is None:
+                raise errors.bad_request(
+                    "This model has no tokenizer: pass token ids.", param="prompt"
+                )
+            if not item:
+                raise errors.bad_request("prompt must not be an empty string.", param="prompt")
+            prompts.append(Prompt(item, list(info.tokenizer.encode(item))))
+            continue
+        if not item:
+            raise errors.bad_request("a token-id prompt must not be empty.", param="prompt")
+        bad = [t for t in item if not 0 <= t < info.vocab_size]
+        if bad:
+            raise errors.bad_request(
+                f"prompt token ids must be in [0, {info.vocab_size}); got {bad[0]}.", param="prompt"
+            )
+        prompts.append(Prompt(None, list(item)))
+    return prompts
+
+
+def chat_prompt(request: ChatCompletionRequest, info: ModelInfo) -> Prompt:
+    tokenizer = info.tokenizer
+    if tokenizer is None or not getattr(tokenizer, "chat_template", None):
+        raise errors.bad_request(
+            "This model has no chat template; use /v1/completions.", param="messages"
+        )
+    try:
+        text = tokenizer.apply_chat_template(
+            request.chat_messages(),
+            add_generation_prompt=request.add_generation_prompt,
+            continue_final_message=request.continue_final_message,
+            tokenize=False,
+        )
+    except Exception as exc:  # template errors (role order, raise_exception) are the client's
+        raise errors.bad_request(
+            f"The chat template rejected the messages: {exc}", param="messages"
+        ) from None
+    # The template already holds the special tokens: do not add a BOS twice.
+    return Prompt(text, list(tokenizer.encode(text, add_special_tokens=False)))
+
+
+def failure_error(exc: RequestFailed) -> errors.APIError:
+    if isinstance(exc, RequestCut):
+        return errors.unavailable(f"The request was cut short: {exc}", code="shutdown")
+    return errors.internal_error(str(exc))
+
+
+class Generation:
+    """The engine requests behind one HTTP request; close() aborts any unfinished one."""
+
+    def __init__(self, streams: list[RequestStream], ticket: InFlight) -> None:
+        self.streams = streams
+        self._ticket = ticket
+        ticket.on_cut = self.cut
+
+    def close(self) -> None:
+        for stream in self.streams:
+            stream.abort()
+        self._ticket.release()
+
+    def cut(self) -> None:
+        reason = RequestCut("the server is shutting down and its drain timeout ran out")
+        for stream in self.streams:
+            stream.cut(reason)
+
+    async def outputs(self) -> AsyncIterator[tuple[int, RequestOutput]]:
+        """(prompt index, newest cumulative output) until every stream has finished."""
+        if len(self.streams) == 1:
+            stream = self.streams[0]
+            while True:
+                output = await stream.next_output()
+                yield 0, output
+                if output.finished:
+                    return
+        pending = {asyncio.ensure_future(s.next_output()): i for i, s in enumerate(self.streams)}
+        try:
+            while pending:
+                done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+                for task in sorted(done, key=lambda t: pending[t]):
+                    index = pending.pop(task)
+                    output = task.result()
+                    yield index, output
+                    if not output.finished:
+                        pending[asyncio.ensure_future(self.streams[index].next_output())] = index
+        finally:
+            for task in pending:
+                task.cancel()
+
+    async def final_outputs(self) -> list[RequestOutput]:
+        return list(await asyncio.gather(*(s.final_output() for s in self.streams)))
+
+
+def usage_of(prompts: list[Prompt], outputs: list[RequestOutput | None]) -> dict[str, Any]:
+    return render.usage(
+        prompt_tokens=sum(len(p.token_ids) for p in prompts),
+        completion_tokens=sum(
+            len(o.token_ids) for out in outputs if out is not None for o in out.outputs
+        ),
+        cached_tokens=sum(out.num_cached_tokens for out in outputs if out is not None),
+    )
+
+
+async def start_generation(
+    state: ServerState,
+    request: CompletionRequest | ChatCompletionRequest,
+    prompts: list[Prompt],
+    request_id: str,
+    arrival_time: float,
+) -> Generation:
+    info = state.engine.info
+    assert info is not None
+    is_chat = isinstance(request, ChatCompletionRequest)
+    what, param = ("messages", "messages") if is_chat else ("prompt", "prompt")
+    params = [
+        to_sampling_params(
+            request,
+            resolve_max_tokens(
+                requested_max_tokens(request),
+                len(p.token_ids),
+                info.max_model_len,
+                what=what,
+                param=param,
+            ),
+        )
+        for p in prompts
+    ]
+    state.check_queue()
+    ticket = state.admit()
+    streams: list[RequestStream] = []
+    try:
+        for i, (prompt, sampling) in enumerate(zip(prompts, params, strict=True)):
+            rid = request_id if len(prompts) == 1 else f"{request_id}-{i}"
+            streams.append(
+                await state.engine.add_request(
+                    rid,
+                    prompt.token_ids,
+                    sampling,
+                    cache_salt=request.cache_salt,
+                    arrival_time=arrival_time,
+                )
+            )
+    except BaseException as exc:
+        for stream in streams:
+            stream.abort()
+        ticket.release()
+        if isinstance(exc, ValueError):  # the engine's verdict on this prompt
+            raise errors.bad_request(str(exc), param=param) from None
+        if isinstance(exc, EngineDeadError):
+            raise errors.unavailable(str(exc), code="engine_dead") from None
+        raise
+    return Generation(streams, ticket)
+
+
+async def _prepare(
+    state: ServerState, http: Request, model: type[CompletionRequest] | type[ChatCompletionRequest]
+) -> tuple[ModelInfo, Any]:
+    info = state.model_info()  # 503 while loading or draining, before reading anything
+    request = parse_request(model, await http.body())
+    if request.model is not None and request.model != info.model_name:
+        raise state.reject(
+            "model_not_found", errors.model_not_found(request.model, info.model_name)
+        )
+    return info, request
+
+
+async def create_completion(state: ServerState, http: Request) -> Response:
+    arrival = time.monotonic()
+    info, request = await _prepare(state, http, CompletionRequest)
+    prompts = completion_prompts(request, info)
+    header = render.ResponseHeader(f"cmpl-{uuid.uuid4().hex}", int(time.time()), info.model_name)
+    if request.echo:
+        prompts = [
+            p
+            if p.text is not None or info.tokenizer is None
+            else Prompt(info.tokenizer.decode(p.token_ids), p.token_ids)
+            for p in prompts
+        ]
+    generation = await start_generation(state, request, prompts, header.id, arrival)
+    if request.stream:
+        return SSEResponse(
+            _completion_events(generation, request, prompts, header), on_close=generation.close
+        )
+    try:
+        finals = await unless_disconnected(generation.final_outputs(), http.receive)
+    except ClientGone:
+        return Response(status_code=499)
+    except RequestFailed as exc:
+        raise failure_error(exc) from None
+    finally:
+        generation.close()
+    num_top = request.logprobs
+    choices = []
+    for i, (prompt, final) in enumerate(zip(prompts, finals, strict=True)):
+        for o in final.outputs:
+            logprobs = None
+            if num_top is not None and o.logprobs is not None:
+                logprobs, _ = render.completion_logprobs(o.token_ids, o.logprobs, num_top, 0)
+            text = (prompt.text or "") + o.text if request.echo else o.text
+            choices.append(render.completion_choice(i * request.n + o.index, text, logprobs, o))
+    body = render.completion_body(header, choices, usage_of(prompts, list(finals)))
+    return JSONResponse(body)
+
+
+async def _completion_events(
+    generation: Generation,
+    request: CompletionRequest,
+    prompts: list[Prompt],
+    header: render.ResponseHeader,
+) -> AsyncIterator[str]:
+    n, num_top, with_usage = request.n, request.logprobs, request.include_usage
+    cursors = {(i, k): render.ChoiceCursor() for i in range(len(prompts)) for k in range(n)}
+    latest: list[RequestOutput | None] = [None] * len(prompts)
+
+    def chunk(index: int, text: str, **fields: Any) -> str:
+        choice = {"index": index, "text": text, "logprobs": None, "finish_reason": None, **fields}
+        return render.sse(render.completion_chunk(header, [choice], with_usage_field=with_usage))
+
+    if request.echo:
+        for i, prompt in enumerate(prompts):
+            for k in range(n):
+                yield chunk(i * n + k, prompt.text or "")
+    try:
+        async for i, output in generation.outputs():
+            latest[i] = output
+            for o in output.outputs:
+                cursor = cursors[(i, o.index)]
+                delta = render.next_delta(cursor, o)
+                if delta is None:
+                    continue
+                logprobs = None
+                if num_top is not None and delta.logprobs is not None:
+                    logprobs, cursor.text_offset = render.completion_logprobs(
+                        delta.token_ids, delta.logprobs, num_top, cursor.text_offset
+                    )
+                fields: dict[str, Any] = {
+                    "logprobs": logprobs,
+                    "finish_reason": delta.finish_reason,
+                }
+                if delta.finish_reason is not None:
+                    fields["stop_reason"] = delta.stop_reason
+                yield chunk(i * n + o.index, delta.text, **fields)
+    except RequestFailed as exc:
+        yield render.sse(failure_error(exc).body())
+        yield render.DONE
+        return
+    if with_usage:
+        yield render.sse(render.usage_chunk(header, "text_completion", usage_of(prompts, latest)))
+    yield render.DONE
+
+
+async def create_chat_completion(state: ServerState, http: Request) -> Response:
+    arrival = time.monotonic()
+    info, request = await _prepare(state, http, ChatCompletionRequest)
+    prompts = [chat_prompt(request, info)]
+    header = render.ResponseHeader(
+        f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), info.model_name
+    )
+    generation = await start_generation(state, request, prompts, header.id, arrival)
+    if request.stream:
+        return SSEResponse(
+            _chat_events(generation, request, prompts, header), on_close=generation.close
+        )
+    try:
+        (final,) = await unless_disconnected(generation.final_outputs(), http.receive)
+    except ClientGone:
+        return Response(status_code=499)
+    except RequestFailed as exc:
+        raise failure_error(exc) from None
+    finally:
+        generation.close()
+    num_top = num_logprobs(request)
+    choices = []
+    for o in final.outputs:
+        logprobs = None
+        if num_top is not None and o.logprobs is not None:
+            logprobs = render.chat_logprobs(o.token_ids, o.logprobs, num_top)
+        choices.append(render.chat_choice(o.index, o.text, logprobs, o))
+    return JSONResponse(render.chat_body(header, choices, usage_of(prompts, [final])))
+
+
+async def _chat_events(
+    generation: Generation,
+    request: ChatCompletionRequest,
+    prompts: list[Prompt],
+    header: render.ResponseHeader,
+) -> AsyncIterator[str]:
+    num_top, with_usage = num_logprobs(request), request.include_usage
+    cursors = [render.ChoiceCursor() for _ in range(request.n)]
+    latest: list[RequestOutput | None] = [None]
+
+    def chunk(choice: dict[str, Any]) -> str:
+        return render.sse(render.chat_chunk(header, [choice], with_usage_field=with_usage))
+
+    # OpenAI opens every choice with a role delta before any content.
+    for k in range(request.n):
+        yield chunk(render.chat_chunk_choice(k, {"role": "assistant", "content": ""}))
+    try:
+        async for _, output in generation.outputs():
+            latest[0] = output
+            for o in output.outputs:
+                delta = render.next_delta(cursors[o.index], o)
+                if delta is None:
+                    continue
+                logprobs = None
+                if num_top is not None and delta.logprobs is not None and delta.token_ids:
+                    logprobs = render.chat_logprobs(delta.token_ids, delta.logprobs, num_top)
+                if delta.text or logprobs is not None:
+                    yield chunk(
+                        render.chat_chunk_choice(o.index, {"content": delta.text}, logprobs)
+                    )
+                if delta.finish_reason is not None:
+                    yield chunk(
+                        render.chat_chunk_choice(
+                            o.index, {}, None, delta.finish_reason, delta.stop_reason
+                        )
+                    )
+    except RequestFailed as exc:
+        yield render.sse(failure_error(exc).body())
+        yield render.DONE
+        return
+    if with_usage:
+        yield render.sse(
+            render.usage_chunk(header, "chat.completion.chunk", usage_of(prompts, latest))
+        )
+    yield render.DONE

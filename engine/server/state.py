@@ -1,0 +1,111 @@
+"""What one HTTP app knows beyond the engine: settings, readiness, draining, in-flight requests."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from kvpilot.engine.server import errors
+from kvpilot.engine.server.async_engine import AsyncEngine, ModelInfo
+
+logger = logging.getLogger("kvpilot.server")
+
+
+@dataclass(frozen=True)
+class ServerSettings:
+    max_queue: int | None = None  # None: no limit on waiting requests
+    retry_after_s: int = 1  # the Retry-After a 429 carries
+    api_key: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.max_queue is not None and self.max_queue < 0:
+            raise ValueError(f"max_queue must be >= 0, got {self.max_queue}")
+        if self.retry_after_s < 1:
+            raise ValueError(f"retry_after_s must be >= 1, got {self.retry_after_s}")
+
+
+class InFlight:
+    """One admitted request: counted until released; `on_cut` ends it early at a drain timeout."""
+
+    def __init__(self, state: ServerState) -> None:
+        self._state = state
+        self.on_cut: Callable[[], None] | None = None
+
+    def release(self) -> None:
+        if self in self._state.in_flight:
+            self._state.in_flight.discard(self)
+            if self._state.engine.metrics is not None:
+                self._state.engine.metrics.num_requests_in_flight.dec()
+
+    def cut(self) -> None:
+        if self.on_cut is not None:
+            self.on_cut()
+
+
+class ServerState:
+    """Lives on the app's event loop: nothing here is touched from another thread."""
+
+    def __init__(self, engine: AsyncEngine, settings: ServerSettings | None = None) -> None:
+        self.engine = engine
+        self.settings = settings or ServerSettings()
+        self.draining = False
+        self.in_flight: set[InFlight] = set()
+
+    @property
+    def num_in_flight(self) -> int:
+        return len(self.in_flight)
+
+    @property
+    def is_ready(self) -> bool:
+        return self.engine.is_alive and not self.draining
+
+    def start_draining(self) -> None:
+        if not self.draining:
+            self.draining = True
+            if self.engine.metrics is not None:
+                self.engine.metrics.draining.set(1)
+            logger.info("draining: %d request(s) in flight; refusing new ones", self.num_in_flight)
+
+    def reject(self, reason: str, error: errors.APIError) -> errors.APIError:
+        if self.engine.metrics is not None:
+            self.engine.metrics.requests_rejected[reason].inc()
+        return error
+
+    def model_info(self) -> ModelInfo:
+        """The loaded model, or a 503 while it loads (or after the engine died)."""
+        if self.draining:
+            raise self.reject(
+                "draining",
+                errors.unavailable(
+                    "The server is shutting down; retry on another replica.", code="draining"
+                ),
+            )
+        if self.engine.info is None or not self.engine.is_loaded:
+            raise self.reject(
+                "loading", errors.unavailable("The model is still loading.", code="model_loading")
+            )
+        if not self.engine.is_alive:
+            raise errors.unavailable("The engine is not running.", code="engine_dead")
+        return self.engine.info
+
+    def check_queue(self) -> None:
+        max_queue = self.settings.max_queue
+        waiting = self.engine.num_waiting
+        if max_queue is not None and waiting >= max_queue:
+            raise self.reject(
+                "queue_full", errors.queue_full(waiting, max_queue, self.settings.retry_after_s)
+            )
+
+    def admit(self) -> InFlight:
+        """Count a request as in flight until its release() (idempotent)."""
+        ticket = InFlight(self)
+        self.in_flight.add(ticket)
+        if self.engine.metrics is not None:
+            self.engine.metrics.num_requests_in_flight.inc()
+        return ticket
+
+    def cut_all(self) -> None:
+        """End every in-flight request now, each with an error its client can read."""
+        for ticket in list(self.in_flight):
+            ticket.cut()

@@ -1,0 +1,136 @@
+"""ServerMetrics on a private registry: vLLM's exact names, both prefixes, deltas, latencies."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.metrics_core import Metric
+from prometheus_client.parser import text_string_to_metric_families
+
+from kvpilot.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from kvpilot.engine.server.metrics import EngineCounters, ServerMetrics, finished_reason
+
+# What KEDA recipes, the Gateway API Inference Extension and vLLM's Grafana dashboard read.
+VLLM_NAMES = {
+    "vllm:num_requests_waiting": "gauge",
+    "vllm:num_requests_running": "gauge",
+    "vllm:kv_cache_usage_perc": "gauge",
+    "vllm:gpu_cache_usage_perc": "gauge",
+    "vllm:prefix_cache_queries": "counter",
+    "vllm:prefix_cache_hits": "counter",
+    "vllm:num_preemptions": "counter",
+    "vllm:prompt_tokens": "counter",
+    "vllm:generation_tokens": "counter",
+    "vllm:request_success": "counter",
+    "vllm:time_to_first_token_seconds": "histogram",
+    "vllm:inter_token_latency_seconds": "histogram",
+    "vllm:time_per_output_token_seconds": "histogram",
+    "vllm:e2e_request_latency_seconds": "histogram",
+    "vllm:request_queue_time_seconds": "histogram",
+    "vllm:cache_config_info": "gauge",
+}
+
+
+def build(vllm_names: bool = True) -> tuple[ServerMetrics, CollectorRegistry]:
+    registry = CollectorRegistry()
+    metrics = ServerMetrics(
+        registry,
+        "m",
+        block_size=16,
+        num_gpu_blocks=100,
+        enable_prefix_caching=True,
+        vllm_names=vllm_names,
+    )
+    metrics.bind_engine_state(lambda: 3, lambda: 2, lambda: 0.25)
+    return metrics, registry
+
+
+def families(registry: CollectorRegistry) -> dict[str, Metric]:
+    text = generate_latest(registry).decode()
+    return {f.name: f for f in text_string_to_metric_families(text)}
+
+
+def sample(registry: CollectorRegistry, name: str, **labels: str) -> float:
+    value = registry.get_sample_value(name, {"model_name": "m", **labels})
+    assert value is not None, f"{name} {labels} is not exported"
+    return value
+
+
+def test_vllm_names_and_types_are_exact_and_mirrored_under_kvpilot() -> None:
+    _, registry = build()
+    found = families(registry)
+    for name, kind in VLLM_NAMES.items():
+        assert found[name].type == kind, name
+        if name != "vllm:gpu_cache_usage_perc":
+            own = "kvpilot:" + name.split(":", 1)[1]
+            assert found[own].type == kind, own
+    # Every sample carries model_name.
+    for family in found.values():
+        for s in family.samples:
+            assert s.labels.get("model_name") == "m", s
+
+
+def test_vllm_names_can_be_switched_off() -> None:
+    _, registry = build(vllm_names=False)
+    names = families(registry)
+    assert not [n for n in names if n.startswith("vllm:")]
+    assert "kvpilot:num_requests_waiting" in names
+
+
+def test_state_gauges_are_read_at_scrape_time_and_cache_info_is_labelled() -> None:
+    _, registry = build()
+    assert sample(registry, "vllm:num_requests_waiting") == 3
+    assert sample(registry, "kvpilot:num_requests_running") == 2
+    assert sample(registry, "vllm:kv_cache_usage_perc") == 0.25
+    assert sample(registry, "vllm:gpu_cache_usage_perc") == 0.25
+    info = {"block_size": "16", "num_gpu_blocks": "100", "enable_prefix_caching": "True"}
+    assert sample(registry, "vllm:cache_config_info", **info) == 1
+
+
+def test_counters_follow_cumulative_engine_stats_by_delta() -> None:
+    metrics, registry = build()
+    metrics.record_counters(EngineCounters(40, 16, 0, 40, 5))
+    metrics.record_counters(EngineCounters(80, 48, 1, 80, 12))
+    assert sample(registry, "vllm:prefix_cache_queries_total") == 80
+    assert sample(registry, "vllm:prefix_cache_hits_total") == 48
+    assert sample(registry, "kvpilot:prefix_cache_hits_total") == 48
+    assert sample(registry, "vllm:num_preemptions_total") == 1
+    assert sample(registry, "vllm:prompt_tokens_total") == 80
+    assert sample(registry, "vllm:generation_tokens_total") == 12
+
+
+def test_finished_request_latencies() -> None:
+    metrics, registry = build()
+    output = RequestOutput(
+        request_id="r",
+        prompt=None,
+        prompt_token_ids=[1, 2],
+        outputs=[CompletionOutput(0, "abc", [5, 6, 7, 8, 9], finish_reason="length")],
+        finished=True,
+        metrics=RequestMetrics(
+            arrival_time=10.0,
+            first_scheduled_time=10.5,
+            first_token_time=11.0,
+            last_token_time=13.0,
+            finished_time=13.0,
+        ),
+    )
+    metrics.record_finished(output, finished_reason(output))
+    assert sample(registry, "vllm:request_success_total", finished_reason="length") == 1
+    assert sample(registry, "vllm:request_success_total", finished_reason="stop") == 0
+    assert sample(registry, "vllm:time_to_first_token_seconds_sum") == 1.0
+    assert sample(registry, "vllm:request_queue_time_seconds_sum") == 0.5
+    assert sample(registry, "vllm:e2e_request_latency_seconds_sum") == 3.0
+    # (13 - 11) s over the 4 tokens after the first.
+    assert sample(registry, "vllm:time_per_output_token_seconds_sum") == 0.5
+    assert sample(registry, "vllm:time_to_first_token_seconds_bucket", le="1.0") == 1
+    assert sample(registry, "vllm:time_to_first_token_seconds_bucket", le="0.75") == 0
+
+
+def test_finished_reason_of_n_choices() -> None:
+    def out(*reasons: str) -> RequestOutput:
+        choices = [CompletionOutput(i, "", [], finish_reason=r) for i, r in enumerate(reasons)]
+        return RequestOutput("r", None, [], choices, finished=True)
+
+    assert finished_reason(out("stop", "stop")) == "stop"
+    assert finished_reason(out("stop", "length")) == "length"
+    assert finished_reason(out("length", "abort")) == "abort"
