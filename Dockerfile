@@ -43,5 +43,5 @@ ENV PATH=/opt/venv/bin:$PATH \
 USER 10001:10001
 WORKDIR /home/kvpilot
 # 8000: the engine's OpenAI API, /ready, /health, /metrics. 8080: the operator's /healthz.
-EXPOSE 8000 8080
+EXPOSE 8000 8080 8081
 CMD ["kvpilot", "--help"]

@@ -8,15 +8,20 @@ See operator/README.md ("End-to-end tests") for k3d and the knobs below.
 
 from __future__ import annotations
 
+import contextlib
 import os
+import time
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
+CHART = ROOT / "charts" / "kvpilot"
+GROUP, VERSION, PLURAL = "kvpilot.dev", "v1alpha1", "inferenceservices"
 SKIP_REASON = (
     "needs a real Kubernetes cluster: set KUBECONFIG (kind or k3d; see operator/README.md, "
     "'End-to-end tests')"
@@ -60,3 +65,49 @@ def kube() -> Iterator[object]:
     api = client.ApiClient()
     yield api
     api.close()
+
+
+@pytest.fixture(scope="session")
+def apis(kube: Any) -> dict[str, Any]:
+    from kubernetes import client
+
+    return {
+        "core": client.CoreV1Api(kube),
+        "apps": client.AppsV1Api(kube),
+        "custom": client.CustomObjectsApi(kube),
+        "ext": client.ApiextensionsV1Api(kube),
+    }
+
+
+@pytest.fixture(scope="session")
+def release(e2e: E2ESettings, apis: dict[str, Any]) -> Iterator[str]:
+    """The chart installed by real Helm (helm-python-sdk), watching the test namespace only."""
+    import helm_python as helm
+    from kubernetes import client
+
+    apis["core"].create_namespace(
+        client.V1Namespace(metadata=client.V1ObjectMeta(name=e2e.namespace))
+    )
+    repository, _, tag = e2e.image.rpartition(":")
+    values = {
+        "image": {"repository": repository, "tag": tag, "pullPolicy": e2e.pull_policy},
+        "watchNamespaces": [e2e.namespace],
+        "resyncSeconds": 5,
+        "logLevel": "debug",
+    }
+    with helm.Config(
+        kubeconfig_path=os.environ["KUBECONFIG"], namespace=e2e.operator_namespace
+    ) as cfg:
+        cfg.install(CHART, "kvpilot", values, create_namespace=True, wait="watcher", timeout=300)
+        try:
+            yield "kvpilot"
+        finally:
+            with contextlib.suppress(Exception):
+                apis["custom"].delete_collection_namespaced_custom_object(
+                    GROUP, VERSION, e2e.namespace, PLURAL
+                )
+            time.sleep(5)  # let the operator release its finalizers before it goes
+            cfg.uninstall("kvpilot", wait="watcher", timeout=300, ignore_not_found=True)
+            for namespace in (e2e.namespace, e2e.operator_namespace):
+                with contextlib.suppress(Exception):
+                    apis["core"].delete_namespace(namespace)

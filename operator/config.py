@@ -4,10 +4,17 @@ from __future__ import annotations
 
 import argparse
 import re
+import urllib.parse
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from kvpilot.operator.constants import DEFAULT_ANNOTATION_PREFIX, DEFAULT_ENGINE_IMAGE
+from kvpilot.operator.constants import (
+    DEFAULT_ANNOTATION_PREFIX,
+    DEFAULT_ENGINE_IMAGE,
+    DEFAULT_LIVENESS_PORT,
+    DEFAULT_METRICS_PORT,
+    ENGINE_PORT,
+)
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
 _DNS_SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
@@ -26,8 +33,18 @@ class OperatorConfig:
     # How often every InferenceService is re-read and its status refreshed even if nothing we
     # watch changed (pods crash-looping change no Deployment field).
     resync_seconds: float = 30.0
-    liveness_endpoint: str | None = "http://0.0.0.0:8080/healthz"
+    liveness_endpoint: str | None = f"http://0.0.0.0:{DEFAULT_LIVENESS_PORT}/healthz"
     max_workers: int = 8
+    # The autoscaler's timer fires this often for every InferenceService with spec.autoscaling;
+    # a spec's autoscaling.intervalSeconds can space its decisions further apart, not closer.
+    autoscale_interval_seconds: float = 5.0
+    # One scrape of an engine pod's /metrics may take this long before the pod counts as missing.
+    scrape_timeout_seconds: float = 1.0
+    # The operator's own Prometheus /metrics on 0.0.0.0:PORT; 0 serves none.
+    metrics_port: int = DEFAULT_METRICS_PORT
+    # The engine pods' port the autoscaler scrapes: the engine's, always, in a cluster. A setting
+    # so that tests can serve many fake pods' /metrics on loopback without owning port 8000.
+    engine_metrics_port: int = ENGINE_PORT
 
     def __post_init__(self) -> None:
         for namespace in self.namespaces:
@@ -48,10 +65,35 @@ class OperatorConfig:
             raise ValueError(f"resync seconds must be > 0, got {self.resync_seconds}")
         if self.max_workers < 1:
             raise ValueError(f"max workers must be >= 1, got {self.max_workers}")
+        if not self.autoscale_interval_seconds > 0:
+            raise ValueError(
+                f"autoscale interval must be > 0 seconds, got {self.autoscale_interval_seconds}"
+            )
+        if not self.scrape_timeout_seconds > 0:
+            raise ValueError(
+                f"scrape timeout must be > 0 seconds, got {self.scrape_timeout_seconds}"
+            )
+        if not 0 <= self.metrics_port <= 65535:
+            raise ValueError(f"metrics port must be in [0, 65535], got {self.metrics_port}")
+        if self.metrics_port and self.metrics_port == _port_of(self.liveness_endpoint):
+            raise ValueError(
+                f"metrics port {self.metrics_port} is the liveness endpoint's: use another, or 0"
+            )
+        if not 1 <= self.engine_metrics_port <= 65535:
+            raise ValueError(
+                f"engine metrics port must be in [1, 65535], got {self.engine_metrics_port}"
+            )
 
     @property
     def is_clusterwide(self) -> bool:
         return not self.namespaces
+
+
+def _port_of(url: str | None) -> int | None:
+    try:
+        return urllib.parse.urlsplit(url).port if url else None
+    except ValueError:
+        return None  # kopf reports a malformed endpoint itself
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -93,12 +135,33 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--liveness-endpoint",
         help="kopf's liveness endpoint, or 'none' (env KVPILOT_LIVENESS_ENDPOINT; default "
-        "http://0.0.0.0:8080/healthz)",
+        f"http://0.0.0.0:{DEFAULT_LIVENESS_PORT}/healthz)",
     )
     parser.add_argument(
         "--max-workers",
         type=int,
         help="threads running reconciles (env KVPILOT_MAX_WORKERS; default 8)",
+    )
+    parser.add_argument(
+        "--autoscale-interval",
+        type=float,
+        metavar="SECONDS",
+        help="how often the autoscaler looks at each InferenceService with spec.autoscaling "
+        "(env KVPILOT_AUTOSCALE_INTERVAL; default 5)",
+    )
+    parser.add_argument(
+        "--scrape-timeout",
+        type=float,
+        metavar="SECONDS",
+        help="timeout of one scrape of an engine pod's /metrics (env KVPILOT_SCRAPE_TIMEOUT; "
+        "default 1)",
+    )
+    parser.add_argument(
+        "--metrics-port",
+        type=int,
+        metavar="PORT",
+        help="serve the operator's own Prometheus /metrics on this port, 0 for none "
+        f"(env KVPILOT_METRICS_PORT; default {DEFAULT_METRICS_PORT})",
     )
     return parser
 
@@ -130,6 +193,14 @@ def config_from(argv: list[str], env: Mapping[str, str]) -> OperatorConfig:
     for field, flag, name, convert in (
         ("resync_seconds", args.resync_seconds, "KVPILOT_RESYNC_SECONDS", float),
         ("max_workers", args.max_workers, "KVPILOT_MAX_WORKERS", int),
+        (
+            "autoscale_interval_seconds",
+            args.autoscale_interval,
+            "KVPILOT_AUTOSCALE_INTERVAL",
+            float,
+        ),
+        ("scrape_timeout_seconds", args.scrape_timeout, "KVPILOT_SCRAPE_TIMEOUT", float),
+        ("metrics_port", args.metrics_port, "KVPILOT_METRICS_PORT", int),
     ):
         value = given(flag, name)
         if value is not None:

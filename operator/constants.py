@@ -54,5 +54,9 @@ ENGINE_UID = 10001
 PRESTOP_SLEEP_SECONDS = 5
 TERMINATION_MARGIN_SECONDS = 10
 
+# The operator's own ports: kopf's liveness endpoint, and its Prometheus /metrics.
+DEFAULT_LIVENESS_PORT = 8080
+DEFAULT_METRICS_PORT = 8081
+
 DEFAULT_ENGINE_IMAGE = "ghcr.io/kvpilot/kvpilot:0.1.0"
 DEFAULT_ANNOTATION_PREFIX = GROUP

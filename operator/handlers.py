@@ -1,4 +1,4 @@
-"""kopf wiring: thin handlers, each one line over Reconciler.reconcile.
+"""kopf wiring: thin handlers, each one line over Reconciler.reconcile or Autoscaler.run.
 
 `build_registry(config)` returns a registry of its own (no module-level handler state), so the
 CLI, tests and embedders each run exactly the handlers they built.
@@ -6,6 +6,7 @@ CLI, tests and embedders each run exactly the handlers they built.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 from collections.abc import Callable, Mapping
@@ -13,6 +14,9 @@ from typing import Any
 
 import kopf
 
+from kvpilot.operator.autoscaler import Autoscaler
+from kvpilot.operator.autoscaling.metrics import OperatorMetrics
+from kvpilot.operator.autoscaling.scrape import MetricsScraper
 from kvpilot.operator.config import OperatorConfig
 from kvpilot.operator.constants import (
     GROUP,
@@ -28,6 +32,7 @@ logger = logging.getLogger(__name__)
 
 # Retries of a failed reconcile wait 2, 4, 8 ... seconds, at most this long.
 MAX_RETRY_DELAY_SECONDS = 120.0
+TIMER_EXIT_SECONDS = 5.0
 
 
 def retry_delay(retry: int) -> float:
@@ -57,6 +62,9 @@ def configure_kopf(settings: kopf.OperatorSettings, config: OperatorConfig) -> N
     # A deleted InferenceService keeps its finalizer until its resync timer has exited; kopf
     # checks on an exiting timer this often (its default, 60 s, would hold every deletion).
     settings.background.cancellation_polling = 1.0
+    # When the operator stops (or an object goes), let a tick in flight finish its scrapes and
+    # writes instead of orphaning it half-way (kopf's default waits for no running timer).
+    settings.background.instant_exit_timeout = TIMER_EXIT_SECONDS
     # Server-side watch timeouts make kopf reconnect now and then, so a silently dead
     # connection (a load balancer dropping it) never leaves the operator deaf.
     settings.watching.server_timeout = 300
@@ -65,15 +73,31 @@ def configure_kopf(settings: kopf.OperatorSettings, config: OperatorConfig) -> N
     settings.networking.connect_timeout = 10
 
 
-def build_registry(config: OperatorConfig, api: KubeApi | None = None) -> kopf.OperatorRegistry:
-    """All handlers of the operator. `api` defaults to a client connected at startup."""
+def is_autoscaled(spec: kopf.Spec, **_: Any) -> bool:
+    """kopf filter: the autoscaler's timer runs only for InferenceServices with autoscaling."""
+    return bool(spec.get("autoscaling"))
+
+
+class _Parts:
+    """What the handlers share, built at startup inside kopf's event loop."""
+
+    reconciler: Reconciler
+    autoscaler: Autoscaler
+    scraper: MetricsScraper | None = None
+
+
+def build_registry(
+    config: OperatorConfig,
+    api: KubeApi | None = None,
+    metrics: OperatorMetrics | None = None,
+) -> kopf.OperatorRegistry:
+    """All handlers of the operator. `api` defaults to a client connected at startup; `metrics`
+    (on a registry the caller serves) records reconcile durations and the autoscaler's work."""
     registry = kopf.OperatorRegistry()
-    state: dict[str, Reconciler] = {}
-    if api is not None:
-        state["reconciler"] = Reconciler(api, config, post_kopf_event)
+    parts = _Parts()
 
     def reconciler() -> Reconciler:
-        return state["reconciler"]
+        return parts.reconciler
 
     # A registry of our own has no login handlers: use kopf's for the kubernetes client (in-cluster
     # service account, else kubeconfig), which also re-logs in when a token expires.
@@ -81,12 +105,27 @@ def build_registry(config: OperatorConfig, api: KubeApi | None = None) -> kopf.O
 
     # Explicit ids: kopf names its progress annotations after them (`<prefix>/reconcile`).
     @kopf.on.startup(id="startup", registry=registry)
-    def operator_startup(settings: kopf.OperatorSettings, **_: Any) -> None:
+    async def operator_startup(settings: kopf.OperatorSettings, **_: Any) -> None:
         configure_kopf(settings, config)
-        if "reconciler" not in state:
-            state["reconciler"] = Reconciler(KubeApi(connect()), config, post_kopf_event)
+        kube = api if api is not None else KubeApi(await asyncio.to_thread(connect))
+        parts.reconciler = Reconciler(kube, config, post_kopf_event, metrics=metrics)
+        # The scraper's pooled HTTP client belongs to this event loop: made here, closed below.
+        parts.scraper = MetricsScraper(timeout_s=config.scrape_timeout_seconds)
+        parts.autoscaler = Autoscaler(
+            kube,
+            parts.reconciler,
+            parts.scraper,
+            post_kopf_event,
+            metrics=metrics,
+            engine_metrics_port=config.engine_metrics_port,
+        )
         scope = ", ".join(config.namespaces) or "all namespaces"
         logger.info("kvpilot operator watching %s; engine image %s", scope, config.engine_image)
+
+    @kopf.on.cleanup(id="cleanup", registry=registry)
+    async def operator_cleanup(**_: Any) -> None:
+        if parts.scraper is not None:
+            await parts.scraper.aclose()
 
     @kopf.on.resume(GROUP, VERSION, PLURAL, id="reconcile", registry=registry)
     @kopf.on.create(GROUP, VERSION, PLURAL, id="reconcile", registry=registry)
@@ -99,6 +138,20 @@ def build_registry(config: OperatorConfig, api: KubeApi | None = None) -> kopf.O
     )
     def inferenceservice_resync(body: kopf.Body, retry: int, **_: Any) -> None:
         run_reconcile(lambda: reconciler().reconcile(body), retry)
+
+    # sharp: ticks on a fixed grid, not `interval` after the previous tick's scrapes ended.
+    @kopf.timer(
+        GROUP,
+        VERSION,
+        PLURAL,
+        id="autoscale",
+        interval=config.autoscale_interval_seconds,
+        sharp=True,
+        when=is_autoscaled,
+        registry=registry,
+    )
+    async def inferenceservice_autoscale(body: kopf.Body, **_: Any) -> None:
+        await parts.autoscaler.run(body)
 
     child_filter = {LABEL_MANAGED_BY: MANAGED_BY}
 

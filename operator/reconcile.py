@@ -6,13 +6,15 @@ Idempotent: running it twice in a row changes nothing the second time (no API wr
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import logging
 import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from kvpilot.operator.autoscaling.metrics import OperatorMetrics
 from kvpilot.operator.builders import (
     Owner,
     build_deployment,
@@ -82,11 +84,13 @@ class Reconciler:
         config: OperatorConfig,
         post_event: PostEvent,
         clock: Callable[[], datetime.datetime] | None = None,
+        metrics: OperatorMetrics | None = None,
     ) -> None:
         self._api = api
         self._config = config
         self._post_event = post_event
         self._clock = clock or (lambda: datetime.datetime.now(datetime.timezone.utc))
+        self._metrics = metrics
         self._locks: dict[tuple[str, str], threading.Lock] = {}
         self._locks_guard = threading.Lock()
 
@@ -108,33 +112,52 @@ class Reconciler:
         return None
 
     def reconcile_named(self, namespace: str, name: str, uid: str | None = None) -> Outcome:
-        with self._lock(namespace, name):
+        with self._lock(namespace, name), self._timed():
             # Always from the API, never the caller's copy: kopf hands timers and handlers the
             # body they were triggered with, and a reconcile queued behind another on the lock
             # must see the status that one wrote.
             body = self._api.get_inferenceservice(namespace, name)
             if body is None:
+                self._forget_metrics(namespace, name)
                 return Outcome()
             metadata = body["metadata"]
-            if (uid is not None and metadata.get("uid") != uid) or metadata.get(
-                "deletionTimestamp"
-            ):
-                return Outcome()  # gone or going: the garbage collector removes the children
+            if uid is not None and metadata.get("uid") != uid:
+                return Outcome()  # a namesake: its own events reconcile it
+            if metadata.get("deletionTimestamp"):
+                # Going: the garbage collector removes the children.
+                self._forget_metrics(namespace, name)
+                return Outcome()
             return self._reconcile(body)
+
+    @contextlib.contextmanager
+    def _timed(self) -> Iterator[None]:
+        if self._metrics is None:
+            yield
+            return
+        with self._metrics.reconcile_duration.time():
+            yield
+
+    def _forget_metrics(self, namespace: str, name: str) -> None:
+        """Drops the autoscaler's series of an InferenceService that is gone or stopped scaling."""
+        if self._metrics is not None:
+            self._metrics.forget(namespace, name)
 
     def apply_scale(
         self,
         namespace: str,
         name: str,
-        replicas: int,
+        replicas: int | None,
         status_patch: Mapping[str, Any] | None = None,
     ) -> int | None:
         """The autoscaler's hook: set the Deployment's replicas (and write the autoscaler's own
         status keys), under this object's lock so that no reconcile interleaves.
 
         Only for an InferenceService with a valid spec.autoscaling and a Deployment it controls;
-        the count is clamped into [minReplicas, maxReplicas]. Returns the replicas applied, or
-        None when refused. Reconcile keeps whatever count this sets (see replicas_for).
+        the count is clamped into [minReplicas, maxReplicas] (replicas None keeps the live count,
+        clamped). Returns the replicas applied, or None when refused (nothing written). Reconcile
+        keeps whatever count this sets (see replicas_for). The status patch gets
+        desiredReplicas = the count applied, which is what reconcile reports too: the two never
+        rewrite each other's value.
         """
         with self._lock(namespace, name):
             body = self._api.get_inferenceservice(namespace, name)
@@ -152,11 +175,17 @@ class Reconciler:
             ):
                 return None
             bounds = spec.autoscaling
-            bounded = min(max(replicas, bounds.min_replicas), bounds.max_replicas)
-            if (live.get("spec") or {}).get("replicas") != bounded:
+            current = (live.get("spec") or {}).get("replicas")
+            wanted = current if replicas is None else replicas
+            if wanted is None:
+                wanted = bounds.min_replicas
+            bounded = min(max(wanted, bounds.min_replicas), bounds.max_replicas)
+            if current != bounded:
                 self._api.scale_deployment(namespace, name, bounded)
             if status_patch:
-                self._api.patch_inferenceservice_status(namespace, name, dict(status_patch))
+                self._api.patch_inferenceservice_status(
+                    namespace, name, {**status_patch, "desiredReplicas": bounded}
+                )
             return bounded
 
     def _reconcile(self, body: Mapping[str, Any]) -> Outcome:
@@ -222,6 +251,7 @@ class Reconciler:
         status = build_status(previous, observed, self._clock())
         if spec.autoscaling is None and previous.get("autoscaling") is not None:
             status["autoscaling"] = None  # a merge patch deletes the autoscaler's stale state
+            self._forget_metrics(namespace, name)
         self._write_status(body, previous, status)
         return Outcome()
 

@@ -1,7 +1,9 @@
 """spec.autoscaling: the knobs of the queue-depth and KV-cache autoscaler.
 
-The autoscaler (operator/autoscaling/) owns the defaults; the descriptions quote them, so
-`kubectl explain` shows the numbers in force.
+The autoscaler (operator/autoscaling/policy.py) owns the defaults and the rules: the descriptions
+quote its defaults (so `kubectl explain` shows the numbers in force), the CEL rules embed them
+(so the API server checks cross-field limits when a field is left out), and the model validates
+through AutoscalingPolicy itself (so a spec accepted here never fails at tick time).
 """
 
 from __future__ import annotations
@@ -18,6 +20,35 @@ _AUTOSCALER_DEFAULTS = {field.name: field.default for field in dataclass_fields(
 
 def _autoscaler_default(name: str) -> str:
     return f" Default: {_AUTOSCALER_DEFAULTS[name]:g}."
+
+
+def _or_default(key: str, name: str) -> str:
+    """CEL: the field as a double, or the autoscaler's default where it is left out."""
+    return f"(has(self.{key}) ? double(self.{key}) : {float(_AUTOSCALER_DEFAULTS[name])!r})"
+
+
+# What the API server can check across fields, with the defaults filled in (AutoscalingPolicy
+# enforces the same and more; tests/operator/test_crd.py checks that both agree).
+CEL_RULES = [
+    {
+        "rule": "!has(self.minReplicas) || self.minReplicas <= self.maxReplicas",
+        "message": "autoscaling.minReplicas must be <= autoscaling.maxReplicas",
+    },
+    {
+        "rule": f"{_or_default('panicWindowSeconds', 'panic_window_s')}"
+        f" <= {_or_default('stableWindowSeconds', 'stable_window_s')}",
+        "message": "autoscaling.panicWindowSeconds must be <= autoscaling.stableWindowSeconds"
+        f" (defaults {_AUTOSCALER_DEFAULTS['panic_window_s']:g} and"
+        f" {_AUTOSCALER_DEFAULTS['stable_window_s']:g})",
+    },
+    {
+        "rule": f"{_or_default('panicThreshold', 'panic_threshold')}"
+        f" > 1.0 + {_or_default('tolerance', 'tolerance')}",
+        "message": "autoscaling.panicThreshold must be > 1 + autoscaling.tolerance"
+        f" (defaults {_AUTOSCALER_DEFAULTS['panic_threshold']:g} and"
+        f" {_AUTOSCALER_DEFAULTS['tolerance']:g})",
+    },
+]
 
 
 class ScaleUp(KubeModel):
@@ -63,16 +94,7 @@ class ScaleDown(KubeModel):
 class AutoscalingSpec(KubeModel):
     """Queue-depth and KV-cache driven autoscaling (exclusive with spec.replicas)."""
 
-    model_config = ConfigDict(
-        json_schema_extra={
-            "x-kubernetes-validations": [
-                {
-                    "rule": "!has(self.minReplicas) || self.minReplicas <= self.maxReplicas",
-                    "message": "autoscaling.minReplicas must be <= autoscaling.maxReplicas",
-                }
-            ]
-        }
-    )
+    model_config = ConfigDict(json_schema_extra={"x-kubernetes-validations": CEL_RULES})
 
     min_replicas: int = Field(
         default=1, ge=1, description="Fewest replicas (scale to zero is not supported)."
@@ -95,7 +117,8 @@ class AutoscalingSpec(KubeModel):
     interval_seconds: float | None = Field(
         default=None,
         gt=0,
-        description="Seconds between two decisions." + _autoscaler_default("interval_s"),
+        description="Seconds between two decisions; the operator's --autoscale-interval is the"
+        " shortest possible." + _autoscaler_default("interval_s"),
     )
     stable_window_seconds: float | None = Field(
         default=None,
@@ -135,4 +158,11 @@ class AutoscalingSpec(KubeModel):
             raise ValueError(
                 f"minReplicas ({self.min_replicas}) must be <= maxReplicas ({self.max_replicas})"
             )
+        # The autoscaler's own checks (panic window <= stable window, panicThreshold > 1 +
+        # tolerance ...), defaults filled in: a bad combination is InvalidSpec now, at reconcile,
+        # and never an error the autoscaler meets at tick time.
+        try:
+            AutoscalingPolicy.from_spec(self.model_dump(by_alias=True, exclude_none=True))
+        except ValueError as error:
+            raise ValueError(str(error).removeprefix("autoscaling: ")) from None
         return self

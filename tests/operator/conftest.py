@@ -77,27 +77,37 @@ def operator_config() -> OperatorConfig:
         resync_seconds=1.0,
         liveness_endpoint=f"http://127.0.0.1:{free_port()}/healthz",
         max_workers=4,
+        metrics_port=free_port(),
     )
+
+
+async def start_operator(config: OperatorConfig) -> RunningOperator:
+    """The operator as `kvpilot operator` runs it, in a thread (the test loop serves the API)."""
+    stop, ready = threading.Event(), threading.Event()
+    thread = threading.Thread(
+        target=run_operator,
+        args=(config,),
+        kwargs={"stop_flag": stop, "ready_flag": ready},
+        daemon=True,
+    )
+    thread.start()
+    assert await asyncio.to_thread(ready.wait, 20), "the operator did not get ready"
+    return RunningOperator(config, thread, stop)
+
+
+async def stop_operator(running: RunningOperator) -> None:
+    running.stop.set()
+    await asyncio.to_thread(running.thread.join, 20)
+    assert not running.thread.is_alive(), "the operator did not stop"
 
 
 @pytest.fixture()
 async def operator(
     kubeconfig: Path, operator_config: OperatorConfig
 ) -> AsyncIterator[RunningOperator]:
-    """The operator as `kvpilot operator` runs it, in a thread (the test loop serves the API)."""
-    stop, ready = threading.Event(), threading.Event()
-    thread = threading.Thread(
-        target=run_operator,
-        args=(operator_config,),
-        kwargs={"stop_flag": stop, "ready_flag": ready},
-        daemon=True,
-    )
-    thread.start()
-    assert await asyncio.to_thread(ready.wait, 20), "the operator did not get ready"
-    yield RunningOperator(operator_config, thread, stop)
-    stop.set()
-    await asyncio.to_thread(thread.join, 20)
-    assert not thread.is_alive(), "the operator did not stop"
+    running = await start_operator(operator_config)
+    yield running
+    await stop_operator(running)
 
 
 async def eventually(

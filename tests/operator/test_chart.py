@@ -35,7 +35,16 @@ def test_default_render_is_one_recreate_replica_with_a_liveness_probe() -> None:
     assert container["command"] == ["kvpilot", "operator"]
     assert container["image"] == "ghcr.io/kvpilot/kvpilot:0.1.0"
     assert container["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "health"}
-    assert container["ports"] == [{"name": "health", "containerPort": 8080, "protocol": "TCP"}]
+    assert container["ports"] == [
+        {"name": "health", "containerPort": 8080, "protocol": "TCP"},
+        {"name": "metrics", "containerPort": 8081, "protocol": "TCP"},
+    ]
+    annotations = deployment["spec"]["template"]["metadata"]["annotations"]
+    assert annotations == {
+        "prometheus.io/scrape": "true",
+        "prometheus.io/port": "8081",
+        "prometheus.io/path": "/metrics",
+    }
     assert pod["securityContext"]["runAsNonRoot"] is True
     (account,) = of_kind(docs, "ServiceAccount")
     assert pod["serviceAccountName"] == account["metadata"]["name"]
@@ -62,6 +71,22 @@ def test_rendered_arguments_parse_with_the_real_cli() -> None:
     assert config.log_level == "info"
     assert config.liveness_endpoint == "http://0.0.0.0:8080/healthz"
     assert config.resync_seconds == 30
+    assert config.autoscale_interval_seconds == 5
+    assert config.scrape_timeout_seconds == 1
+    assert config.metrics_port == 8081
+
+
+def test_metrics_can_be_turned_off_or_moved() -> None:
+    docs = render({"metricsPort": 0, "podAnnotations": {"team": "ml"}})
+    (deployment,) = of_kind(docs, "Deployment")
+    template = deployment["spec"]["template"]
+    assert template["metadata"]["annotations"] == {"team": "ml"}
+    assert [p["name"] for p in template["spec"]["containers"][0]["ports"]] == ["health"]
+    assert operator_config({"metricsPort": 0}).metrics_port == 0
+    (deployment,) = of_kind(render({"metricsPort": 9100}), "Deployment")
+    assert deployment["spec"]["template"]["metadata"]["annotations"]["prometheus.io/port"] == "9100"
+    with pytest.raises(helm.HelmRenderError, match="metricsPort and livenessPort must differ"):
+        render({"metricsPort": 8080})
 
 
 def test_values_reach_the_operator() -> None:
@@ -74,8 +99,12 @@ def test_values_reach_the_operator() -> None:
             "logFormat": "json",
             "annotationPrefix": "ml.example.com",
             "resyncSeconds": 10,
+            "autoscaler": {"intervalSeconds": 2, "scrapeTimeoutSeconds": 0.5},
+            "metricsPort": 9100,
         }
     )
+    assert (config.autoscale_interval_seconds, config.scrape_timeout_seconds) == (2, 0.5)
+    assert config.metrics_port == 9100
     assert config.namespaces == ("team-a", "team-b")
     assert config.engine_image == "mirror.example/kvpilot:gpu"
     assert (config.log_level, config.log_format) == ("debug", "json")
@@ -94,6 +123,8 @@ def test_watched_namespaces_get_role_bindings_instead_of_a_cluster_binding() -> 
 def test_values_schema_rejects_bad_values() -> None:
     with helm.Chart.load(CHART) as chart, pytest.raises(helm.HelmValuesError, match="logLevel"):
         chart.validate_schema({"logLevel": "loud"})
+    with helm.Chart.load(CHART) as chart, pytest.raises(helm.HelmValuesError, match="metricsPort"):
+        chart.validate_schema({"metricsPort": -1})
     report = helm.lint(CHART, {"watchNamespaces": ["Not_A_Namespace"]}, strict=True)
     assert report["errors"], report
 

@@ -1,13 +1,19 @@
 from __future__ import annotations
 
+import socket
 import subprocess
 import sys
 
+import httpx
 import pytest
+from prometheus_client import CollectorRegistry
 
-from kvpilot.operator.cli import main
+from kvpilot.operator.autoscaling.metrics import OperatorMetrics
+from kvpilot.operator.cli import MetricsPortError, main, serving_metrics
 from kvpilot.operator.config import OperatorConfig, config_from
 from kvpilot.operator.handlers import retry_delay
+
+from .conftest import free_port
 
 
 def test_defaults() -> None:
@@ -34,6 +40,8 @@ def test_environment_then_flags() -> None:
     assert from_env.resync_seconds == 12.5
     assert from_env.annotation_prefix == "ml.example.com"
     assert from_env.liveness_endpoint is None
+    assert from_env.autoscale_interval_seconds == 5.0
+    assert from_env.metrics_port == 8081
     flags = config_from(["-n", "c", "--namespace=d,e", "--engine-image", "flag:2"], env)
     assert flags.namespaces == ("c", "d", "e")
     assert flags.engine_image == "flag:2"
@@ -48,6 +56,11 @@ def test_environment_then_flags() -> None:
         (["--namespace", "Bad_NS"], {}, "is not a valid namespace name"),
         (["--resync-seconds", "0"], {}, "resync seconds must be > 0"),
         ([], {"KVPILOT_LOG_LEVEL": "loud"}, "log level 'loud'"),
+        (["--autoscale-interval", "0"], {}, "autoscale interval must be > 0 seconds"),
+        ([], {"KVPILOT_SCRAPE_TIMEOUT": "-1"}, "scrape timeout must be > 0 seconds"),
+        (["--metrics-port", "70000"], {}, r"metrics port must be in \[0, 65535\]"),
+        (["--metrics-port", "8080"], {}, "metrics port 8080 is the liveness endpoint's"),
+        ([], {"KVPILOT_METRICS_PORT": "eighty"}, "KVPILOT_METRICS_PORT must be a number"),
     ],
 )
 def test_bad_settings_are_refused_clearly(
@@ -55,6 +68,40 @@ def test_bad_settings_are_refused_clearly(
 ) -> None:
     with pytest.raises(ValueError, match=message):
         config_from(argv, env)
+
+
+def test_autoscaler_and_metrics_settings_from_flags_and_environment() -> None:
+    env = {"KVPILOT_AUTOSCALE_INTERVAL": "2.5", "KVPILOT_METRICS_PORT": "9100"}
+    from_env = config_from([], env)
+    assert (from_env.autoscale_interval_seconds, from_env.metrics_port) == (2.5, 9100)
+    flags = config_from(["--autoscale-interval", "10", "--scrape-timeout", "0.5"], env)
+    assert (flags.autoscale_interval_seconds, flags.scrape_timeout_seconds) == (10, 0.5)
+    assert config_from(["--metrics-port", "0"], env).metrics_port == 0  # no metrics server
+
+
+def test_the_metrics_server_serves_the_registry_it_is_given_and_stops() -> None:
+    registry = CollectorRegistry()
+    metrics = OperatorMetrics(registry)
+    metrics.scale_decisions.labels("ns", "chat", "up").inc()
+    port = free_port()
+    with serving_metrics(port, registry):
+        text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=5, trust_env=False).text
+    assert 'kvpilot_operator_scale_decisions_total{direction="up"' in text
+    assert "python_gc_objects_collected_total" not in text  # not the global registry
+    with pytest.raises(httpx.ConnectError):
+        httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=5, trust_env=False)
+
+
+def test_a_taken_metrics_port_is_a_clear_error() -> None:
+    with socket.socket() as taken:
+        taken.bind(("0.0.0.0", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        with (
+            pytest.raises(MetricsPortError, match=f"cannot serve metrics on port {port}"),
+            serving_metrics(port, CollectorRegistry()),
+        ):
+            pass
 
 
 def test_main_exit_codes(capsys: pytest.CaptureFixture[str]) -> None:
@@ -72,6 +119,7 @@ def test_the_operator_never_imports_torch() -> None:
         "from kvpilot.operator.cli import main\n"
         "assert main(['--help']) == 0\n"
         "import kvpilot.operator.handlers, kvpilot.operator.reconcile, kvpilot.operator.crdgen\n"
+        "import kvpilot.operator.autoscaler\n"
         "assert 'torch' not in sys.modules, 'torch was imported'\n"
     )
     result = subprocess.run(

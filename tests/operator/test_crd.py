@@ -152,6 +152,16 @@ BAD = [
         "minReplicas (4) must be <= maxReplicas (2)",
     ),
     (
+        {"autoscaling": {"maxReplicas": 2, "panicWindowSeconds": 30}},
+        "autoscaling.panicWindowSeconds must be <= autoscaling.stableWindowSeconds",
+        "spec.autoscaling: need 0 < panicWindowSeconds (30.0) <= stableWindowSeconds (20.0)",
+    ),
+    (
+        {"autoscaling": {"maxReplicas": 2, "tolerance": 0.5, "panicThreshold": 1.2}},
+        "autoscaling.panicThreshold must be > 1 + autoscaling.tolerance",
+        "spec.autoscaling: panicThreshold (1.2) must exceed 1 + tolerance (1.5)",
+    ),
+    (
         {"replica": 1},
         "Additional properties are not allowed ('replica' was unexpected)",
         "Extra inputs",
@@ -194,6 +204,15 @@ AGREEMENT = [
     {"autoscaling": {"minReplicas": 2, "maxReplicas": 2, "scaleDown": {"maxRate": 4}}},
     {"autoscaling": {"maxReplicas": 0}},
     {"autoscaling": {"maxReplicas": 2, "tolerance": 1}},
+    # Cross-field limits, with the autoscaler's defaults where a field is left out.
+    {"autoscaling": {"maxReplicas": 2, "panicWindowSeconds": 20}},
+    {"autoscaling": {"maxReplicas": 2, "panicWindowSeconds": 21}},
+    {"autoscaling": {"maxReplicas": 2, "stableWindowSeconds": 9}},
+    {"autoscaling": {"maxReplicas": 2, "panicWindowSeconds": 30, "stableWindowSeconds": 60}},
+    {"autoscaling": {"maxReplicas": 2, "panicThreshold": 1.1}},
+    {"autoscaling": {"maxReplicas": 2, "panicThreshold": 1.11}},
+    {"autoscaling": {"maxReplicas": 2, "tolerance": 0.9}},
+    {"autoscaling": {"maxReplicas": 2, "tolerance": 0.9, "panicThreshold": 3}},
     {"gpus": 65},
     {"rollout": {"maxSurge": "25%", "maxUnavailable": 1}},
     {"engine": {"blockSize": 2048}},

@@ -76,6 +76,14 @@ def test_defaults_of_a_minimal_spec() -> None:
             "spec.autoscaling.targetKVCacheUtilization: Input should be less than or equal",
         ),
         (
+            spec(autoscaling={"maxReplicas": 2, "stableWindowSeconds": 5}),
+            "spec.autoscaling: need 0 < panicWindowSeconds (10.0) <= stableWindowSeconds (5.0)",
+        ),
+        (
+            spec(autoscaling={"maxReplicas": 2, "panicThreshold": 1.05}),
+            "spec.autoscaling: panicThreshold (1.05) must exceed 1 + tolerance (1.1)",
+        ),
+        (
             spec(rollout={"maxSurge": 0, "maxUnavailable": "0%"}),
             "maxSurge and rollout.maxUnavailable cannot both be 0",
         ),
@@ -170,3 +178,36 @@ def test_autoscaling_defaults_we_document_are_the_autoscalers() -> None:
         checked += 1
     assert checked >= 10
     assert AutoscalingSpec.model_fields["min_replicas"].default == 1
+
+
+@pytest.mark.parametrize(
+    "autoscaling",
+    [
+        {"maxReplicas": 2, "panicWindowSeconds": 20},
+        {"maxReplicas": 2, "panicWindowSeconds": 25},
+        {"maxReplicas": 2, "stableWindowSeconds": 60, "panicWindowSeconds": 25},
+        {"maxReplicas": 2, "stableWindowSeconds": 9.5},
+        {"maxReplicas": 2, "panicThreshold": 1.1},
+        {"maxReplicas": 2, "panicThreshold": 1.2},
+        {"maxReplicas": 2, "tolerance": 0.5},
+        {"maxReplicas": 2, "tolerance": 0.5, "panicThreshold": 1.6},
+        {"maxReplicas": 2, "scaleUp": {"maxRate": 1.5, "maxPodsPerStep": 1}},
+    ],
+)
+def test_a_spec_accepted_is_one_the_autoscaler_accepts(autoscaling: dict[str, Any]) -> None:
+    """No policy error is left for tick time: the model rejects exactly what the policy does."""
+    from kvpilot.operator.autoscaling.policy import AutoscalingPolicy
+
+    try:
+        AutoscalingPolicy.from_spec(autoscaling)
+        policy_error = None
+    except ValueError as error:
+        policy_error = str(error)
+    try:
+        parse_spec(spec(autoscaling=autoscaling))
+        spec_error = None
+    except InvalidSpecError as error:
+        spec_error = str(error)
+    assert (policy_error is None) == (spec_error is None), (policy_error, spec_error)
+    if spec_error is not None:
+        assert spec_error.startswith("spec.autoscaling: ")

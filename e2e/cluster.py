@@ -1,0 +1,90 @@
+"""What the e2e tests share: polling, the InferenceService's view, port-forwards."""
+
+from __future__ import annotations
+
+import contextlib
+import shutil
+import socket
+import subprocess
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+
+from .conftest import GROUP, PLURAL, VERSION, E2ESettings
+
+
+def wait_for(
+    check: Callable[[], Any],
+    timeout_s: float,
+    what: str,
+    interval: float = 2.0,
+    describe: Callable[[], Any] | None = None,
+) -> Any:
+    """Polls `check` until truthy; on timeout, `describe()` says what the cluster shows."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        result = check()
+        if result:
+            return result
+        time.sleep(interval)
+    seen = f": {describe()!r}" if describe is not None else ""
+    raise AssertionError(f"timed out after {timeout_s:.0f}s waiting for {what}{seen}")
+
+
+def get_isvc(apis: dict[str, Any], e2e: E2ESettings, name: str) -> dict[str, Any]:
+    return apis["custom"].get_namespaced_custom_object(GROUP, VERSION, e2e.namespace, PLURAL, name)
+
+
+def condition(obj: dict[str, Any], type_: str) -> dict[str, Any]:
+    for found in (obj.get("status") or {}).get("conditions") or []:
+        if found["type"] == type_:
+            return found
+    return {}
+
+
+def wait_ready(apis: dict[str, Any], e2e: E2ESettings, name: str) -> dict[str, Any]:
+    """Waits for Ready=True (pulling the image and loading the model take a while)."""
+    return wait_for(
+        lambda: (
+            (obj := get_isvc(apis, e2e, name))
+            and condition(obj, "Ready").get("status") == "True"
+            and obj
+        ),
+        e2e.timeout_s,
+        f"{name} to be Ready",
+        interval=5,
+        describe=lambda: (get_isvc(apis, e2e, name).get("status") or {}).get("conditions"),
+    )
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+@contextlib.contextmanager
+def port_forward(namespace: str, target: str, remote_port: int) -> Iterator[int]:
+    kubectl = shutil.which("kubectl")
+    if kubectl is None:
+        pytest.fail("kubectl is needed on PATH for the port-forward")
+    port = free_port()
+    process = subprocess.Popen(
+        [kubectl, "-n", namespace, "port-forward", target, f"{port}:{remote_port}"],
+        # Not a pipe: kubectl logs a line per connection, and a full pipe would stall it.
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        wait_for(lambda: _is_listening(port), 30, "the port-forward", interval=0.5)
+        yield port
+    finally:
+        process.terminate()
+        process.wait(10)
+
+
+def _is_listening(port: int) -> bool:
+    with socket.socket() as sock:
+        return sock.connect_ex(("127.0.0.1", port)) == 0

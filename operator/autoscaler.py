@@ -1,0 +1,119 @@
+"""The autoscaler at work on one InferenceService: the API calls around one autoscale_tick.
+
+kopf's autoscale timer calls Autoscaler.run for every InferenceService with spec.autoscaling.
+A run re-reads the object (kopf's copy may predate the status the last tick wrote, and the
+windows live in that status), skips it until its intervalSeconds has passed, reads the
+Deployment and lists its pods, scrapes and decides (autoscale_tick), then writes the replicas
+and status through Reconciler.apply_scale (under the lock reconcile holds: the two never
+interleave) and posts the tick's Events. The user's spec is never written.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from kvpilot.operator.autoscaling.metrics import OperatorMetrics
+from kvpilot.operator.autoscaling.scrape import Scrape
+from kvpilot.operator.autoscaling.tick import TickResult, autoscale_tick, is_tick_due
+from kvpilot.operator.builders import selector_labels
+from kvpilot.operator.constants import ENGINE_PORT
+from kvpilot.operator.kube import KubeApi, KubeError
+from kvpilot.operator.reconcile import PostEvent, Reconciler, is_controlled_by
+
+logger = logging.getLogger(__name__)
+
+
+class Autoscaler:
+    """One per operator: the API, the pooled scraper and the metrics, shared by all objects.
+
+    kopf runs one timer per object and never overlaps its runs, so an object's ticks are
+    sequential; different objects tick concurrently.
+    """
+
+    def __init__(
+        self,
+        api: KubeApi,
+        reconciler: Reconciler,
+        scrape: Scrape,
+        post_event: PostEvent,
+        *,
+        metrics: OperatorMetrics | None = None,
+        engine_metrics_port: int = ENGINE_PORT,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self._api = api
+        self._reconciler = reconciler
+        self._scrape = scrape
+        self._post_event = post_event
+        self._metrics = metrics
+        self._engine_metrics_port = engine_metrics_port
+        self._clock = clock
+
+    async def run(self, body: Mapping[str, Any]) -> TickResult | None:
+        """One tick of the InferenceService `body` names; None when skipped or refused.
+
+        API trouble is logged and left to the next tick: a tick is cheap and level-based, and a
+        retry with backoff would only delay the next fresh look.
+        """
+        # kopf's copy first: a cheap skip, with no API call, while the interval has not passed.
+        if not is_tick_due(body, self._clock()):
+            return None
+        metadata = body["metadata"]
+        namespace, name = metadata["namespace"], metadata["name"]
+        try:
+            return await self._tick(namespace, name, metadata.get("uid"))
+        except KubeError as error:
+            logger.warning(
+                "autoscaler tick of %s/%s failed, the next one retries: %s", namespace, name, error
+            )
+            return None
+
+    async def _tick(self, namespace: str, name: str, uid: str | None) -> TickResult | None:
+        body = await asyncio.to_thread(self._api.get_inferenceservice, namespace, name)
+        if body is None:
+            return None
+        metadata = body["metadata"]
+        if (uid is not None and metadata.get("uid") != uid) or metadata.get("deletionTimestamp"):
+            return None
+        now = self._clock()
+        if not is_tick_due(body, now):
+            return None
+        deployment = await asyncio.to_thread(self._api.get, "Deployment", namespace, name)
+        if deployment is None or not is_controlled_by(deployment, metadata["uid"]):
+            return None  # reconcile creates it first (or reports whose it is)
+        current = (deployment.get("spec") or {}).get("replicas")
+        pods = await asyncio.to_thread(self._api.list_pods, namespace, selector_labels(name))
+        result = await autoscale_tick(
+            body,
+            pods,
+            1 if current is None else current,  # the API server's default
+            now=now,
+            scrape=self._scrape,
+            metrics=self._metrics,
+            metrics_port=self._engine_metrics_port,
+        )
+        applied = await asyncio.to_thread(
+            self._reconciler.apply_scale, namespace, name, result.replicas, result.status_patch
+        )
+        if applied is None:
+            # Autoscaling was turned off, or the spec broke, since the read: nothing was
+            # written, so nothing is announced (reconcile reports an invalid spec).
+            return None
+        for event in result.events:
+            self._post_event(body, event.type, event.reason, event.message)
+        if result.replicas is not None and result.decision is not None:
+            decision = result.decision
+            logger.info(
+                "autoscaled %s/%s %d -> %d (%s): %s",
+                namespace,
+                name,
+                decision.previous_replicas,
+                applied,
+                decision.reason,
+                decision.message,
+            )
+        return result
