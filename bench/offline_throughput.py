@@ -72,10 +72,11 @@ def make_requests(n: int, min_out: int, max_out: int, seed: int) -> list[Request
 
 
 def prompt_ids(tokenizer: object, requests: list[Request]) -> list[list[int]]:
-    return [
-        tokenizer.apply_chat_template(r.messages, add_generation_prompt=True, tokenize=True)
+    texts = [
+        tokenizer.apply_chat_template(r.messages, add_generation_prompt=True, tokenize=False)
         for r in requests
     ]
+    return [tokenizer.encode(t, add_special_tokens=False) for t in texts]
 
 
 def run_kvpilot(llm: object, ids: list[list[int]], requests: list[Request]) -> Result:
@@ -148,6 +149,12 @@ def main() -> None:
     ap.add_argument("--max-out", type=int, default=128)
     ap.add_argument("--single-subset", type=int, default=8)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument(
+        "--dtype",
+        default="float32",
+        choices=["float32", "bfloat16"],
+        help="one dtype for both systems",
+    )
     ap.add_argument("--out", default="bench/out/offline_throughput.json")
     args = ap.parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -158,17 +165,18 @@ def main() -> None:
     from kvpilot.engine.model.loader import bundled_gguf_path
 
     requests = make_requests(args.num_requests, args.min_out, args.max_out, args.seed)
-    llm = LLM(dtype="float32", max_num_seqs=args.max_batch, max_num_batched_tokens=2048)
+    dtype = getattr(torch, args.dtype)
+    llm = LLM(dtype=args.dtype, max_num_seqs=args.max_batch, max_num_batched_tokens=2048)
     ids = prompt_ids(llm.tokenizer, requests)
     lens = sorted(len(p) for p in ids)
     print(
         f"{len(ids)} requests; prompt tokens min/median/max {lens[0]}/{lens[len(lens) // 2]}/"
         f"{lens[-1]}; output tokens {sum(r.max_tokens for r in requests)}; torch threads "
-        f"{torch.get_num_threads()}"
+        f"{torch.get_num_threads()}; dtype {args.dtype}"
     )
     gguf = bundled_gguf_path()
     hf = AutoModelForCausalLM.from_pretrained(
-        str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32
+        str(gguf.parent), gguf_file=gguf.name, dtype=dtype
     ).eval()
     tok = llm.tokenizer
     # Warm both up on one short request so one-time costs stay out of the timings.

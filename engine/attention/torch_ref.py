@@ -53,15 +53,18 @@ def paged_attention_reference(
         q = query[starts[s] : starts[s] + q_len]  # [q_len, H, D]
         k = gather_kv(k_cache, meta.block_tables[s], seq_len)  # [seq_len, kvh, D]
         v = gather_kv(v_cache, meta.block_tables[s], seq_len)
-        # Query j sits at absolute position seq_len - q_len + j.
-        q_pos = torch.arange(seq_len - q_len, seq_len, device=query.device)[:, None]
-        k_pos = torch.arange(seq_len, device=query.device)[None, :]
-        mask = k_pos <= q_pos  # [q_len, seq_len]
+        mask = None
+        if q_len != seq_len:  # a cached prefix: the causal diagonal is offset
+            # Query j sits at absolute position seq_len - q_len + j.
+            q_pos = torch.arange(seq_len - q_len, seq_len, device=query.device)[:, None]
+            k_pos = torch.arange(seq_len, device=query.device)[None, :]
+            mask = k_pos <= q_pos  # [q_len, seq_len]
         o = F.scaled_dot_product_attention(
             q.transpose(0, 1).unsqueeze(0),
             k.transpose(0, 1).unsqueeze(0),
             v.transpose(0, 1).unsqueeze(0),
             attn_mask=mask,
+            is_causal=mask is None and q_len > 1,
             scale=scale,
             enable_gqa=num_heads != num_kv_heads,
         )
@@ -78,7 +81,7 @@ def _decode_batch(
     rows: list[int],
     out: torch.Tensor,
 ) -> None:
-    """All single-token sequences in one padded SDPA call (the decode steady state)."""
+    """All single-token sequences in one padded batch (the decode steady state)."""
     num_heads, num_kv_heads = query.shape[1], k_cache.shape[2]
     block_size = k_cache.shape[1]
     starts = meta.query_start_loc[:-1].long()
@@ -89,18 +92,26 @@ def _decode_batch(
     num_blocks = -(-max_len // block_size)
     tables = meta.block_tables[rows_t, :num_blocks].long()  # [B, nb]
 
-    def gather(cache: torch.Tensor) -> torch.Tensor:
-        kv = cache[tables].reshape(len(rows), num_blocks * block_size, num_kv_heads, -1)
-        return kv[:, :max_len].transpose(1, 2)
+    flat_tables = tables.reshape(-1)
 
-    k, v = gather(k_cache), gather(v_cache)  # [B, H, L, D]
+    def gather(cache: torch.Tensor) -> torch.Tensor:
+        # index_select on a 2-D view: one contiguous copy per block, much cheaper than 4-D indexing.
+        blocks = cache.view(cache.shape[0], -1).index_select(0, flat_tables)
+        kv = blocks.view(len(rows), num_blocks * block_size, num_kv_heads, -1)
+        return kv[:, :max_len].transpose(1, 2)  # [B, KVH, L, D]
+
+    k, v = gather(k_cache), gather(v_cache)
+    group = num_heads // num_kv_heads
+    # Query heads grouped under their KV head: [B, KVH, group, D]. Plain batched matmuls, softmax in
+    # float32: on CPU this beats SDPA with a padding mask (its math path), most of all in bfloat16.
+    q = query[token_idx].view(len(rows), num_kv_heads, group, -1)
+    scores = torch.matmul(q, k.transpose(2, 3)).float() * scale  # [B, KVH, group, L]
     lens_t = torch.tensor(lens, device=query.device)
-    mask = torch.arange(max_len, device=query.device)[None, :] < lens_t[:, None]  # [B, L]
-    q = query[token_idx].unsqueeze(2)  # [B, H, 1, D]
-    o = F.scaled_dot_product_attention(
-        q, k, v, attn_mask=mask[:, None, None, :], scale=scale, enable_gqa=num_heads != num_kv_heads
-    )
-    out[token_idx] = o.squeeze(2)
+    padding = torch.arange(max_len, device=query.device)[None, :] >= lens_t[:, None]  # [B, L]
+    scores.masked_fill_(padding[:, None, None, :], float("-inf"))
+    probs = scores.softmax(dim=-1).to(v.dtype)
+    o = torch.matmul(probs, v)  # [B, KVH, group, D]
+    out[token_idx] = o.reshape(len(rows), num_heads, -1)
 
 
 class TorchAttentionBackend:
