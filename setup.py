@@ -1,4 +1,5 @@
-"""Maps the engine/ and operator/ folders to the import packages kvpilot.engine and kvpilot.operator."""
+"""Maps the engine/ and operator/ folders to the import packages kvpilot.engine and
+kvpilot.operator."""
 
 from __future__ import annotations
 
@@ -13,6 +14,8 @@ def mapped_packages(prefix: str, folder: str) -> list[str]:
 
 
 setup(
-    packages=[pkg for prefix, folder in PACKAGE_FOLDERS.items() for pkg in mapped_packages(prefix, folder)],
+    packages=[
+        pkg for prefix, folder in PACKAGE_FOLDERS.items() for pkg in mapped_packages(prefix, folder)
+    ],
     package_dir=PACKAGE_FOLDERS,
 )

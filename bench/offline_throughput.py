@@ -1,7 +1,7 @@
 """Offline throughput on CPU: kvpilot vs transformers generate, same requests, same maximum batch.
 
 Workload (fixed seed): N chat requests whose user message is 1-12 filler sentences (prompt lengths
-vary from ~40 to ~250 tokens with the chat template) and whose output length is uniform in
+vary from ~60 to ~220 tokens with the chat template) and whose output length is uniform in
 [min_out, max_out], forced with ignore_eos (transformers: min_new_tokens) so every system produces
 exactly the tokens asked for. Only requested tokens count as output; the extra tokens static
 batching generates for the shorter requests of a batch are waste, as in serving.
