@@ -166,12 +166,12 @@ def completion_choice(
     }
 
 
-def completion_chunk(
-    header: ResponseHeader, choices: list[dict[str, Any]], *, with_usage_field: bool
+def _stream_chunk(
+    header: ResponseHeader, kind: str, choices: list[dict[str, Any]], with_usage_field: bool
 ) -> dict[str, Any]:
     chunk: dict[str, Any] = {
         "id": header.id,
-        "object": "text_completion",
+        "object": kind,
         "created": header.created,
         "model": header.model,
         "choices": choices,
@@ -180,6 +180,12 @@ def completion_chunk(
     if with_usage_field:
         chunk["usage"] = None
     return chunk
+
+
+def completion_chunk(
+    header: ResponseHeader, choices: list[dict[str, Any]], *, with_usage_field: bool
+) -> dict[str, Any]:
+    return _stream_chunk(header, "text_completion", choices, with_usage_field)
 
 
 def chat_body(
@@ -211,17 +217,7 @@ def chat_choice(
 def chat_chunk(
     header: ResponseHeader, choices: list[dict[str, Any]], *, with_usage_field: bool
 ) -> dict[str, Any]:
-    chunk: dict[str, Any] = {
-        "id": header.id,
-        "object": "chat.completion.chunk",
-        "created": header.created,
-        "model": header.model,
-        "choices": choices,
-        "system_fingerprint": None,
-    }
-    if with_usage_field:
-        chunk["usage"] = None
-    return chunk
+    return _stream_chunk(header, "chat.completion.chunk", choices, with_usage_field)
 
 
 def chat_chunk_choice(
