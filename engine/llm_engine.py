@@ -239,10 +239,9 @@ class LLMEngine:
         if self.tokenizer is None:
             return
         new_text = decode_new_text(self.tokenizer, seq, num_ids)
-        if not new_text or not seq.params.stop:
-            seq.output_text += new_text
-            return
         seq.output_text += new_text
+        if not new_text or not seq.params.stop:
+            return
         hit = find_stop_string(seq.output_text, len(new_text), seq.params.stop)
         if hit is not None:
             index, stop = hit

@@ -3,6 +3,8 @@ kernels."""
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 import torch.nn.functional as F
 
@@ -39,13 +41,14 @@ def paged_attention_reference(
     num_heads = query.shape[1]
     num_kv_heads = k_cache.shape[2]
     out = torch.empty_like(query)
+    # Token offsets of each sequence, from the host copy: no device sync.
+    starts = [0, *itertools.accumulate(meta.query_lens_cpu)]
     decode_rows = [s for s, q_len in enumerate(meta.query_lens_cpu) if q_len == 1]
     if len(decode_rows) > 1:
-        _decode_batch(query, k_cache, v_cache, meta, scale, decode_rows, out)
+        _decode_batch(query, k_cache, v_cache, meta, scale, decode_rows, starts, out)
         done = set(decode_rows)
     else:
         done = set()
-    starts = meta.query_start_loc.tolist() if meta.num_seqs > 1 else [0, meta.num_tokens]
     for s in range(meta.num_seqs):
         if s in done:
             continue
@@ -79,14 +82,14 @@ def _decode_batch(
     meta: AttentionMetadata,
     scale: float,
     rows: list[int],
+    starts: list[int],
     out: torch.Tensor,
 ) -> None:
     """All single-token sequences in one padded batch (the decode steady state)."""
     num_heads, num_kv_heads = query.shape[1], k_cache.shape[2]
     block_size = k_cache.shape[1]
-    starts = meta.query_start_loc[:-1].long()
     rows_t = torch.tensor(rows, device=query.device)
-    token_idx = starts[rows_t]
+    token_idx = torch.tensor([starts[s] for s in rows], device=query.device)
     lens = [meta.seq_lens_cpu[s] for s in rows]
     max_len = max(lens)
     num_blocks = -(-max_len // block_size)
