@@ -14,6 +14,7 @@ DTYPES: dict[str, torch.dtype] = {
     "float16": torch.float16,
 }
 LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
+ATTENTION_BACKENDS = ("auto", "torch", "cpu", "triton")
 SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2")
 
 
@@ -171,7 +172,7 @@ class EngineConfig:
     load_format: str = "auto"
     dtype: str = "auto"  # auto: float32 on CPU, bfloat16 on GPU
     device: str = "auto"
-    attention_backend: str = "torch"
+    attention_backend: str = "auto"  # auto: "cpu" on CPU, "torch" elsewhere
     max_model_len: int | None = None  # defaults to the model's max_position_embeddings
     seed: int = 0
     served_model_name: str | None = None
@@ -183,9 +184,10 @@ class EngineConfig:
             raise ValueError(f"load_format must be one of {LOAD_FORMATS}, got {self.load_format!r}")
         if self.dtype != "auto" and self.dtype not in DTYPES:
             raise ValueError(f"dtype must be auto or one of {tuple(DTYPES)}, got {self.dtype!r}")
-        if self.attention_backend not in ("torch", "triton"):
+        if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(
-                f"attention_backend must be 'torch' or 'triton', got {self.attention_backend!r}"
+                f"attention_backend must be one of {ATTENTION_BACKENDS}, got "
+                f"{self.attention_backend!r}"
             )
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
@@ -195,6 +197,12 @@ class EngineConfig:
         if self.device == "auto":
             return torch.device("cuda" if torch.cuda.is_available() else "cpu")
         return torch.device(self.device)
+
+    @property
+    def resolved_attention_backend(self) -> str:
+        if self.attention_backend != "auto":
+            return self.attention_backend
+        return "cpu" if self.resolved_device.type == "cpu" else "torch"
 
     @property
     def resolved_dtype(self) -> torch.dtype:

@@ -34,7 +34,7 @@ class PreparedBatch:
 
 
 def layer_ops_for(backend: str) -> LayerOps:
-    if backend == "torch":
+    if backend != "triton":
         return LayerOps()
     from kvpilot.engine.kernels import get_layer_ops
 
@@ -55,7 +55,7 @@ class ModelRunner:
         self.device = config.resolved_device
         self.dtype = config.resolved_dtype
         self.block_size = config.cache.block_size
-        backend = get_attention_backend(config.attention_backend)
+        backend = get_attention_backend(config.resolved_attention_backend)
         self.model: LlamaForCausalLM = build_model(
             model_config,
             backend,

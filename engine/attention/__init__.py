@@ -5,13 +5,18 @@ from __future__ import annotations
 from kvpilot.engine.attention.base import AttentionBackend, AttentionMetadata
 from kvpilot.engine.attention.torch_ref import TorchAttentionBackend
 
-ATTENTION_BACKENDS = ("torch", "triton")
+ATTENTION_BACKENDS = ("torch", "cpu", "triton")
 
 
 def get_attention_backend(name: str) -> AttentionBackend:
-    """The backend named by the engine config; 'triton' lives in kvpilot.engine.kernels."""
+    """The backend named by the engine config ('auto' is resolved there); 'triton' lives in
+    kvpilot.engine.kernels."""
     if name == "torch":
         return TorchAttentionBackend()
+    if name == "cpu":
+        from kvpilot.engine.attention.cpu_native import CpuAttentionBackend
+
+        return CpuAttentionBackend()
     if name == "triton":
         from kvpilot.engine.kernels.attention_backend import TritonAttentionBackend
 

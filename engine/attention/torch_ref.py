@@ -31,24 +31,33 @@ def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> to
     return blocks.reshape(-1, cache.shape[2], cache.shape[3])[:length]
 
 
+def decode_rows(meta: AttentionMetadata) -> tuple[list[int], torch.Tensor]:
+    """The sequences with one query token this step, and the flat index of each one's token."""
+    starts = [0, *itertools.accumulate(meta.query_lens_cpu)]
+    rows = [s for s, q_len in enumerate(meta.query_lens_cpu) if q_len == 1]
+    return rows, torch.tensor([starts[s] for s in rows], device=meta.seq_lens.device)
+
+
 def paged_attention_reference(
     query: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     meta: AttentionMetadata,
     scale: float,
+    skip_rows: list[int] | None = None,
 ) -> torch.Tensor:
+    """skip_rows: sequences another kernel computes; their rows of the result are left unset."""
     num_heads = query.shape[1]
     num_kv_heads = k_cache.shape[2]
     out = torch.empty_like(query)
     # Token offsets of each sequence, from the host copy: no device sync.
     starts = [0, *itertools.accumulate(meta.query_lens_cpu)]
-    decode_rows = [s for s, q_len in enumerate(meta.query_lens_cpu) if q_len == 1]
-    if len(decode_rows) > 1:
-        _decode_batch(query, k_cache, v_cache, meta, scale, decode_rows, starts, out)
-        done = set(decode_rows)
-    else:
-        done = set()
+    done = set(skip_rows or ())
+    rows = [s for s, q_len in enumerate(meta.query_lens_cpu) if q_len == 1 and s not in done]
+    if len(rows) > 1:
+        token_idx = torch.tensor([starts[s] for s in rows], device=query.device)
+        _decode_batch(query, k_cache, v_cache, meta, scale, rows, token_idx, out)
+        done.update(rows)
     for s in range(meta.num_seqs):
         if s in done:
             continue
@@ -82,14 +91,13 @@ def _decode_batch(
     meta: AttentionMetadata,
     scale: float,
     rows: list[int],
-    starts: list[int],
+    token_idx: torch.Tensor,
     out: torch.Tensor,
 ) -> None:
     """All single-token sequences in one padded batch (the decode steady state)."""
     num_heads, num_kv_heads = query.shape[1], k_cache.shape[2]
     block_size = k_cache.shape[1]
     rows_t = torch.tensor(rows, device=query.device)
-    token_idx = torch.tensor([starts[s] for s in rows], device=query.device)
     lens = [meta.seq_lens_cpu[s] for s in rows]
     max_len = max(lens)
     num_blocks = -(-max_len // block_size)

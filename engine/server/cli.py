@@ -20,7 +20,14 @@ from types import FrameType
 import uvicorn
 from prometheus_client import CollectorRegistry
 
-from kvpilot.engine.config import DTYPES, LOAD_FORMATS, CacheConfig, EngineConfig, SchedulerConfig
+from kvpilot.engine.config import (
+    ATTENTION_BACKENDS,
+    DTYPES,
+    LOAD_FORMATS,
+    CacheConfig,
+    EngineConfig,
+    SchedulerConfig,
+)
 from kvpilot.engine.server.app import create_app
 from kvpilot.engine.server.async_engine import AsyncEngine
 from kvpilot.engine.server.state import ServerSettings, ServerState
@@ -52,7 +59,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--dtype", default="auto", choices=["auto", *DTYPES])
     g.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
     g.add_argument("--load-format", default="auto", choices=LOAD_FORMATS)
-    g.add_argument("--attention-backend", default="torch", choices=["torch", "triton"])
+    g.add_argument("--attention-backend", default="auto", choices=ATTENTION_BACKENDS)
     g.add_argument(
         "--max-model-len", type=int, default=None, help="default: the model's context length"
     )

@@ -1,0 +1,219 @@
+/* Paged decode attention on CPU: one query token per sequence, read straight from the paged KV
+ * cache (no gather into a contiguous copy), one pass with an online softmax per cache block.
+ *
+ * Built at run time by kvpilot.engine.attention.cpu_native with the host's C compiler and called
+ * through ctypes. Plain C that the compiler vectorizes; OpenMP over (sequence, kv head) pairs when
+ * the compiler has it, sharing torch's OpenMP runtime (same soname, already loaded).
+ *
+ * Layout (element strides, so any cache layout with a contiguous head_dim works):
+ *   query [num_seqs, num_heads, head_dim] contiguous; out the same.
+ *   k/v cache: element (block, slot, kv_head, d) at block*sb + slot*ss + kv_head*sh + d.
+ *   block_tables [num_seqs, table_stride] int32; seq_lens [num_seqs] int32 (>= 1).
+ * Limits checked by the caller: group <= 16, head_dim <= 256 and a multiple of 16,
+ * block_size <= 256.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+#define MAX_GROUP 16
+#define MAX_HEAD_DIM 256
+#define MAX_BLOCK 256
+/* Scores are kept for up to MAX_CHUNK tokens at a time, so the softmax runs over long vectors and
+ * the online rescaling happens once per chunk, not once per block. */
+#define MAX_CHUNK 512
+#define LANES 16
+
+static inline float bf16_to_f32(uint16_t x) {
+    uint32_t u = (uint32_t)x << 16;
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+static inline uint16_t f32_to_bf16(float f) {
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40u); /* quiet NaN */
+    u += 0x7fffu + ((u >> 16) & 1u); /* round to nearest even, as torch does */
+    return (uint16_t)(u >> 16);
+}
+
+/* exp(x) for x <= 0 within ~2 ulp: 2^n * p(r), written so the compiler vectorizes it (libm's
+ * expf is a scalar call per element, which would dominate the kernel). */
+static inline float exp_nonpositive(float x) {
+    if (x < -87.0f) x = -87.0f;
+    float n = floorf(x * 1.44269504088896341f + 0.5f);
+    float r = x - n * 0.693145751953125f - n * 1.428606765330187045e-06f;
+    float p = 1.0f / 720.0f;
+    p = p * r + 1.0f / 120.0f;
+    p = p * r + 1.0f / 24.0f;
+    p = p * r + 1.0f / 6.0f;
+    p = p * r + 0.5f;
+    p = p * r + 1.0f;
+    p = p * r + 1.0f;
+    int32_t bits = ((int32_t)n + 127) << 23;
+    float scale;
+    memcpy(&scale, &bits, sizeof scale);
+    return p * scale;
+}
+
+#define LOAD_F32(x) (x)
+#define STORE_F32(x) (x)
+
+static inline float dot(const float *a, const float *b, int64_t n) {
+    float s = 0.0f;
+    _Pragma("omp simd reduction(+ : s)")
+    for (int64_t d = 0; d < n; d++) s += a[d] * b[d];
+    return s;
+}
+
+/* One cache block of n tokens for one (sequence, kv head): scores p[j][t] = q[j] . k[t], and
+ * acc[j] += sum_t w[j][t] * v[t] once the weights are in p. The AVX-512 versions keep each key and
+ * value row in registers across the query heads of the group; the portable ones are plain loops. */
+#if defined(__AVX512F__)
+#include <immintrin.h>
+
+static inline __m512 load16_f32(const float *x) { return _mm512_loadu_ps(x); }
+
+static inline __m512 load16_bf16(const uint16_t *x) {
+    const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)x));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
+}
+
+#define DEFINE_BLOCK_OPS(SUFFIX, T, LOAD16)                                                        \
+    static inline void scores_##SUFFIX(const float (*q)[MAX_HEAD_DIM], const T *kb, int64_t ss,    \
+                                       int64_t n, int64_t group, int64_t D,                        \
+                                       float (*p)[MAX_CHUNK], int64_t t0) {                                    \
+        __m512 row[MAX_HEAD_DIM / 16];                                                             \
+        for (int64_t t = 0; t < n; t++) {                                                          \
+            for (int64_t c = 0; c < D / 16; c++) row[c] = LOAD16(kb + t * ss + 16 * c);            \
+            for (int64_t j = 0; j < group; j++) {                                                  \
+                __m512 acc = _mm512_mul_ps(_mm512_loadu_ps(q[j]), row[0]);                         \
+                for (int64_t c = 1; c < D / 16; c++)                                               \
+                    acc = _mm512_fmadd_ps(_mm512_loadu_ps(q[j] + 16 * c), row[c], acc);            \
+                p[j][t0 + t] = _mm512_reduce_add_ps(acc);                                               \
+            }                                                                                      \
+        }                                                                                          \
+    }                                                                                              \
+    static inline void accumulate_##SUFFIX(float (*acc)[MAX_HEAD_DIM], const T *vb, int64_t ss,    \
+                                           int64_t n, int64_t group, int64_t D,                    \
+                                           const float (*p)[MAX_CHUNK], int64_t t0) {                          \
+        for (int64_t c = 0; c < D / 16; c++) {                                                     \
+            __m512 sums[MAX_GROUP];                                                                \
+            for (int64_t j = 0; j < group; j++) sums[j] = _mm512_loadu_ps(acc[j] + 16 * c);        \
+            for (int64_t t = 0; t < n; t++) {                                                      \
+                const __m512 v = LOAD16(vb + t * ss + 16 * c);                                     \
+                for (int64_t j = 0; j < group; j++)                                                \
+                    sums[j] = _mm512_fmadd_ps(_mm512_set1_ps(p[j][t0 + t]), v, sums[j]);                \
+            }                                                                                      \
+            for (int64_t j = 0; j < group; j++) _mm512_storeu_ps(acc[j] + 16 * c, sums[j]);        \
+        }                                                                                          \
+    }
+
+DEFINE_BLOCK_OPS(f32, float, load16_f32)
+DEFINE_BLOCK_OPS(bf16, uint16_t, load16_bf16)
+#else
+#define DEFINE_BLOCK_OPS(SUFFIX, T, LOAD)                                                          \
+    static inline void scores_##SUFFIX(const float (*q)[MAX_HEAD_DIM], const T *kb, int64_t ss,    \
+                                       int64_t n, int64_t group, int64_t D,                        \
+                                       float (*p)[MAX_CHUNK], int64_t t0) {                                    \
+        float row[MAX_HEAD_DIM];                                                                   \
+        for (int64_t t = 0; t < n; t++) {                                                          \
+            for (int64_t d = 0; d < D; d++) row[d] = LOAD(kb[t * ss + d]);                         \
+            for (int64_t j = 0; j < group; j++) p[j][t0 + t] = dot(q[j], row, D);                       \
+        }                                                                                          \
+    }                                                                                              \
+    static inline void accumulate_##SUFFIX(float (*acc)[MAX_HEAD_DIM], const T *vb, int64_t ss,    \
+                                           int64_t n, int64_t group, int64_t D,                    \
+                                           const float (*p)[MAX_CHUNK], int64_t t0) {                          \
+        float row[MAX_HEAD_DIM];                                                                   \
+        for (int64_t t = 0; t < n; t++) {                                                          \
+            for (int64_t d = 0; d < D; d++) row[d] = LOAD(vb[t * ss + d]);                         \
+            for (int64_t j = 0; j < group; j++) {                                                  \
+                const float w = p[j][t0 + t];                                                           \
+                for (int64_t d = 0; d < D; d++) acc[j][d] += w * row[d];                           \
+            }                                                                                      \
+        }                                                                                          \
+    }
+
+DEFINE_BLOCK_OPS(f32, float, LOAD_F32)
+DEFINE_BLOCK_OPS(bf16, uint16_t, bf16_to_f32)
+#endif
+
+#define DEFINE_DECODE(NAME, SUFFIX, T, LOAD, STORE)                                                      \
+    void NAME(const T *query, const T *k_cache, const T *v_cache, const int32_t *block_tables,     \
+              const int32_t *seq_lens, T *out, int64_t num_seqs, int64_t num_heads,                \
+              int64_t num_kv_heads, int64_t head_dim, int64_t block_size, int64_t table_stride,    \
+              int64_t k_sb, int64_t k_ss, int64_t k_sh, int64_t v_sb, int64_t v_ss, int64_t v_sh,  \
+              float scale) {                                                                       \
+        const int64_t group = num_heads / num_kv_heads;                                            \
+        const int64_t D = head_dim;                                                                \
+        _Pragma("omp parallel for schedule(dynamic, 1)")                                          \
+        for (int64_t unit = 0; unit < num_seqs * num_kv_heads; unit++) {                           \
+            const int64_t s = unit / num_kv_heads, kvh = unit % num_kv_heads;                      \
+            const int64_t len = seq_lens[s];                                                       \
+            const int32_t *table = block_tables + s * table_stride;                                \
+            float q[MAX_GROUP][MAX_HEAD_DIM], acc[MAX_GROUP][MAX_HEAD_DIM];                        \
+            float p[MAX_GROUP][MAX_CHUNK];                                      \
+            float m[MAX_GROUP], l[MAX_GROUP];                                                      \
+            for (int64_t j = 0; j < group; j++) {                                                  \
+                const T *qr = query + (s * num_heads + kvh * group + j) * D;                       \
+                for (int64_t d = 0; d < D; d++) {                                                  \
+                    q[j][d] = LOAD(qr[d]) * scale;                                                 \
+                    acc[j][d] = 0.0f;                                                              \
+                }                                                                                  \
+                m[j] = 0.0f;                                                                       \
+                l[j] = 0.0f;                                                                       \
+            }                                                                                      \
+            const int64_t chunk = (MAX_CHUNK / block_size) * block_size;                           \
+            for (int64_t start = 0; start < len; start += chunk) {                                 \
+                const int64_t n = len - start < chunk ? len - start : chunk;                       \
+                for (int64_t t0 = 0; t0 < n; t0 += block_size) {                                   \
+                    const int64_t block = table[(start + t0) / block_size];                        \
+                    const int64_t bn = n - t0 < block_size ? n - t0 : block_size;                  \
+                    scores_##SUFFIX(q, k_cache + block * k_sb + kvh * k_sh, k_ss, bn, group, D, p, \
+                                    t0);                                                           \
+                }                                                                                  \
+                for (int64_t j = 0; j < group; j++) {                                              \
+                    float chunk_max = p[j][0];                                                     \
+                    _Pragma("omp simd reduction(max : chunk_max)")                                \
+                    for (int64_t t = 1; t < n; t++) chunk_max = p[j][t] > chunk_max ? p[j][t] : chunk_max; \
+                    const float new_max = start == 0 || chunk_max > m[j] ? chunk_max : m[j];       \
+                    const float rescale = start == 0 ? 0.0f : exp_nonpositive(m[j] - new_max);     \
+                    float sum = 0.0f;                                                              \
+                    _Pragma("omp simd reduction(+ : sum)")                                        \
+                    for (int64_t t = 0; t < n; t++) {                                              \
+                        p[j][t] = exp_nonpositive(p[j][t] - new_max);                              \
+                        sum += p[j][t];                                                            \
+                    }                                                                              \
+                    l[j] = l[j] * rescale + sum;                                                   \
+                    m[j] = new_max;                                                                \
+                    for (int64_t d = 0; d < D; d++) acc[j][d] *= rescale;                          \
+                }                                                                                  \
+                for (int64_t t0 = 0; t0 < n; t0 += block_size) {                                   \
+                    const int64_t block = table[(start + t0) / block_size];                        \
+                    const int64_t bn = n - t0 < block_size ? n - t0 : block_size;                  \
+                    accumulate_##SUFFIX(acc, v_cache + block * v_sb + kvh * v_sh, v_ss, bn, group, \
+                                        D, p, t0);                                                 \
+                }                                                                                  \
+            }                                                                                      \
+            for (int64_t j = 0; j < group; j++) {                                                  \
+                T *o = out + (s * num_heads + kvh * group + j) * D;                                \
+                const float inv = 1.0f / l[j];                                                     \
+                for (int64_t d = 0; d < D; d++) o[d] = STORE(acc[j][d] * inv);                     \
+            }                                                                                      \
+        }                                                                                          \
+    }
+
+DEFINE_DECODE(paged_decode_f32, f32, float, LOAD_F32, STORE_F32)
+DEFINE_DECODE(paged_decode_bf16, bf16, uint16_t, bf16_to_f32, f32_to_bf16)
+
+int kvpilot_openmp_threads(void) {
+#ifdef _OPENMP
+    extern int omp_get_max_threads(void);
+    return omp_get_max_threads();
+#else
+    return 1;
+#endif
+}

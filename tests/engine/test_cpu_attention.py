@@ -1,0 +1,155 @@
+"""The 'cpu' attention backend (C decode kernel) against the torch reference on the same paged
+cache.
+
+The reference runs in float32 on float32 copies of the inputs, so it is the exact answer up to
+float32 rounding; the kernel accumulates in float32 whatever the storage dtype.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from kvpilot.engine.attention import get_attention_backend
+from kvpilot.engine.attention.base import AttentionMetadata
+from kvpilot.engine.attention.cpu_native import is_supported, load_library, paged_decode
+from kvpilot.engine.attention.torch_ref import paged_attention_reference
+
+LIB = load_library()
+needs_kernel = pytest.mark.skipif(LIB is None, reason="no C compiler to build the CPU kernel")
+
+# Tolerances on the attention output (values are O(1)): float32 accumulates in a different order
+# than the reference; bfloat16 adds one rounding of the output and of the stored inputs.
+ATOL = {torch.float32: 2e-5, torch.bfloat16: 2e-2}
+
+
+def make_batch(
+    query_lens: list[int],
+    seq_lens: list[int],
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    block_size: int,
+    dtype: torch.dtype,
+    seed: int = 0,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, AttentionMetadata]:
+    """A random paged cache whose blocks are scattered over the pool, and queries for it."""
+    gen = torch.Generator().manual_seed(seed)
+    blocks_per_seq = [-(-n // block_size) for n in seq_lens]
+    num_blocks = sum(blocks_per_seq) + 7
+    order = torch.randperm(num_blocks, generator=gen).tolist()
+    tables, cursor = [], 0
+    for n in blocks_per_seq:
+        tables.append(order[cursor : cursor + n])
+        cursor += n
+    width = max(blocks_per_seq)
+    block_tables = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
+    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    k_cache = torch.randn(shape, generator=gen).to(dtype)
+    v_cache = torch.randn(shape, generator=gen).to(dtype)
+    query = torch.randn(sum(query_lens), num_heads, head_dim, generator=gen).to(dtype)
+    starts = [0]
+    for q_len in query_lens:
+        starts.append(starts[-1] + q_len)
+    meta = AttentionMetadata(
+        query_start_loc=torch.tensor(starts, dtype=torch.int32),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+        block_tables=block_tables,
+        slot_mapping=torch.zeros(sum(query_lens), dtype=torch.int64),
+        max_query_len=max(query_lens),
+        max_seq_len=max(seq_lens),
+        query_lens_cpu=tuple(query_lens),
+        seq_lens_cpu=tuple(seq_lens),
+    )
+    return query, k_cache, v_cache, meta
+
+
+def reference(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+) -> torch.Tensor:
+    return paged_attention_reference(query.float(), k_cache.float(), v_cache.float(), meta, scale)
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(
+    ("num_heads", "num_kv_heads", "head_dim", "block_size"),
+    [(9, 3, 64, 16), (4, 4, 64, 32), (8, 2, 128, 16), (16, 1, 32, 8)],
+)
+def test_decode_matches_reference(
+    dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_dim: int, block_size: int
+) -> None:
+    rng = random.Random(1)
+    # Lengths from 1 token through several blocks, past one score chunk (512) and not
+    # block-aligned.
+    seq_lens = [1, 2, block_size, block_size + 1, 77, 300, 513, 1100] + [
+        rng.randint(1, 400) for _ in range(8)
+    ]
+    query, k_cache, v_cache, meta = make_batch(
+        [1] * len(seq_lens), seq_lens, num_heads, num_kv_heads, head_dim, block_size, dtype
+    )
+    scale = head_dim**-0.5
+    assert is_supported(query, k_cache, v_cache)
+    out = paged_decode(LIB, query, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale)
+    assert out.dtype == dtype and out.shape == query.shape
+    torch.testing.assert_close(
+        out.float(), reference(query, k_cache, v_cache, meta, scale), atol=ATOL[dtype], rtol=0
+    )
+
+
+@needs_kernel
+def test_large_scores_stay_finite() -> None:
+    """Scores far from zero (a spiky query): the softmax must subtract the running max."""
+    query, k_cache, v_cache, meta = make_batch([1, 1], [40, 700], 4, 2, 64, 16, torch.float32)
+    query = query * 60.0
+    out = paged_decode(LIB, query, k_cache, v_cache, meta.block_tables, meta.seq_lens, 0.125)
+    assert torch.isfinite(out).all()
+    torch.testing.assert_close(
+        out, reference(query, k_cache, v_cache, meta, 0.125), atol=1e-4, rtol=1e-4
+    )
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_backend_mixed_batch(dtype: torch.dtype) -> None:
+    """Prefill chunks (fresh and over a cached prefix) and decodes in one step: decodes go to the
+    kernel, the rest to the reference, and the rows land where they belong."""
+    query_lens = [1, 37, 1, 16, 1, 1]
+    seq_lens = [120, 37, 5, 80, 260, 33]
+    query, k_cache, v_cache, meta = make_batch(query_lens, seq_lens, 9, 3, 64, 16, dtype)
+    backend = get_attention_backend("cpu")
+    assert backend.lib is not None
+    out = backend.forward(query, k_cache, v_cache, meta, 0.125)
+    torch.testing.assert_close(
+        out.float(), reference(query, k_cache, v_cache, meta, 0.125), atol=ATOL[dtype], rtol=0
+    )
+
+
+def test_unsupported_shapes_fall_back_to_the_reference() -> None:
+    """head_dim 40 is not a multiple of 16 and float16 has no kernel: same answers, via torch."""
+    backend = get_attention_backend("cpu")
+    for head_dim, dtype in [(40, torch.float32), (64, torch.float16)]:
+        query, k_cache, v_cache, meta = make_batch(
+            [1, 1, 9], [50, 3, 20], 4, 2, head_dim, 16, dtype
+        )
+        assert not is_supported(query, k_cache, v_cache)
+        out = backend.forward(query, k_cache, v_cache, meta, 0.2)
+        expected = paged_attention_reference(query, k_cache, v_cache, meta, 0.2)
+        torch.testing.assert_close(out, expected)
+
+
+def test_auto_backend_is_cpu_on_cpu() -> None:
+    from kvpilot.engine.config import EngineConfig
+
+    assert EngineConfig(device="cpu").resolved_attention_backend == "cpu"
+    assert EngineConfig(device="cpu", attention_backend="torch").resolved_attention_backend == (
+        "torch"
+    )
+    with pytest.raises(ValueError, match="attention_backend"):
+        EngineConfig(attention_backend="flash")
