@@ -11,6 +11,7 @@ import torch
 
 from kvpilot.engine.attention import AttentionMetadata, get_attention_backend
 from kvpilot.engine.config import EngineConfig, ModelConfig, num_blocks_for_budget
+from kvpilot.engine.model.cpu_linear import pack_linears, packing_available
 from kvpilot.engine.model.llama import ForwardContext, LayerOps, LlamaForCausalLM
 from kvpilot.engine.model.loader import (
     ResolvedModel,
@@ -74,6 +75,10 @@ class ModelRunner:
             self.dtype,
             self.device,
         )
+        # After the size is logged: packed weights are buffers oneDNN owns, not parameters.
+        if self.device.type == "cpu" and self.dtype == torch.bfloat16 and packing_available():
+            packed = pack_linears(self.model, batch_hint=config.scheduler.max_num_seqs)
+            log.info("packed %d bfloat16 linear layers for oneDNN", packed)
         self.num_blocks = self._decide_num_blocks()
         shape = (
             self.num_blocks,
