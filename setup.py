@@ -18,4 +18,6 @@ setup(
         pkg for prefix, folder in PACKAGE_FOLDERS.items() for pkg in mapped_packages(prefix, folder)
     ],
     package_dir=PACKAGE_FOLDERS,
+    # The CPU kernels' C source is compiled on the serving machine, so it ships with the package.
+    package_data={"kvpilot.engine.cpu": ["csrc/*.c"]},
 )

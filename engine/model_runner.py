@@ -35,6 +35,10 @@ class PreparedBatch:
 
 
 def layer_ops_for(backend: str) -> LayerOps:
+    if backend == "cpu":
+        from kvpilot.engine.cpu.layer_ops import cpu_layer_ops
+
+        return cpu_layer_ops()
     if backend != "triton":
         return LayerOps()
     from kvpilot.engine.kernels import get_layer_ops

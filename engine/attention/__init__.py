@@ -9,12 +9,12 @@ ATTENTION_BACKENDS = ("torch", "cpu", "triton")
 
 
 def get_attention_backend(name: str) -> AttentionBackend:
-    """The backend named by the engine config ('auto' is resolved there); 'triton' lives in
-    kvpilot.engine.kernels."""
+    """The backend named by the engine config ('auto' is resolved there); 'cpu' lives in
+    kvpilot.engine.cpu, 'triton' in kvpilot.engine.kernels."""
     if name == "torch":
         return TorchAttentionBackend()
     if name == "cpu":
-        from kvpilot.engine.attention.cpu_native import CpuAttentionBackend
+        from kvpilot.engine.cpu.attention_backend import CpuAttentionBackend
 
         return CpuAttentionBackend()
     if name == "triton":

@@ -14,8 +14,9 @@ import torch
 
 from kvpilot.engine.attention import get_attention_backend
 from kvpilot.engine.attention.base import AttentionMetadata
-from kvpilot.engine.attention.cpu_native import is_supported, load_library, paged_decode
 from kvpilot.engine.attention.torch_ref import paged_attention_reference
+from kvpilot.engine.cpu.attention_backend import is_supported, paged_decode
+from kvpilot.engine.cpu.build import load_library
 
 LIB = load_library()
 needs_kernel = pytest.mark.skipif(LIB is None, reason="no C compiler to build the CPU kernel")

@@ -1,11 +1,18 @@
-/* Paged decode attention on CPU: one query token per sequence, read straight from the paged KV
- * cache (no gather into a contiguous copy), one pass with an online softmax per cache block.
+/* kvpilot's CPU kernels, built at run time by kvpilot.engine.cpu.build with the host's C compiler
+ * and called through ctypes:
+ * - paged decode attention: one query token per sequence, read straight from the paged KV cache
+ *   (no gather into a contiguous copy), with an online softmax over chunks of the context;
+ * - the decoder's elementwise steps (RMSNorm with the residual add, rotary embedding, the KV-cache
+ *   write), one pass each, in float32 math with the result rounded to the storage dtype at the
+ *   points where the torch ops of kvpilot.engine.model.layers round.
  *
- * Built at run time by kvpilot.engine.attention.cpu_native with the host's C compiler and called
- * through ctypes. Plain C that the compiler vectorizes; OpenMP over (sequence, kv head) pairs when
- * the compiler has it, sharing torch's OpenMP runtime (same soname, already loaded).
+ * Built with -ffp-contract=off so that a*b - c*d rounds as torch rounds it; the attention kernel
+ * asks for its fused multiply-adds explicitly.
  *
- * Layout (element strides, so any cache layout with a contiguous head_dim works):
+ * Plain C that the compiler vectorizes, with an AVX-512 path for the attention inner loops; OpenMP
+ * when the compiler has it, sharing torch's OpenMP runtime (same soname, already loaded).
+ *
+ * Attention layout (element strides, so any cache layout with a contiguous head_dim works):
  *   query [num_seqs, num_heads, head_dim] contiguous; out the same.
  *   k/v cache: element (block, slot, kv_head, d) at block*sb + slot*ss + kv_head*sh + d.
  *   block_tables [num_seqs, table_stride] int32; seq_lens [num_seqs] int32 (>= 1).
@@ -22,6 +29,7 @@
 /* Scores are kept for up to MAX_CHUNK tokens at a time, so the softmax runs over long vectors and
  * the online rescaling happens once per chunk, not once per block. */
 #define MAX_CHUNK 512
+#define MAX_HIDDEN 16384
 #define LANES 16
 
 static inline float bf16_to_f32(uint16_t x) {
@@ -39,10 +47,11 @@ static inline uint16_t f32_to_bf16(float f) {
     return (uint16_t)(u >> 16);
 }
 
-/* exp(x) for x <= 0 within ~2 ulp: 2^n * p(r), written so the compiler vectorizes it (libm's
- * expf is a scalar call per element, which would dominate the kernel). */
-static inline float exp_nonpositive(float x) {
+/* exp(x) within ~2 ulp for x in [-87, 88] (clamped outside): 2^n * p(r), written so the compiler
+ * vectorizes it (libm's expf is a scalar call per element, which would dominate these loops). */
+static inline float exp_approx(float x) {
     if (x < -87.0f) x = -87.0f;
+    if (x > 88.0f) x = 88.0f;
     float n = floorf(x * 1.44269504088896341f + 0.5f);
     float r = x - n * 0.693145751953125f - n * 1.428606765330187045e-06f;
     float p = 1.0f / 720.0f;
@@ -180,11 +189,11 @@ DEFINE_BLOCK_OPS(bf16, uint16_t, bf16_to_f32)
                     _Pragma("omp simd reduction(max : chunk_max)")                                \
                     for (int64_t t = 1; t < n; t++) chunk_max = p[j][t] > chunk_max ? p[j][t] : chunk_max; \
                     const float new_max = start == 0 || chunk_max > m[j] ? chunk_max : m[j];       \
-                    const float rescale = start == 0 ? 0.0f : exp_nonpositive(m[j] - new_max);     \
+                    const float rescale = start == 0 ? 0.0f : exp_approx(m[j] - new_max);     \
                     float sum = 0.0f;                                                              \
                     _Pragma("omp simd reduction(+ : sum)")                                        \
                     for (int64_t t = 0; t < n; t++) {                                              \
-                        p[j][t] = exp_nonpositive(p[j][t] - new_max);                              \
+                        p[j][t] = exp_approx(p[j][t] - new_max);                              \
                         sum += p[j][t];                                                            \
                     }                                                                              \
                     l[j] = l[j] * rescale + sum;                                                   \
@@ -208,6 +217,71 @@ DEFINE_BLOCK_OPS(bf16, uint16_t, bf16_to_f32)
 
 DEFINE_DECODE(paged_decode_f32, f32, float, LOAD_F32, STORE_F32)
 DEFINE_DECODE(paged_decode_bf16, bf16, uint16_t, bf16_to_f32, f32_to_bf16)
+
+/* Rounds a float32 to the storage dtype and back: torch rounds every op's result to the tensor's
+ * dtype, so the float32 path rounds nowhere and the bfloat16 path after each op. */
+#define ROUND_F32(x) (x)
+#define ROUND_BF16(x) bf16_to_f32(f32_to_bf16(x))
+
+#define DEFINE_LAYER_OPS(SUFFIX, T, LOAD, STORE, ROUND)                                          \
+    void rms_norm_##SUFFIX(const T *x, const T *residual, const T *weight, T *out,               \
+                           T *residual_out, int64_t rows, int64_t hidden, int64_t x_stride,      \
+                           float eps) {                                                          \
+        _Pragma("omp parallel for if (rows > 8)")                                               \
+        for (int64_t r = 0; r < rows; r++) {                                                     \
+            const T *xr = x + r * x_stride;                                                      \
+            float sum = 0.0f;                                                                    \
+            float v[MAX_HIDDEN];                                                                       \
+            for (int64_t i = 0; i < hidden; i++) {                                               \
+                float value = LOAD(xr[i]);                                                       \
+                if (residual) {                                                                  \
+                    value = ROUND(value + LOAD(residual[r * hidden + i]));                      \
+                    residual_out[r * hidden + i] = STORE(value);                                 \
+                }                                                                                \
+                v[i] = value;                                                                    \
+            }                                                                                    \
+            _Pragma("omp simd reduction(+ : sum)")                                              \
+            for (int64_t i = 0; i < hidden; i++) sum += v[i] * v[i];                             \
+            const float inv = 1.0f / sqrtf(sum / (float)hidden + eps);                           \
+            for (int64_t i = 0; i < hidden; i++)                                                 \
+                out[r * hidden + i] = STORE(LOAD(weight[i]) * ROUND(v[i] * inv));                \
+        }                                                                                        \
+    }                                                                                            \
+                                                                                                 \
+    void rotary_##SUFFIX(const T *q, const T *k, const int64_t *positions,                       \
+                         const float *cos_sin, T *q_out, T *k_out, int64_t tokens,               \
+                         int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,              \
+                         int64_t q_stride, int64_t k_stride) {                                   \
+        const int64_t half = head_dim / 2;                                                       \
+        _Pragma("omp parallel for if (tokens > 8)")                                             \
+        for (int64_t t = 0; t < tokens; t++) {                                                   \
+            const float *cs = cos_sin + positions[t] * head_dim;                                 \
+            for (int64_t h = 0; h < num_heads + num_kv_heads; h++) {                             \
+                const T *src = h < num_heads ? q + t * q_stride + h * head_dim                   \
+                                             : k + t * k_stride + (h - num_heads) * head_dim;    \
+                T *dst = h < num_heads ? q_out + (t * num_heads + h) * head_dim                  \
+                                       : k_out + (t * num_kv_heads + h - num_heads) * head_dim;  \
+                for (int64_t i = 0; i < half; i++) {                                             \
+                    const float x1 = LOAD(src[i]), x2 = LOAD(src[half + i]);                     \
+                    dst[i] = STORE(x1 * cs[i] - x2 * cs[half + i]);                              \
+                    dst[half + i] = STORE(x2 * cs[i] + x1 * cs[half + i]);                       \
+                }                                                                                \
+            }                                                                                    \
+        }                                                                                        \
+    }                                                                                            \
+                                                                                                 \
+    void write_kv_##SUFFIX(const T *key, const T *value, T *k_cache, T *v_cache,                 \
+                           const int64_t *slots, int64_t tokens, int64_t row, int64_t k_stride,  \
+                           int64_t v_stride) {                                                   \
+        for (int64_t t = 0; t < tokens; t++) {                                                   \
+            if (slots[t] < 0) continue;                                                          \
+            memcpy(k_cache + slots[t] * row, key + t * k_stride, row * sizeof(T));               \
+            memcpy(v_cache + slots[t] * row, value + t * v_stride, row * sizeof(T));             \
+        }                                                                                        \
+    }
+
+DEFINE_LAYER_OPS(f32, float, LOAD_F32, STORE_F32, ROUND_F32)
+DEFINE_LAYER_OPS(bf16, uint16_t, bf16_to_f32, f32_to_bf16, ROUND_BF16)
 
 int kvpilot_openmp_threads(void) {
 #ifdef _OPENMP

@@ -1,0 +1,115 @@
+"""Compiles csrc/cpu_ops.c for this machine and loads it, once per process.
+
+The library is cached under the kvpilot cache directory, keyed by the source, the compiler, the
+flags and the CPU (the build targets -march=native), so a second start and every other process on
+the machine reuse it. A build is written to a temporary file and renamed into place, so concurrent
+starts never load half a file.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger("kvpilot")
+
+SOURCE = Path(__file__).with_name("csrc") / "cpu_ops.c"
+BASE_FLAGS = (
+    "-O3",
+    "-march=native",
+    "-fno-math-errno",
+    "-fno-trapping-math",
+    "-ffp-contract=off",
+    "-fopenmp-simd",
+    "-fPIC",
+    "-shared",
+)
+# The storage dtypes the kernels are built for, and their function-name suffixes.
+SUFFIXES = {torch.float32: "f32", torch.bfloat16: "bf16"}
+_PTR, _I64, _F32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
+# Argument types of each exported function (per dtype suffix); pointers are tensor data_ptr()s.
+SIGNATURES = {
+    "paged_decode": [_PTR] * 6 + [_I64] * 12 + [_F32],
+    "rms_norm": [_PTR] * 5 + [_I64] * 3 + [_F32],
+    "rotary": [_PTR] * 6 + [_I64] * 6,
+    "write_kv": [_PTR] * 5 + [_I64] * 4,
+}
+
+
+def _cpu_signature() -> str:
+    """What -march=native compiles for: the CPU model and its feature flags."""
+    try:
+        info = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return platform.processor() or platform.machine()
+    keep = [line for line in info.splitlines() if line.startswith(("model name", "flags"))]
+    return "\n".join(sorted(set(keep)))
+
+
+def _compile(compiler: str, out: Path) -> list[str]:
+    """Builds the library into `out`; returns the flags used (OpenMP when the compiler has it)."""
+    last_error = ""
+    for extra in (["-fopenmp"], []):
+        flags = [*BASE_FLAGS, *extra]
+        with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
+            target = Path(tmp) / out.name
+            proc = subprocess.run(
+                [compiler, *flags, str(SOURCE), "-o", str(target), "-lm"],
+                capture_output=True,
+                text=True,
+                timeout=300,
+            )
+            if proc.returncode == 0:
+                os.replace(target, out)
+                return flags
+            last_error = proc.stderr.strip()[-2000:]
+    raise RuntimeError(f"{compiler} could not build {SOURCE.name}: {last_error}")
+
+
+@functools.cache
+def load_library() -> ctypes.CDLL | None:
+    """The compiled kernels, or None (logged once) when this machine cannot build them.
+
+    With OpenMP the library's NEEDED libgomp.so.1 resolves to the one torch already loaded, so the
+    kernels share torch's thread pool and its torch.set_num_threads setting."""
+    from kvpilot.engine.model.gguf_convert import cache_root
+
+    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if compiler is None:
+        log.warning("no C compiler found: the CPU kernels fall back to plain torch")
+        return None
+    try:
+        version = subprocess.run(
+            [compiler, "--version"], capture_output=True, text=True, timeout=30
+        ).stdout
+        key = hashlib.sha256(
+            "\0".join(
+                [SOURCE.read_text(), compiler, version, " ".join(BASE_FLAGS), _cpu_signature()]
+            ).encode()
+        ).hexdigest()[:16]
+        out = cache_root() / "cpu_kernels" / key / "cpu_ops.so"
+        if not out.exists():
+            out.parent.mkdir(parents=True, exist_ok=True)
+            flags = _compile(compiler, out)
+            log.info("built the CPU kernels (%s) at %s", " ".join(flags), out)
+        lib = ctypes.CDLL(str(out))
+    except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
+        log.warning("the CPU kernels fall back to plain torch: %s", exc)
+        return None
+    for name, argtypes in SIGNATURES.items():
+        for suffix in SUFFIXES.values():
+            fn = getattr(lib, f"{name}_{suffix}")
+            fn.argtypes = argtypes
+            fn.restype = None
+    lib.kvpilot_openmp_threads.restype = ctypes.c_int
+    return lib

@@ -1,0 +1,90 @@
+"""The C elementwise steps against the torch versions they replace (kvpilot.engine.model.layers).
+
+bfloat16 results must be identical: both compute in float32 and round at the same points. float32
+results differ only by the summation order of RMSNorm's mean (a few float32 ulps).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvpilot.engine.attention.torch_ref import write_kv_reference
+from kvpilot.engine.config import RopeScaling
+from kvpilot.engine.cpu import layer_ops
+from kvpilot.engine.cpu.build import load_library
+from kvpilot.engine.model import layers
+
+LIB = load_library()
+pytestmark = pytest.mark.skipif(LIB is None, reason="no C compiler to build the CPU kernels")
+DTYPES = [torch.float32, torch.bfloat16]
+
+
+def assert_matches(out: torch.Tensor, expected: torch.Tensor) -> None:
+    assert out.dtype == expected.dtype and out.shape == expected.shape
+    if out.dtype == torch.bfloat16:
+        assert torch.equal(out, expected)
+    else:
+        torch.testing.assert_close(out, expected, atol=2e-6, rtol=2e-6)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("num_tokens", [1, 9, 300])
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_rms_norm(dtype: torch.dtype, num_tokens: int, with_residual: bool) -> None:
+    gen = torch.Generator().manual_seed(num_tokens)
+    x = (4 * torch.randn(num_tokens, 576, generator=gen)).to(dtype)
+    weight = (1 + 0.2 * torch.randn(576, generator=gen)).to(dtype)
+    residual = torch.randn(num_tokens, 576, generator=gen).to(dtype) if with_residual else None
+    out, new_residual = layer_ops.rms_norm(LIB, x, weight, 1e-5, residual)
+    expected, expected_residual = layers.rms_norm(x, weight, 1e-5, residual)
+    assert_matches(out, expected)
+    assert torch.equal(new_residual, expected_residual)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("num_heads", "num_kv_heads", "head_dim"), [(9, 3, 64), (4, 4, 32)])
+def test_rotary_on_qkv_views(
+    dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_dim: int
+) -> None:
+    """q and k as the model passes them: strided views into one merged qkv projection."""
+    num_tokens = 37
+    gen = torch.Generator().manual_seed(0)
+    q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
+    qkv = torch.randn(num_tokens, q_size + 2 * kv_size, generator=gen).to(dtype)
+    q, k, _ = qkv.split([q_size, kv_size, kv_size], dim=-1)
+    q = q.view(num_tokens, num_heads, head_dim)
+    k = k.view(num_tokens, num_kv_heads, head_dim)
+    positions = torch.randint(0, 4000, (num_tokens,), generator=gen)
+    cache = layers.rope_cos_sin_cache(
+        head_dim, 4096, 500000.0, RopeScaling("llama3", 8.0, 1.0, 4.0, 1024)
+    )
+    q_out, k_out = layer_ops.apply_rotary(LIB, q, k, positions, cache)
+    q_ref, k_ref = layers.apply_rotary(q, k, positions, cache)
+    assert_matches(q_out, q_ref)
+    assert_matches(k_out, k_ref)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_write_kv(dtype: torch.dtype) -> None:
+    gen = torch.Generator().manual_seed(0)
+    num_tokens, kvh, head_dim = 11, 3, 64
+    qkv = torch.randn(num_tokens, 9 * 64 + 2 * kvh * head_dim, generator=gen).to(dtype)
+    _, key, value = qkv.split([9 * 64, kvh * head_dim, kvh * head_dim], dim=-1)
+    key = key.view(num_tokens, kvh, head_dim)
+    value = value.view(num_tokens, kvh, head_dim)
+    slots = torch.randperm(8 * 16, generator=gen)[:num_tokens]
+    caches = [torch.zeros(8, 16, kvh, head_dim, dtype=dtype) for _ in range(4)]
+    layer_ops.write_kv(LIB, key, value, caches[0], caches[1], slots)
+    write_kv_reference(key, value, caches[2], caches[3], slots)
+    assert torch.equal(caches[0], caches[2]) and torch.equal(caches[1], caches[3])
+    assert caches[0].count_nonzero() == num_tokens * kvh * head_dim
+
+
+def test_unsupported_inputs_fall_back_to_torch() -> None:
+    x = torch.randn(3, 64, dtype=torch.float16)
+    weight = torch.ones(64, dtype=torch.float16)
+    out, _ = layer_ops.rms_norm(LIB, x, weight, 1e-6)
+    assert torch.equal(out, layers.rms_norm(x, weight, 1e-6)[0])
+    out, _ = layer_ops.rms_norm(None, x.float(), weight.float(), 1e-6)
+    assert torch.equal(out, layers.rms_norm(x.float(), weight.float(), 1e-6)[0])
