@@ -26,11 +26,10 @@ RUN pip install . \
 
 FROM python:${PYTHON_VERSION}-slim
 ARG VARIANT=cpu
-# Triton compiles its GPU launchers with the system C compiler at run time.
-RUN if [ "$VARIANT" = "cuda" ]; then \
-      apt-get update && apt-get install -y --no-install-recommends gcc libc6-dev \
-      && rm -rf /var/lib/apt/lists/*; \
-    fi
+# A C compiler at run time: the engine builds its CPU kernels for the node's CPU on first start
+# (kvpilot.engine.cpu), and Triton compiles its GPU launchers with it.
+RUN apt-get update && apt-get install -y --no-install-recommends gcc libc6-dev \
+ && rm -rf /var/lib/apt/lists/*
 # The engine pods run as this user under the "restricted" Pod Security Standard (and the
 # operator's manifests say runAsUser 10001).
 RUN groupadd --gid 10001 kvpilot \

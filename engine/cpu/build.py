@@ -40,7 +40,6 @@ _PTR, _I64, _F32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 # Argument types of each exported function (per dtype suffix); pointers are tensor data_ptr()s.
 SIGNATURES = {
     "paged_decode": [_PTR] * 6 + [_I64] * 12 + [_F32],
-    "rms_norm": [_PTR] * 5 + [_I64] * 3 + [_F32],
     "rotary": [_PTR] * 6 + [_I64] * 6,
     "write_kv": [_PTR] * 5 + [_I64] * 4,
 }

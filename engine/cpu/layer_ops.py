@@ -1,10 +1,10 @@
-"""The decoder's elementwise steps through the C kernels, with the signatures of
-kvpilot.engine.model.layers (and write_kv_reference), falling back to those torch versions for
-anything the kernels do not take: another dtype, a layout whose last dimension is not contiguous,
-or no compiled library at all.
+"""Rotary embedding and the KV-cache write through the C kernels, with the signatures of
+kvpilot.engine.model.layers.apply_rotary and write_kv_reference, falling back to those torch
+versions for anything the kernels do not take: another dtype, a layout whose last dimension is not
+contiguous, or no compiled library at all.
 
-The C versions compute in float32 and round to the storage dtype where the torch ops round; the
-tests compare them with the torch versions directly.
+The C versions compute in float32 and round to the storage dtype where the torch ops round, so the
+results are identical (the tests compare them bit for bit).
 """
 
 from __future__ import annotations
@@ -18,8 +18,6 @@ from kvpilot.engine.cpu.build import SUFFIXES, load_library
 from kvpilot.engine.model import layers
 from kvpilot.engine.model.llama import LayerOps
 
-MAX_HIDDEN = 16384
-
 
 def _takes(*tensors: torch.Tensor) -> bool:
     first = tensors[0]
@@ -28,40 +26,6 @@ def _takes(*tensors: torch.Tensor) -> bool:
         and first.dtype in SUFFIXES
         and all(t.dtype == first.dtype and t.stride(-1) == 1 for t in tensors)
     )
-
-
-def rms_norm(
-    lib: ctypes.CDLL | None,
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    eps: float,
-    residual: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    hidden = x.shape[-1]
-    extra = () if residual is None else (residual,)
-    if (
-        lib is None
-        or x.dim() != 2
-        or hidden > MAX_HIDDEN
-        or not _takes(x, weight, *extra)
-        or not weight.is_contiguous()
-        or (residual is not None and not residual.is_contiguous())
-    ):
-        return layers.rms_norm(x, weight, eps, residual)
-    out = torch.empty(x.shape, dtype=x.dtype)
-    residual_out = x if residual is None else torch.empty_like(out)
-    getattr(lib, f"rms_norm_{SUFFIXES[x.dtype]}")(
-        x.data_ptr(),
-        None if residual is None else residual.data_ptr(),
-        weight.data_ptr(),
-        out.data_ptr(),
-        residual_out.data_ptr(),
-        x.shape[0],
-        hidden,
-        x.stride(0),
-        eps,
-    )
-    return out, residual_out
 
 
 def apply_rotary(
@@ -141,12 +105,15 @@ def write_kv(
 
 
 def cpu_layer_ops() -> LayerOps:
-    """The C versions bound to the compiled library (each falls back to torch by itself). SiLU-and-
-    multiply stays in torch: its vectorized exp beat a C loop on the development VM."""
+    """The C versions bound to the compiled library (each falls back to torch by itself).
+
+    RMSNorm and SiLU-and-multiply stay in torch. A C RMSNorm was twice as fast but summed the
+    squares in another order than torch's mean: a one-ulp change of the float32 variance that
+    bfloat16 rounding turned into different tokens on the real model (torch matches transformers
+    bit for bit there). SiLU's vectorized exp in torch beat a C loop on the development VM."""
     lib = load_library()
     if lib is None:
         return LayerOps()
     return LayerOps(
-        rms_norm=lambda x, weight, eps, residual=None: rms_norm(lib, x, weight, eps, residual),
         apply_rotary=lambda q, k, positions, cache: apply_rotary(lib, q, k, positions, cache),
     )

@@ -2,8 +2,7 @@
  * and called through ctypes:
  * - paged decode attention: one query token per sequence, read straight from the paged KV cache
  *   (no gather into a contiguous copy), with an online softmax over chunks of the context;
- * - the decoder's elementwise steps (RMSNorm with the residual add, rotary embedding, the KV-cache
- *   write), one pass each, in float32 math with the result rounded to the storage dtype at the
+ * - two of the decoder's elementwise steps (rotary embedding, the KV-cache write), one pass each, in float32 math with the result rounded to the storage dtype at the
  *   points where the torch ops of kvpilot.engine.model.layers round.
  *
  * Built with -ffp-contract=off so that a*b - c*d rounds as torch rounds it; the attention kernel
@@ -29,7 +28,6 @@
 /* Scores are kept for up to MAX_CHUNK tokens at a time, so the softmax runs over long vectors and
  * the online rescaling happens once per chunk, not once per block. */
 #define MAX_CHUNK 512
-#define MAX_HIDDEN 16384
 #define LANES 16
 
 static inline float bf16_to_f32(uint16_t x) {
@@ -224,30 +222,6 @@ DEFINE_DECODE(paged_decode_bf16, bf16, uint16_t, bf16_to_f32, f32_to_bf16)
 #define ROUND_BF16(x) bf16_to_f32(f32_to_bf16(x))
 
 #define DEFINE_LAYER_OPS(SUFFIX, T, LOAD, STORE, ROUND)                                          \
-    void rms_norm_##SUFFIX(const T *x, const T *residual, const T *weight, T *out,               \
-                           T *residual_out, int64_t rows, int64_t hidden, int64_t x_stride,      \
-                           float eps) {                                                          \
-        _Pragma("omp parallel for if (rows > 8)")                                               \
-        for (int64_t r = 0; r < rows; r++) {                                                     \
-            const T *xr = x + r * x_stride;                                                      \
-            float sum = 0.0f;                                                                    \
-            float v[MAX_HIDDEN];                                                                       \
-            for (int64_t i = 0; i < hidden; i++) {                                               \
-                float value = LOAD(xr[i]);                                                       \
-                if (residual) {                                                                  \
-                    value = ROUND(value + LOAD(residual[r * hidden + i]));                      \
-                    residual_out[r * hidden + i] = STORE(value);                                 \
-                }                                                                                \
-                v[i] = value;                                                                    \
-            }                                                                                    \
-            _Pragma("omp simd reduction(+ : sum)")                                              \
-            for (int64_t i = 0; i < hidden; i++) sum += v[i] * v[i];                             \
-            const float inv = 1.0f / sqrtf(sum / (float)hidden + eps);                           \
-            for (int64_t i = 0; i < hidden; i++)                                                 \
-                out[r * hidden + i] = STORE(LOAD(weight[i]) * ROUND(v[i] * inv));                \
-        }                                                                                        \
-    }                                                                                            \
-                                                                                                 \
     void rotary_##SUFFIX(const T *q, const T *k, const int64_t *positions,                       \
                          const float *cos_sin, T *q_out, T *k_out, int64_t tokens,               \
                          int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,              \
