@@ -155,7 +155,16 @@ def main() -> None:
         choices=["float32", "bfloat16"],
         help="one dtype for both systems",
     )
+    ap.add_argument(
+        "--attention-backend",
+        default="auto",
+        choices=["auto", "torch", "cpu"],
+        help="kvpilot's attention backend (auto: the C kernels on CPU)",
+    )
     ap.add_argument("--out", default="bench/out/offline_throughput.json")
+    ap.add_argument(
+        "--plot", default=None, help="PNG of the three throughputs (default: next to --out)"
+    )
     args = ap.parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -166,7 +175,12 @@ def main() -> None:
 
     requests = make_requests(args.num_requests, args.min_out, args.max_out, args.seed)
     dtype = getattr(torch, args.dtype)
-    llm = LLM(dtype=args.dtype, max_num_seqs=args.max_batch, max_num_batched_tokens=2048)
+    llm = LLM(
+        dtype=args.dtype,
+        attention_backend=args.attention_backend,
+        max_num_seqs=args.max_batch,
+        max_num_batched_tokens=2048,
+    )
     ids = prompt_ids(llm.tokenizer, requests)
     lens = sorted(len(p) for p in ids)
     print(
@@ -208,7 +222,40 @@ def main() -> None:
             indent=2,
         )
     )
-    print(f"wrote {args.out}")
+    plot = Path(args.plot or Path(args.out).with_suffix(f".{args.dtype}.png"))
+    plot_results(results, args, plot)
+    print(f"wrote {args.out} and {plot}")
+
+
+def plot_results(results: list[Result], args: argparse.Namespace, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ours = results[0].tokens_per_s
+    fig, ax = plt.subplots(figsize=(7, 3.2))
+    names = [r.system for r in results]
+    rates = [r.tokens_per_s for r in results]
+    bars = ax.barh(names[::-1], rates[::-1], color=["#999999", "#bbbbbb", "#2b6cb0"])
+    for bar, rate in zip(bars, rates[::-1], strict=True):
+        ax.text(
+            bar.get_width(),
+            bar.get_y() + bar.get_height() / 2,
+            f" {rate:.1f} tok/s ({ours / rate:.2f}x)" if rate != ours else f" {rate:.1f} tok/s",
+            va="center",
+        )
+    ax.set_xlabel("output tokens/s (higher is better)")
+    ax.set_xlim(0, max(rates) * 1.45)
+    ax.set_title(
+        f"SmolLM2-135M offline, {args.num_requests} requests, max batch {args.max_batch}, "
+        f"{args.dtype}, {torch.get_num_threads()} CPU threads",
+        fontsize=9,
+    )
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
 
 
 if __name__ == "__main__":
