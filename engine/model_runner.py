@@ -80,9 +80,9 @@ class ModelRunner:
             self.device,
         )
         # After the size is logged: packed weights are buffers oneDNN owns, not parameters.
-        if self.device.type == "cpu" and self.dtype == torch.bfloat16 and packing_available():
+        if self.device.type == "cpu" and packing_available(self.dtype):
             packed = pack_linears(self.model, batch_hint=config.scheduler.max_num_seqs)
-            log.info("packed %d bfloat16 linear layers for oneDNN", packed)
+            log.info("packed %d %s linear layers for oneDNN", packed, self.dtype)
         self.num_blocks = self._decide_num_blocks()
         shape = (
             self.num_blocks,

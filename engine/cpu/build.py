@@ -55,11 +55,11 @@ def _cpu_signature() -> str:
     return "\n".join(sorted(set(keep)))
 
 
-def _compile(compiler: str, out: Path) -> list[str]:
+def _compile(compiler: str, out: Path, extra_flags: tuple[str, ...]) -> list[str]:
     """Builds the library into `out`; returns the flags used (OpenMP when the compiler has it)."""
     last_error = ""
-    for extra in (["-fopenmp"], []):
-        flags = [*BASE_FLAGS, *extra]
+    for openmp in (["-fopenmp"], []):
+        flags = [*BASE_FLAGS, *extra_flags, *openmp]
         with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
             target = Path(tmp) / out.name
             proc = subprocess.run(
@@ -76,8 +76,11 @@ def _compile(compiler: str, out: Path) -> list[str]:
 
 
 @functools.cache
-def load_library() -> ctypes.CDLL | None:
+def load_library(extra_flags: tuple[str, ...] = ()) -> ctypes.CDLL | None:
     """The compiled kernels, or None (logged once) when this machine cannot build them.
+
+    extra_flags: added to the compiler's flags (the tests build the portable, non-AVX-512 path with
+    -mno-avx512f).
 
     With OpenMP the library's NEEDED libgomp.so.1 resolves to the one torch already loaded, so the
     kernels share torch's thread pool and its torch.set_num_threads setting."""
@@ -93,13 +96,19 @@ def load_library() -> ctypes.CDLL | None:
         ).stdout
         key = hashlib.sha256(
             "\0".join(
-                [SOURCE.read_text(), compiler, version, " ".join(BASE_FLAGS), _cpu_signature()]
+                [
+                    SOURCE.read_text(),
+                    compiler,
+                    version,
+                    " ".join([*BASE_FLAGS, *extra_flags]),
+                    _cpu_signature(),
+                ]
             ).encode()
         ).hexdigest()[:16]
         out = cache_root() / "cpu_kernels" / key / "cpu_ops.so"
         if not out.exists():
             out.parent.mkdir(parents=True, exist_ok=True)
-            flags = _compile(compiler, out)
+            flags = _compile(compiler, out, extra_flags)
             log.info("built the CPU kernels (%s) at %s", " ".join(flags), out)
         lib = ctypes.CDLL(str(out))
     except (OSError, RuntimeError, subprocess.SubprocessError) as exc:

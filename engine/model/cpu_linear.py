@@ -1,12 +1,17 @@
-"""bfloat16 linear layers on CPU with their weights reordered once, at load time, into oneDNN's
-blocked layout.
+"""Linear layers on CPU with their weights reordered once, at load time, into oneDNN's blocked
+layout.
 
-A plain bfloat16 `F.linear` on CPU hands oneDNN a row-major weight, which it may reorder on every
-call; `bench/cpu_matmul_ceiling.py --packed` measures what keeping it reordered is worth for each
-of the model's shapes. The packed layer computes the same products (bit for bit on the development
-VM; packing_available() insists on an exact match before the engine uses it), and replaces the
-weight, so memory does not double (but see pack_linears on a tied lm_head). Used only where
-oneDNN supports bfloat16 on this CPU; anything else keeps nn.Linear.
+A plain `F.linear` on CPU hands a row-major weight to oneDNN (bfloat16), which may reorder it on
+every call, or to MKL's sgemm (float32), which on the development VM runs the model's shapes well
+below oneDNN's packed kernels (the lm_head at batch 32: 2.4x). `bench/cpu_matmul_ceiling.py
+--packed` measures both dtypes for each of the model's shapes. The packed layer replaces the
+weight, so memory does not double (but see pack_linears on a tied lm_head).
+
+Numerics: in bfloat16 the packed layer computes the same products bit for bit (on the development
+VM; packing_available() insists on an exact match before the engine uses it). In float32 oneDNN
+accumulates in another order than MKL: results differ in the last bits (relative 1e-6), which the
+greedy-parity tests against transformers cover. Used only where this torch and CPU run oneDNN's
+packed linear; anything else keeps nn.Linear.
 """
 
 from __future__ import annotations
@@ -20,17 +25,26 @@ from torch import nn
 log = logging.getLogger("kvpilot")
 
 
-def packing_available() -> bool:
-    """Whether this torch build and CPU run oneDNN's packed bfloat16 linear, and agree with
-    F.linear."""
+PACKED_DTYPES = (torch.float32, torch.bfloat16)
+
+
+def packing_available(dtype: torch.dtype) -> bool:
+    """Whether this torch build and CPU run oneDNN's packed linear in `dtype` and agree with
+    F.linear (exactly in bfloat16, to float32 rounding in float32)."""
+    if dtype not in PACKED_DTYPES:
+        return False
     try:
-        weight = torch.randn(48, 32).to(torch.bfloat16)
-        x = torch.randn(5, 32).to(torch.bfloat16)
+        gen = torch.Generator().manual_seed(0)
+        weight = torch.randn(48, 64, generator=gen).to(dtype)
+        x = torch.randn(5, 64, generator=gen).to(dtype)
         packed = torch.ops.mkldnn._reorder_linear_weight(weight, 5)
         out = torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
     except (AttributeError, RuntimeError, NotImplementedError):
         return False
-    return bool(torch.equal(out, F.linear(x, weight)))
+    expected = F.linear(x, weight)
+    if dtype == torch.bfloat16:
+        return bool(torch.equal(out, expected))
+    return bool(torch.allclose(out, expected, rtol=1e-5, atol=1e-5))
 
 
 class PackedLinear(nn.Module):
@@ -51,7 +65,8 @@ class PackedLinear(nn.Module):
 
 
 def pack_linears(model: nn.Module, batch_hint: int) -> int:
-    """Swaps every bfloat16 CPU nn.Linear in `model` for a PackedLinear; returns how many. A tied
+    """Swaps every float32 or bfloat16 CPU nn.Linear in `model` for a PackedLinear; returns how
+    many. A tied
     lm_head is packed too (the largest single matmul of a decode step): its packed copy costs one
     extra vocab x hidden matrix, since the embedding keeps the original."""
     swapped = 0
@@ -59,7 +74,7 @@ def pack_linears(model: nn.Module, batch_hint: int) -> int:
         for name, child in list(parent.named_children()):
             if (
                 type(child) is nn.Linear
-                and child.weight.dtype == torch.bfloat16
+                and child.weight.dtype in PACKED_DTYPES
                 and child.weight.device.type == "cpu"
             ):
                 setattr(parent, name, PackedLinear(child, batch_hint))

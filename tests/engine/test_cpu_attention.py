@@ -105,6 +105,37 @@ def test_decode_matches_reference(
 
 
 @needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_portable_path_without_avx512(dtype: torch.dtype) -> None:
+    """The plain-C loops that machines without AVX-512 run, built here with -mno-avx512f."""
+    portable = load_library(("-mno-avx512f",))
+    assert portable is not None and portable is not LIB
+    seq_lens = [1, 16, 17, 300, 700]
+    query, k_cache, v_cache, meta = make_batch([1] * 5, seq_lens, 9, 3, 64, 16, dtype)
+    out = paged_decode(portable, query, k_cache, v_cache, meta.block_tables, meta.seq_lens, 0.125)
+    torch.testing.assert_close(
+        out.float(), reference(query, k_cache, v_cache, meta, 0.125), atol=ATOL[dtype], rtol=0
+    )
+
+
+@needs_kernel
+def test_kernels_share_torchs_thread_setting() -> None:
+    """Built with OpenMP, the library uses the libgomp torch loaded: torch.set_num_threads
+    reaches it."""
+    before = torch.get_num_threads()
+    try:
+        seen = []
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            seen.append(LIB.kvpilot_openmp_threads())
+    finally:
+        torch.set_num_threads(before)
+    if seen == [1, 1]:
+        pytest.skip("the library was built without OpenMP")
+    assert seen == [1, 2]
+
+
+@needs_kernel
 def test_large_scores_stay_finite() -> None:
     """Scores far from zero (a spiky query): the softmax must subtract the running max."""
     query, k_cache, v_cache, meta = make_batch([1, 1], [40, 700], 4, 2, 64, 16, torch.float32)

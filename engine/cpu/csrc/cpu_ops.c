@@ -2,8 +2,9 @@
  * and called through ctypes:
  * - paged decode attention: one query token per sequence, read straight from the paged KV cache
  *   (no gather into a contiguous copy), with an online softmax over chunks of the context;
- * - two of the decoder's elementwise steps (rotary embedding, the KV-cache write), one pass each, in float32 math with the result rounded to the storage dtype at the
- *   points where the torch ops of kvpilot.engine.model.layers round.
+ * - two of the decoder's elementwise steps (rotary embedding, the KV-cache write), one pass each,
+ *   in float32 math with the result rounded to the storage dtype at the points where the torch ops
+ *   of kvpilot.engine.model.layers round.
  *
  * Built with -ffp-contract=off so that a*b - c*d rounds as torch rounds it; the attention kernel
  * asks for its fused multiply-adds explicitly.
@@ -88,129 +89,130 @@ static inline __m512 load16_bf16(const uint16_t *x) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
 }
 
-#define DEFINE_BLOCK_OPS(SUFFIX, T, LOAD16)                                                        \
-    static inline void scores_##SUFFIX(const float (*q)[MAX_HEAD_DIM], const T *kb, int64_t ss,    \
-                                       int64_t n, int64_t group, int64_t D,                        \
-                                       float (*p)[MAX_CHUNK], int64_t t0) {                                    \
-        __m512 row[MAX_HEAD_DIM / 16];                                                             \
-        for (int64_t t = 0; t < n; t++) {                                                          \
-            for (int64_t c = 0; c < D / 16; c++) row[c] = LOAD16(kb + t * ss + 16 * c);            \
-            for (int64_t j = 0; j < group; j++) {                                                  \
-                __m512 acc = _mm512_mul_ps(_mm512_loadu_ps(q[j]), row[0]);                         \
-                for (int64_t c = 1; c < D / 16; c++)                                               \
-                    acc = _mm512_fmadd_ps(_mm512_loadu_ps(q[j] + 16 * c), row[c], acc);            \
-                p[j][t0 + t] = _mm512_reduce_add_ps(acc);                                               \
-            }                                                                                      \
-        }                                                                                          \
-    }                                                                                              \
-    static inline void accumulate_##SUFFIX(float (*acc)[MAX_HEAD_DIM], const T *vb, int64_t ss,    \
-                                           int64_t n, int64_t group, int64_t D,                    \
-                                           const float (*p)[MAX_CHUNK], int64_t t0) {                          \
-        for (int64_t c = 0; c < D / 16; c++) {                                                     \
-            __m512 sums[MAX_GROUP];                                                                \
-            for (int64_t j = 0; j < group; j++) sums[j] = _mm512_loadu_ps(acc[j] + 16 * c);        \
-            for (int64_t t = 0; t < n; t++) {                                                      \
-                const __m512 v = LOAD16(vb + t * ss + 16 * c);                                     \
-                for (int64_t j = 0; j < group; j++)                                                \
-                    sums[j] = _mm512_fmadd_ps(_mm512_set1_ps(p[j][t0 + t]), v, sums[j]);                \
-            }                                                                                      \
-            for (int64_t j = 0; j < group; j++) _mm512_storeu_ps(acc[j] + 16 * c, sums[j]);        \
-        }                                                                                          \
+#define DEFINE_BLOCK_OPS(SUFFIX, T, LOAD16)                                                       \
+    static inline void scores_##SUFFIX(const float (*q)[MAX_HEAD_DIM], const T *kb, int64_t ss,   \
+                                       int64_t n, int64_t group, int64_t D,                       \
+                                       float (*p)[MAX_CHUNK], int64_t t0) {                       \
+        __m512 row[MAX_HEAD_DIM / 16];                                                            \
+        for (int64_t t = 0; t < n; t++) {                                                         \
+            for (int64_t c = 0; c < D / 16; c++) row[c] = LOAD16(kb + t * ss + 16 * c);           \
+            for (int64_t j = 0; j < group; j++) {                                                 \
+                __m512 acc = _mm512_mul_ps(_mm512_loadu_ps(q[j]), row[0]);                        \
+                for (int64_t c = 1; c < D / 16; c++)                                              \
+                    acc = _mm512_fmadd_ps(_mm512_loadu_ps(q[j] + 16 * c), row[c], acc);           \
+                p[j][t0 + t] = _mm512_reduce_add_ps(acc);                                         \
+            }                                                                                     \
+        }                                                                                         \
+    }                                                                                             \
+    static inline void accumulate_##SUFFIX(float (*acc)[MAX_HEAD_DIM], const T *vb, int64_t ss,   \
+                                           int64_t n, int64_t group, int64_t D,                   \
+                                           const float (*p)[MAX_CHUNK], int64_t t0) {             \
+        for (int64_t c = 0; c < D / 16; c++) {                                                    \
+            __m512 sums[MAX_GROUP];                                                               \
+            for (int64_t j = 0; j < group; j++) sums[j] = _mm512_loadu_ps(acc[j] + 16 * c);       \
+            for (int64_t t = 0; t < n; t++) {                                                     \
+                const __m512 v = LOAD16(vb + t * ss + 16 * c);                                    \
+                for (int64_t j = 0; j < group; j++)                                               \
+                    sums[j] = _mm512_fmadd_ps(_mm512_set1_ps(p[j][t0 + t]), v, sums[j]);          \
+            }                                                                                     \
+            for (int64_t j = 0; j < group; j++) _mm512_storeu_ps(acc[j] + 16 * c, sums[j]);       \
+        }                                                                                         \
     }
 
 DEFINE_BLOCK_OPS(f32, float, load16_f32)
 DEFINE_BLOCK_OPS(bf16, uint16_t, load16_bf16)
 #else
-#define DEFINE_BLOCK_OPS(SUFFIX, T, LOAD)                                                          \
-    static inline void scores_##SUFFIX(const float (*q)[MAX_HEAD_DIM], const T *kb, int64_t ss,    \
-                                       int64_t n, int64_t group, int64_t D,                        \
-                                       float (*p)[MAX_CHUNK], int64_t t0) {                                    \
-        float row[MAX_HEAD_DIM];                                                                   \
-        for (int64_t t = 0; t < n; t++) {                                                          \
-            for (int64_t d = 0; d < D; d++) row[d] = LOAD(kb[t * ss + d]);                         \
-            for (int64_t j = 0; j < group; j++) p[j][t0 + t] = dot(q[j], row, D);                       \
-        }                                                                                          \
-    }                                                                                              \
-    static inline void accumulate_##SUFFIX(float (*acc)[MAX_HEAD_DIM], const T *vb, int64_t ss,    \
-                                           int64_t n, int64_t group, int64_t D,                    \
-                                           const float (*p)[MAX_CHUNK], int64_t t0) {                          \
-        float row[MAX_HEAD_DIM];                                                                   \
-        for (int64_t t = 0; t < n; t++) {                                                          \
-            for (int64_t d = 0; d < D; d++) row[d] = LOAD(vb[t * ss + d]);                         \
-            for (int64_t j = 0; j < group; j++) {                                                  \
-                const float w = p[j][t0 + t];                                                           \
-                for (int64_t d = 0; d < D; d++) acc[j][d] += w * row[d];                           \
-            }                                                                                      \
-        }                                                                                          \
+#define DEFINE_BLOCK_OPS(SUFFIX, T, LOAD)                                                         \
+    static inline void scores_##SUFFIX(const float (*q)[MAX_HEAD_DIM], const T *kb, int64_t ss,   \
+                                       int64_t n, int64_t group, int64_t D,                       \
+                                       float (*p)[MAX_CHUNK], int64_t t0) {                       \
+        float row[MAX_HEAD_DIM];                                                                  \
+        for (int64_t t = 0; t < n; t++) {                                                         \
+            for (int64_t d = 0; d < D; d++) row[d] = LOAD(kb[t * ss + d]);                        \
+            for (int64_t j = 0; j < group; j++) p[j][t0 + t] = dot(q[j], row, D);                 \
+        }                                                                                         \
+    }                                                                                             \
+    static inline void accumulate_##SUFFIX(float (*acc)[MAX_HEAD_DIM], const T *vb, int64_t ss,   \
+                                           int64_t n, int64_t group, int64_t D,                   \
+                                           const float (*p)[MAX_CHUNK], int64_t t0) {             \
+        float row[MAX_HEAD_DIM];                                                                  \
+        for (int64_t t = 0; t < n; t++) {                                                         \
+            for (int64_t d = 0; d < D; d++) row[d] = LOAD(vb[t * ss + d]);                        \
+            for (int64_t j = 0; j < group; j++) {                                                 \
+                const float w = p[j][t0 + t];                                                     \
+                for (int64_t d = 0; d < D; d++) acc[j][d] += w * row[d];                          \
+            }                                                                                     \
+        }                                                                                         \
     }
 
 DEFINE_BLOCK_OPS(f32, float, LOAD_F32)
 DEFINE_BLOCK_OPS(bf16, uint16_t, bf16_to_f32)
 #endif
 
-#define DEFINE_DECODE(NAME, SUFFIX, T, LOAD, STORE)                                                      \
-    void NAME(const T *query, const T *k_cache, const T *v_cache, const int32_t *block_tables,     \
-              const int32_t *seq_lens, T *out, int64_t num_seqs, int64_t num_heads,                \
-              int64_t num_kv_heads, int64_t head_dim, int64_t block_size, int64_t table_stride,    \
-              int64_t k_sb, int64_t k_ss, int64_t k_sh, int64_t v_sb, int64_t v_ss, int64_t v_sh,  \
-              float scale) {                                                                       \
-        const int64_t group = num_heads / num_kv_heads;                                            \
-        const int64_t D = head_dim;                                                                \
+#define DEFINE_DECODE(NAME, SUFFIX, T, LOAD, STORE)                                               \
+    void NAME(const T *query, const T *k_cache, const T *v_cache, const int32_t *block_tables,    \
+              const int32_t *seq_lens, T *out, int64_t num_seqs, int64_t num_heads,               \
+              int64_t num_kv_heads, int64_t head_dim, int64_t block_size, int64_t table_stride,   \
+              int64_t k_sb, int64_t k_ss, int64_t k_sh, int64_t v_sb, int64_t v_ss, int64_t v_sh, \
+              float scale) {                                                                      \
+        const int64_t group = num_heads / num_kv_heads;                                           \
+        const int64_t D = head_dim;                                                               \
         _Pragma("omp parallel for schedule(dynamic, 1)")                                          \
-        for (int64_t unit = 0; unit < num_seqs * num_kv_heads; unit++) {                           \
-            const int64_t s = unit / num_kv_heads, kvh = unit % num_kv_heads;                      \
-            const int64_t len = seq_lens[s];                                                       \
-            const int32_t *table = block_tables + s * table_stride;                                \
-            float q[MAX_GROUP][MAX_HEAD_DIM], acc[MAX_GROUP][MAX_HEAD_DIM];                        \
-            float p[MAX_GROUP][MAX_CHUNK];                                      \
-            float m[MAX_GROUP], l[MAX_GROUP];                                                      \
-            for (int64_t j = 0; j < group; j++) {                                                  \
-                const T *qr = query + (s * num_heads + kvh * group + j) * D;                       \
-                for (int64_t d = 0; d < D; d++) {                                                  \
-                    q[j][d] = LOAD(qr[d]) * scale;                                                 \
-                    acc[j][d] = 0.0f;                                                              \
-                }                                                                                  \
-                m[j] = 0.0f;                                                                       \
-                l[j] = 0.0f;                                                                       \
-            }                                                                                      \
-            const int64_t chunk = (MAX_CHUNK / block_size) * block_size;                           \
-            for (int64_t start = 0; start < len; start += chunk) {                                 \
-                const int64_t n = len - start < chunk ? len - start : chunk;                       \
-                for (int64_t t0 = 0; t0 < n; t0 += block_size) {                                   \
-                    const int64_t block = table[(start + t0) / block_size];                        \
-                    const int64_t bn = n - t0 < block_size ? n - t0 : block_size;                  \
+        for (int64_t unit = 0; unit < num_seqs * num_kv_heads; unit++) {                          \
+            const int64_t s = unit / num_kv_heads, kvh = unit % num_kv_heads;                     \
+            const int64_t len = seq_lens[s];                                                      \
+            const int32_t *table = block_tables + s * table_stride;                               \
+            float q[MAX_GROUP][MAX_HEAD_DIM], acc[MAX_GROUP][MAX_HEAD_DIM];                       \
+            float p[MAX_GROUP][MAX_CHUNK];                                                        \
+            float m[MAX_GROUP], l[MAX_GROUP];                                                     \
+            for (int64_t j = 0; j < group; j++) {                                                 \
+                const T *qr = query + (s * num_heads + kvh * group + j) * D;                      \
+                for (int64_t d = 0; d < D; d++) {                                                 \
+                    q[j][d] = LOAD(qr[d]) * scale;                                                \
+                    acc[j][d] = 0.0f;                                                             \
+                }                                                                                 \
+                m[j] = 0.0f;                                                                      \
+                l[j] = 0.0f;                                                                      \
+            }                                                                                     \
+            const int64_t chunk = (MAX_CHUNK / block_size) * block_size;                          \
+            for (int64_t start = 0; start < len; start += chunk) {                                \
+                const int64_t n = len - start < chunk ? len - start : chunk;                      \
+                for (int64_t t0 = 0; t0 < n; t0 += block_size) {                                  \
+                    const int64_t block = table[(start + t0) / block_size];                       \
+                    const int64_t bn = n - t0 < block_size ? n - t0 : block_size;                 \
                     scores_##SUFFIX(q, k_cache + block * k_sb + kvh * k_sh, k_ss, bn, group, D, p, \
-                                    t0);                                                           \
-                }                                                                                  \
-                for (int64_t j = 0; j < group; j++) {                                              \
-                    float chunk_max = p[j][0];                                                     \
+                                    t0);                                                          \
+                }                                                                                 \
+                for (int64_t j = 0; j < group; j++) {                                             \
+                    float chunk_max = p[j][0];                                                    \
                     _Pragma("omp simd reduction(max : chunk_max)")                                \
-                    for (int64_t t = 1; t < n; t++) chunk_max = p[j][t] > chunk_max ? p[j][t] : chunk_max; \
-                    const float new_max = start == 0 || chunk_max > m[j] ? chunk_max : m[j];       \
-                    const float rescale = start == 0 ? 0.0f : exp_approx(m[j] - new_max);     \
-                    float sum = 0.0f;                                                              \
+                    for (int64_t t = 1; t < n; t++)                                              \
+                        chunk_max = p[j][t] > chunk_max ? p[j][t] : chunk_max;                    \
+                    const float new_max = start == 0 || chunk_max > m[j] ? chunk_max : m[j];      \
+                    const float rescale = start == 0 ? 0.0f : exp_approx(m[j] - new_max);         \
+                    float sum = 0.0f;                                                             \
                     _Pragma("omp simd reduction(+ : sum)")                                        \
-                    for (int64_t t = 0; t < n; t++) {                                              \
-                        p[j][t] = exp_approx(p[j][t] - new_max);                              \
-                        sum += p[j][t];                                                            \
-                    }                                                                              \
-                    l[j] = l[j] * rescale + sum;                                                   \
-                    m[j] = new_max;                                                                \
-                    for (int64_t d = 0; d < D; d++) acc[j][d] *= rescale;                          \
-                }                                                                                  \
-                for (int64_t t0 = 0; t0 < n; t0 += block_size) {                                   \
-                    const int64_t block = table[(start + t0) / block_size];                        \
-                    const int64_t bn = n - t0 < block_size ? n - t0 : block_size;                  \
+                    for (int64_t t = 0; t < n; t++) {                                             \
+                        p[j][t] = exp_approx(p[j][t] - new_max);                                  \
+                        sum += p[j][t];                                                           \
+                    }                                                                             \
+                    l[j] = l[j] * rescale + sum;                                                  \
+                    m[j] = new_max;                                                               \
+                    for (int64_t d = 0; d < D; d++) acc[j][d] *= rescale;                         \
+                }                                                                                 \
+                for (int64_t t0 = 0; t0 < n; t0 += block_size) {                                  \
+                    const int64_t block = table[(start + t0) / block_size];                       \
+                    const int64_t bn = n - t0 < block_size ? n - t0 : block_size;                 \
                     accumulate_##SUFFIX(acc, v_cache + block * v_sb + kvh * v_sh, v_ss, bn, group, \
-                                        D, p, t0);                                                 \
-                }                                                                                  \
-            }                                                                                      \
-            for (int64_t j = 0; j < group; j++) {                                                  \
-                T *o = out + (s * num_heads + kvh * group + j) * D;                                \
-                const float inv = 1.0f / l[j];                                                     \
-                for (int64_t d = 0; d < D; d++) o[d] = STORE(acc[j][d] * inv);                     \
-            }                                                                                      \
-        }                                                                                          \
+                                        D, p, t0);                                                \
+                }                                                                                 \
+            }                                                                                     \
+            for (int64_t j = 0; j < group; j++) {                                                 \
+                T *o = out + (s * num_heads + kvh * group + j) * D;                               \
+                const float inv = 1.0f / l[j];                                                    \
+                for (int64_t d = 0; d < D; d++) o[d] = STORE(acc[j][d] * inv);                    \
+            }                                                                                     \
+        }                                                                                         \
     }
 
 DEFINE_DECODE(paged_decode_f32, f32, float, LOAD_F32, STORE_F32)
@@ -221,37 +223,37 @@ DEFINE_DECODE(paged_decode_bf16, bf16, uint16_t, bf16_to_f32, f32_to_bf16)
 #define ROUND_F32(x) (x)
 #define ROUND_BF16(x) bf16_to_f32(f32_to_bf16(x))
 
-#define DEFINE_LAYER_OPS(SUFFIX, T, LOAD, STORE, ROUND)                                          \
-    void rotary_##SUFFIX(const T *q, const T *k, const int64_t *positions,                       \
-                         const float *cos_sin, T *q_out, T *k_out, int64_t tokens,               \
-                         int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,              \
-                         int64_t q_stride, int64_t k_stride) {                                   \
-        const int64_t half = head_dim / 2;                                                       \
-        _Pragma("omp parallel for if (tokens > 8)")                                             \
-        for (int64_t t = 0; t < tokens; t++) {                                                   \
-            const float *cs = cos_sin + positions[t] * head_dim;                                 \
-            for (int64_t h = 0; h < num_heads + num_kv_heads; h++) {                             \
-                const T *src = h < num_heads ? q + t * q_stride + h * head_dim                   \
-                                             : k + t * k_stride + (h - num_heads) * head_dim;    \
-                T *dst = h < num_heads ? q_out + (t * num_heads + h) * head_dim                  \
-                                       : k_out + (t * num_kv_heads + h - num_heads) * head_dim;  \
-                for (int64_t i = 0; i < half; i++) {                                             \
-                    const float x1 = LOAD(src[i]), x2 = LOAD(src[half + i]);                     \
-                    dst[i] = STORE(x1 * cs[i] - x2 * cs[half + i]);                              \
-                    dst[half + i] = STORE(x2 * cs[i] + x1 * cs[half + i]);                       \
-                }                                                                                \
-            }                                                                                    \
-        }                                                                                        \
-    }                                                                                            \
-                                                                                                 \
-    void write_kv_##SUFFIX(const T *key, const T *value, T *k_cache, T *v_cache,                 \
-                           const int64_t *slots, int64_t tokens, int64_t row, int64_t k_stride,  \
-                           int64_t v_stride) {                                                   \
-        for (int64_t t = 0; t < tokens; t++) {                                                   \
-            if (slots[t] < 0) continue;                                                          \
-            memcpy(k_cache + slots[t] * row, key + t * k_stride, row * sizeof(T));               \
-            memcpy(v_cache + slots[t] * row, value + t * v_stride, row * sizeof(T));             \
-        }                                                                                        \
+#define DEFINE_LAYER_OPS(SUFFIX, T, LOAD, STORE, ROUND)                                           \
+    void rotary_##SUFFIX(const T *q, const T *k, const int64_t *positions,                        \
+                         const float *cos_sin, T *q_out, T *k_out, int64_t tokens,                \
+                         int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,               \
+                         int64_t q_stride, int64_t k_stride) {                                    \
+        const int64_t half = head_dim / 2;                                                        \
+        _Pragma("omp parallel for if (tokens > 8)")                                               \
+        for (int64_t t = 0; t < tokens; t++) {                                                    \
+            const float *cs = cos_sin + positions[t] * head_dim;                                  \
+            for (int64_t h = 0; h < num_heads + num_kv_heads; h++) {                              \
+                const T *src = h < num_heads ? q + t * q_stride + h * head_dim                    \
+                                             : k + t * k_stride + (h - num_heads) * head_dim;     \
+                T *dst = h < num_heads ? q_out + (t * num_heads + h) * head_dim                   \
+                                       : k_out + (t * num_kv_heads + h - num_heads) * head_dim;   \
+                for (int64_t i = 0; i < half; i++) {                                              \
+                    const float x1 = LOAD(src[i]), x2 = LOAD(src[half + i]);                      \
+                    dst[i] = STORE(x1 * cs[i] - x2 * cs[half + i]);                               \
+                    dst[half + i] = STORE(x2 * cs[i] + x1 * cs[half + i]);                        \
+                }                                                                                 \
+            }                                                                                     \
+        }                                                                                         \
+    }                                                                                             \
+                                                                                                  \
+    void write_kv_##SUFFIX(const T *key, const T *value, T *k_cache, T *v_cache,                  \
+                           const int64_t *slots, int64_t tokens, int64_t row, int64_t k_stride,   \
+                           int64_t v_stride) {                                                    \
+        for (int64_t t = 0; t < tokens; t++) {                                                    \
+            if (slots[t] < 0) continue;                                                           \
+            memcpy(k_cache + slots[t] * row, key + t * k_stride, row * sizeof(T));                \
+            memcpy(v_cache + slots[t] * row, value + t * v_stride, row * sizeof(T));              \
+        }                                                                                         \
     }
 
 DEFINE_LAYER_OPS(f32, float, LOAD_F32, STORE_F32, ROUND_F32)
