@@ -4,11 +4,11 @@ What any engine on this machine can reach at a given batch: GFLOP/s for [M x 576
 (the gate/up projection).
 
     python bench/cpu_matmul_ceiling.py
-    python bench/cpu_matmul_ceiling.py --packed   # bfloat16 F.linear vs oneDNN-packed, per shape
+    python bench/cpu_matmul_ceiling.py --packed   # F.linear vs oneDNN-packed, per shape and dtype
 
---packed times every linear shape of SmolLM2 (and its 49152-row lm_head) in bfloat16, plain
-F.linear against the packed layer the engine uses on CPU (kvpilot.engine.model.cpu_linear), side
-by side in one run.
+--packed times every linear shape of SmolLM2 (and its 49152-row lm_head) in float32 and bfloat16,
+plain F.linear against the packed layer the engine uses on CPU (kvpilot.engine.model.cpu_linear),
+side by side in one run.
 """
 
 from __future__ import annotations
@@ -46,23 +46,27 @@ def gflops(m: int, dtype: torch.dtype, repeats: int = 100) -> float:
 
 
 def packed_table(batch_sizes: tuple[int, ...]) -> None:
-    from kvpilot.engine.model.cpu_linear import PackedLinear, packing_available
+    from kvpilot.engine.model.cpu_linear import PACKED_DTYPES, PackedLinear, packing_available
 
-    if not packing_available():
-        raise SystemExit("this torch/CPU has no oneDNN bfloat16 linear")
-    print(f"{'shape':>13} {'M':>5} {'F.linear us':>12} {'packed us':>10} {'speed-up':>9}")
-    for name, (n, k) in SMOLLM2_SHAPES.items():
-        linear = nn.Linear(k, n, bias=False).to(torch.bfloat16)
-        packed = PackedLinear(linear, batch_hint=32)
-        for m in batch_sizes:
-            x = torch.randn(m, k).to(torch.bfloat16)
-            repeats = 10 if name == "lm_head" and m > 64 else 50
-            plain_s = seconds_per_call(lambda: F.linear(x, linear.weight), repeats)  # noqa: B023
-            packed_s = seconds_per_call(lambda: packed(x), repeats)  # noqa: B023
-            print(
-                f"{name:>13} {m:5d} {plain_s * 1e6:12.0f} {packed_s * 1e6:10.0f} "
-                f"{plain_s / packed_s:8.2f}x"
-            )
+    print(
+        f"{'dtype':>9} {'shape':>13} {'M':>5} {'F.linear us':>12} {'packed us':>10} {'speed-up':>9}"
+    )
+    for dtype in PACKED_DTYPES:
+        if not packing_available(dtype):
+            print(f"{dtype}: this torch/CPU has no oneDNN packed linear")
+            continue
+        for name, (n, k) in SMOLLM2_SHAPES.items():
+            linear = nn.Linear(k, n, bias=False).to(dtype)
+            packed = PackedLinear(linear, batch_hint=32)
+            for m in batch_sizes:
+                x = torch.randn(m, k).to(dtype)
+                repeats = 10 if name == "lm_head" and m > 64 else 50
+                plain_s = seconds_per_call(lambda: F.linear(x, linear.weight), repeats)  # noqa: B023
+                packed_s = seconds_per_call(lambda: packed(x), repeats)  # noqa: B023
+                print(
+                    f"{str(dtype)[6:]:>9} {name:>13} {m:5d} {plain_s * 1e6:12.0f} "
+                    f"{packed_s * 1e6:10.0f} {plain_s / packed_s:8.2f}x"
+                )
 
 
 def main() -> None:
