@@ -67,7 +67,9 @@ def assert_matches(outputs: list[object], refs: list[object]) -> None:
 GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_NEW_TOKENS, logprobs=5)
 
 ENGINE_SETUPS = {
-    "default": {},
+    "default": {},  # on CPU: the C decode kernel, packed linears, C rotary and KV write
+    # The plain-torch reference path, the oracle the kernels are tested against, end to end.
+    "torch-reference": {"attention_backend": "torch"},
     "prefix-cache-off": {"enable_prefix_caching": False},
     "chunked-prefill-16": {"max_num_batched_tokens": 16},
     "block-size-32": {"block_size": 32},
