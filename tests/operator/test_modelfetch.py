@@ -81,7 +81,18 @@ class FakeHub(http.server.BaseHTTPRequestHandler):
 
 
 @pytest.fixture()
-def hub(monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
+def online(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The init container is its own process, online. In this test process the engine tests may
+    have set the engine's offline default before huggingface_hub was imported (it reads the flag
+    once, at import)."""
+    import huggingface_hub.constants
+
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
+
+
+@pytest.fixture()
+def hub(monkeypatch: pytest.MonkeyPatch, online: None) -> Iterator[str]:
     server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), FakeHub)
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
@@ -128,7 +139,7 @@ def test_patterns_matching_no_model_file_fail_clearly(hub: str, tmp_path: Path) 
 
 
 def test_unreachable_hub_fails_with_a_message(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, online: None
 ) -> None:
     monkeypatch.setenv("HF_ENDPOINT", "http://127.0.0.1:9")  # discard port: nothing listens
     log = tmp_path / "termination-log"
