@@ -49,6 +49,11 @@ def apply_rotary(
         or not positions.is_contiguous()
     ):
         return layers.apply_rotary(query, key, positions, cos_sin_cache)
+    # The C loop indexes the table unchecked; torch would raise, so must we (a cheap host check).
+    if positions.numel() and not 0 <= int(positions.min()) <= int(positions.max()) < len(
+        cos_sin_cache
+    ):
+        raise IndexError(f"rotary positions outside the table of {len(cos_sin_cache)} positions")
     q_out = torch.empty(query.shape, dtype=query.dtype)
     k_out = torch.empty(key.shape, dtype=key.dtype)
     getattr(lib, f"rotary_{SUFFIXES[query.dtype]}")(

@@ -136,6 +136,14 @@ def test_kernels_share_torchs_thread_setting() -> None:
 
 
 @needs_kernel
+def test_empty_context_gives_zeros_not_nan() -> None:
+    query, k_cache, v_cache, meta = make_batch([1, 1], [5, 9], 4, 2, 64, 16, torch.float32)
+    lens = torch.tensor([0, 9], dtype=torch.int32)
+    out = paged_decode(LIB, query, k_cache, v_cache, meta.block_tables, lens, 0.125)
+    assert torch.equal(out[0], torch.zeros_like(out[0])) and torch.isfinite(out[1]).all()
+
+
+@needs_kernel
 def test_large_scores_stay_finite() -> None:
     """Scores far from zero (a spiky query): the softmax must subtract the running max."""
     query, k_cache, v_cache, meta = make_batch([1, 1], [40, 700], 4, 2, 64, 16, torch.float32)

@@ -70,3 +70,10 @@ def test_unsupported_inputs_fall_back_to_torch() -> None:
         out = layer_ops.apply_rotary(lib, q, k, positions, cache)
         expected = layers.apply_rotary(q, k, positions, cache)
         assert torch.equal(out[0], expected[0]) and torch.equal(out[1], expected[1])
+
+
+def test_rotary_positions_beyond_the_table_raise() -> None:
+    q, k = torch.randn(2, 4, 32), torch.randn(2, 2, 32)
+    cache = layers.rope_cos_sin_cache(32, 16, 10000.0, RopeScaling())
+    with pytest.raises(IndexError, match="16 positions"):
+        layer_ops.apply_rotary(LIB, q, k, torch.tensor([3, 16]), cache)

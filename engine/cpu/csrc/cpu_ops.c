@@ -209,7 +209,7 @@ DEFINE_BLOCK_OPS(bf16, uint16_t, bf16_to_f32)
             }                                                                                     \
             for (int64_t j = 0; j < group; j++) {                                                 \
                 T *o = out + (s * num_heads + kvh * group + j) * D;                               \
-                const float inv = 1.0f / l[j];                                                    \
+                const float inv = l[j] > 0.0f ? 1.0f / l[j] : 0.0f; /* len 0: zeros */            \
                 for (int64_t d = 0; d < D; d++) o[d] = STORE(acc[j][d] * inv);                    \
             }                                                                                     \
         }                                                                                         \
