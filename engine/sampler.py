@@ -69,7 +69,8 @@ def sample(
         if any(r.params.logprobs is not None for r in rows)
         else None
     )
-    logits = apply_penalties(logits.clone(), rows)
+    if any(r.params.has_penalties and r.output_token_ids for r in rows):
+        logits = apply_penalties(logits.clone(), rows)  # in place: keep the caller's logits
     token_ids: list[int] = []
     greedy = [i for i, r in enumerate(rows) if r.params.is_greedy]
     greedy_tokens = logits[greedy].argmax(-1).tolist() if greedy else []
