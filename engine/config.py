@@ -14,7 +14,9 @@ DTYPES: dict[str, torch.dtype] = {
     "float16": torch.float16,
 }
 LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
-ATTENTION_BACKENDS = ("auto", "torch", "cpu", "triton")
+# Backends by name; "auto" (a config value only) resolves to one of them for the device.
+ATTENTION_BACKEND_NAMES = ("torch", "cpu", "triton")
+ATTENTION_BACKENDS = ("auto", *ATTENTION_BACKEND_NAMES)
 SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2")
 
 

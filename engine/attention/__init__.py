@@ -4,8 +4,7 @@ from __future__ import annotations
 
 from kvpilot.engine.attention.base import AttentionBackend, AttentionMetadata
 from kvpilot.engine.attention.torch_ref import TorchAttentionBackend
-
-ATTENTION_BACKENDS = ("torch", "cpu", "triton")
+from kvpilot.engine.config import ATTENTION_BACKEND_NAMES
 
 
 def get_attention_backend(name: str) -> AttentionBackend:
@@ -21,7 +20,7 @@ def get_attention_backend(name: str) -> AttentionBackend:
         from kvpilot.engine.kernels.attention_backend import TritonAttentionBackend
 
         return TritonAttentionBackend()
-    raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {name!r}")
+    raise ValueError(f"attention_backend must be one of {ATTENTION_BACKEND_NAMES}, got {name!r}")
 
 
 __all__ = [
