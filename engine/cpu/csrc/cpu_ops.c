@@ -89,10 +89,33 @@ static inline __m512 load16_bf16(const uint16_t *x) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
 }
 
+/* Calls CALL with G_ and D_ bound to constants, then returns, when (group, head_dim) is one of the
+ * common shapes (SmolLM2 3/64, Llama 3.2 4/64, Qwen2 7/64, Llama 3 8B and Mistral 4/128, Qwen2.5
+ * 7B 7/128, Llama 2 1/128, ...); otherwise falls through to the generic call. */
+#define SPECIALIZE_SHAPE(CALL, GROUP, HEAD_DIM)                                                   \
+    if (group == GROUP && D == HEAD_DIM) {                                                        \
+        const int64_t G_ = GROUP, D_ = HEAD_DIM;                                                  \
+        CALL;                                                                                     \
+        return;                                                                                   \
+    }
+#define SPECIALIZE(CALL)                                                                          \
+    SPECIALIZE_SHAPE(CALL, 1, 64)                                                                 \
+    SPECIALIZE_SHAPE(CALL, 2, 64)                                                                 \
+    SPECIALIZE_SHAPE(CALL, 3, 64)                                                                 \
+    SPECIALIZE_SHAPE(CALL, 4, 64)                                                                 \
+    SPECIALIZE_SHAPE(CALL, 7, 64)                                                                 \
+    SPECIALIZE_SHAPE(CALL, 8, 64)                                                                 \
+    SPECIALIZE_SHAPE(CALL, 1, 128)                                                                \
+    SPECIALIZE_SHAPE(CALL, 2, 128)                                                                \
+    SPECIALIZE_SHAPE(CALL, 4, 128)                                                                \
+    SPECIALIZE_SHAPE(CALL, 5, 128)                                                                \
+    SPECIALIZE_SHAPE(CALL, 7, 128)                                                                \
+    SPECIALIZE_SHAPE(CALL, 8, 128)
+
 #define DEFINE_BLOCK_OPS(SUFFIX, T, LOAD16)                                                       \
-    static inline void scores_##SUFFIX(const float (*q)[MAX_HEAD_DIM], const T *kb, int64_t ss,   \
-                                       int64_t n, int64_t group, int64_t D,                       \
-                                       float (*p)[MAX_CHUNK], int64_t t0) {                       \
+    static inline __attribute__((always_inline)) void scores_impl_##SUFFIX(                      \
+        const float (*q)[MAX_HEAD_DIM], const T *kb, int64_t ss, int64_t n, int64_t group,         \
+        int64_t D, float (*p)[MAX_CHUNK], int64_t t0) {                                           \
         __m512 row[MAX_HEAD_DIM / 16];                                                            \
         for (int64_t t = 0; t < n; t++) {                                                         \
             for (int64_t c = 0; c < D / 16; c++) row[c] = LOAD16(kb + t * ss + 16 * c);           \
@@ -104,9 +127,9 @@ static inline __m512 load16_bf16(const uint16_t *x) {
             }                                                                                     \
         }                                                                                         \
     }                                                                                             \
-    static inline void accumulate_##SUFFIX(float (*acc)[MAX_HEAD_DIM], const T *vb, int64_t ss,   \
-                                           int64_t n, int64_t group, int64_t D,                   \
-                                           const float (*p)[MAX_CHUNK], int64_t t0) {             \
+    static inline __attribute__((always_inline)) void accumulate_impl_##SUFFIX(                  \
+        float (*acc)[MAX_HEAD_DIM], const T *vb, int64_t ss, int64_t n, int64_t group, int64_t D,  \
+        const float (*p)[MAX_CHUNK], int64_t t0) {                                                \
         for (int64_t c = 0; c < D / 16; c++) {                                                    \
             __m512 sums[MAX_GROUP];                                                               \
             for (int64_t j = 0; j < group; j++) sums[j] = _mm512_loadu_ps(acc[j] + 16 * c);       \
@@ -117,6 +140,20 @@ static inline __m512 load16_bf16(const uint16_t *x) {
             }                                                                                     \
             for (int64_t j = 0; j < group; j++) _mm512_storeu_ps(acc[j] + 16 * c, sums[j]);       \
         }                                                                                         \
+    }                                                                                             \
+    /* The common shapes get their own copies, with the group and head size known at compile      \
+     * time, so the accumulators live in registers and the loops unroll. */                      \
+    static void scores_##SUFFIX(const float (*q)[MAX_HEAD_DIM], const T *kb, int64_t ss,          \
+                                int64_t n, int64_t group, int64_t D, float (*p)[MAX_CHUNK],       \
+                                int64_t t0) {                                                     \
+        SPECIALIZE(scores_impl_##SUFFIX(q, kb, ss, n, G_, D_, p, t0))                             \
+        scores_impl_##SUFFIX(q, kb, ss, n, group, D, p, t0);                                      \
+    }                                                                                             \
+    static void accumulate_##SUFFIX(float (*acc)[MAX_HEAD_DIM], const T *vb, int64_t ss,          \
+                                    int64_t n, int64_t group, int64_t D,                          \
+                                    const float (*p)[MAX_CHUNK], int64_t t0) {                    \
+        SPECIALIZE(accumulate_impl_##SUFFIX(acc, vb, ss, n, G_, D_, p, t0))                       \
+        accumulate_impl_##SUFFIX(acc, vb, ss, n, group, D, p, t0);                                \
     }
 
 DEFINE_BLOCK_OPS(f32, float, load16_f32)
