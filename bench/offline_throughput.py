@@ -6,6 +6,10 @@ vary from ~60 to ~220 tokens with the chat template) and whose output length is 
 exactly the tokens asked for. Only requested tokens count as output; the extra tokens static
 batching generates for the shorter requests of a batch are waste, as in serving.
 
+Both systems are warmed up first on other requests of the same shapes; then kvpilot and static
+batching alternate for --repeats rounds and the median round of each is reported (with every
+round's ratio), since the shared VM drifts by ~10% between runs.
+
 Systems, in one run:
 - kvpilot: all requests submitted at once, continuous batching with max_num_seqs = --max-batch.
 - transformers static batching: batches of --max-batch in request order, left-padded, each batch
@@ -59,10 +63,14 @@ class Result:
         return self.output_tokens / self.seconds
 
 
-def make_requests(n: int, min_out: int, max_out: int, seed: int) -> list[Request]:
+def make_requests(
+    n: int, min_out: int, max_out: int, seed: int, first_index: int = 0
+) -> list[Request]:
+    """first_index numbers the requests; warm-up requests use their own numbers, so that their
+    cached prompt blocks never serve a measured request."""
     rng = random.Random(seed)
     requests = []
-    for i in range(n):
+    for i in range(first_index, first_index + n):
         sentences = " ".join(rng.choice(FILLER) for _ in range(rng.randint(1, 12)))
         content = f"Request {i}. Read this and write a long, detailed reply: {sentences}"
         requests.append(
@@ -139,6 +147,12 @@ def run_hf_single(
     return Result("transformers one at a time", len(ids), produced, time.perf_counter() - start)
 
 
+def median_result(results: list[Result]) -> Result:
+    """The round with the median throughput (the lower middle one for an even count)."""
+    ordered = sorted(results, key=lambda r: r.tokens_per_s)
+    return ordered[(len(ordered) - 1) // 2]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -148,6 +162,12 @@ def main() -> None:
     ap.add_argument("--min-out", type=int, default=64)
     ap.add_argument("--max-out", type=int, default=128)
     ap.add_argument("--single-subset", type=int, default=8)
+    ap.add_argument(
+        "--repeats",
+        type=int,
+        default=3,
+        help="interleaved rounds of kvpilot and static batching; medians are reported",
+    )
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument(
         "--dtype",
@@ -193,19 +213,39 @@ def main() -> None:
         str(gguf.parent), gguf_file=gguf.name, dtype=dtype
     ).eval()
     tok = llm.tokenizer
-    # Warm both up on one short request so one-time costs stay out of the timings.
-    run_kvpilot(llm, ids[:1], [Request(requests[0].messages, 4)])
-    hf.generate(torch.tensor([ids[0]]), max_new_tokens=4, pad_token_id=tok.eos_token_id)
+    # Warm-up, the same for both systems and outside the timings: the workload's shapes on other
+    # requests (own numbers: no prompt block of theirs can serve a measured request), 8 tokens
+    # each, so oneDNN's per-shape kernels and the allocators are warm, as in a running server.
+    warm = make_requests(args.num_requests, 8, 8, args.seed + 1, first_index=10_000)
+    warm_ids = prompt_ids(tok, warm)
+    run_kvpilot(llm, warm_ids, warm)
+    run_hf_static(hf, tok, warm_ids[: args.max_batch], warm[: args.max_batch], args.max_batch)
+    run_hf_single(hf, tok, warm_ids[:1], warm[:1])
 
+    # Interleaved rounds, so that both systems see the same drift of a shared machine.
+    rounds: list[tuple[Result, Result]] = []
+    for round_index in range(args.repeats):
+        print(f"round {round_index + 1} of {args.repeats}")
+        rounds.append(
+            (
+                run_kvpilot(llm, ids, requests),
+                run_hf_static(hf, tok, ids, requests, args.max_batch),
+            )
+        )
+    single = run_hf_single(hf, tok, ids[: args.single_subset], requests[: args.single_subset])
     results = [
-        run_kvpilot(llm, ids, requests),
-        run_hf_static(hf, tok, ids, requests, args.max_batch),
-        run_hf_single(hf, tok, ids[: args.single_subset], requests[: args.single_subset]),
+        median_result([r[0] for r in rounds]),
+        median_result([r[1] for r in rounds]),
+        single,
     ]
     ours = results[0].tokens_per_s
+    print(f"\n{'round':>5} {'kvpilot tok/s':>14} {'static tok/s':>13} {'ratio':>6}")
+    for i, (k, st) in enumerate(rounds, 1):
+        ratio = k.tokens_per_s / st.tokens_per_s
+        print(f"{i:5d} {k.tokens_per_s:14.1f} {st.tokens_per_s:13.1f} {ratio:6.2f}")
     print(
-        f"\n{'system':34} {'requests':>8} {'out tokens':>10} {'seconds':>8} {'tok/s':>8} "
-        f"{'ours/x':>7}"
+        f"\n{'system (median of rounds)':34} {'requests':>8} {'out tokens':>10} {'seconds':>8} "
+        f"{'tok/s':>8} {'ours/x':>7}"
     )
     for r in results:
         print(
@@ -218,6 +258,10 @@ def main() -> None:
             {
                 "args": vars(args),
                 "results": [asdict(r) | {"tokens_per_s": r.tokens_per_s} for r in results],
+                "rounds": [
+                    {"kvpilot_tokens_per_s": k.tokens_per_s, "static_tokens_per_s": st.tokens_per_s}
+                    for k, st in rounds
+                ],
             },
             indent=2,
         )
