@@ -226,6 +226,8 @@ def main() -> None:
     rounds: list[tuple[Result, Result]] = []
     for round_index in range(args.repeats):
         print(f"round {round_index + 1} of {args.repeats}")
+        # Every round starts as cold as the first: no prompt block cached by an earlier round.
+        assert llm.reset_prefix_cache()
         rounds.append(
             (
                 run_kvpilot(llm, ids, requests),

@@ -80,6 +80,10 @@ class LLM:
         ]
         return self.generate(prompts, params, **kwargs)
 
+    def reset_prefix_cache(self) -> bool:
+        """See LLMEngine.reset_prefix_cache."""
+        return self.engine.reset_prefix_cache()
+
     def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         pending = set(ids)
         done: dict[str, RequestOutput] = {}

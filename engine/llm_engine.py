@@ -169,6 +169,15 @@ class LLMEngine:
                 seq.finish_reason = "abort"
                 self.scheduler.finish(seq)
 
+    def reset_prefix_cache(self) -> bool:
+        """Forgets every cached prompt block no request holds (as vLLM's reset_prefix_cache), e.g.
+        between benchmark rounds of the same prompts. Refused (False) while requests are in
+        flight, since their blocks would stay cached."""
+        if self.has_unfinished_requests():
+            return False
+        self.block_manager.reset_prefix_cache()
+        return True
+
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
 

@@ -122,6 +122,19 @@ def test_abort_mid_generation_frees_all_blocks(llm: LLM) -> None:
     engine.block_manager.check_integrity([])
 
 
+def test_reset_prefix_cache_forgets_cached_prompts(llm: LLM) -> None:
+    prompt = [[7] * 40 + [9, 10, 11]]
+    params = SamplingParams(temperature=0.0, max_tokens=2)
+    llm.generate(prompt, params)
+    assert llm.generate(prompt, params)[0].num_cached_tokens == 32  # two full blocks of 16
+    assert llm.reset_prefix_cache()
+    assert llm.generate(prompt, params)[0].num_cached_tokens == 0
+    llm.engine.add_request("in-flight", prompt[0], params)
+    assert not llm.reset_prefix_cache()  # refused while a request runs
+    llm.engine.abort_request("in-flight")
+    assert llm.reset_prefix_cache()
+
+
 def test_prompts_too_long_are_rejected_with_numbers(llm: LLM) -> None:
     engine = llm.engine
     with pytest.raises(ValueError, match=r"prompt has 9000 tokens.*context is 8192"):
