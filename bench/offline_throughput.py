@@ -24,10 +24,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import multiprocessing
 import os
 import random
 import time
 from dataclasses import asdict, dataclass
+from multiprocessing.connection import Connection
 from pathlib import Path
 
 import torch
@@ -103,11 +105,10 @@ def run_kvpilot(llm: object, ids: list[list[int]], requests: list[Request]) -> R
 
 @torch.inference_mode()
 def run_hf_static(
-    model: object, tok: object, ids: list[list[int]], requests: list[Request], batch: int
+    model: object, pad: int, ids: list[list[int]], requests: list[Request], batch: int
 ) -> Result:
     useful = 0
     start = time.perf_counter()
-    pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
     for lo in tqdm(range(0, len(ids), batch), desc="transformers static", unit="batch"):
         chunk, reqs = ids[lo : lo + batch], requests[lo : lo + batch]
         width = max(len(p) for p in chunk)
@@ -128,12 +129,9 @@ def run_hf_static(
 
 
 @torch.inference_mode()
-def run_hf_single(
-    model: object, tok: object, ids: list[list[int]], requests: list[Request]
-) -> Result:
+def run_hf_single(model: object, pad: int, ids: list[list[int]], requests: list[Request]) -> Result:
     produced = 0
     start = time.perf_counter()
-    pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
     for p, r in tqdm(list(zip(ids, requests, strict=True)), desc="transformers single", unit="req"):
         out = model.generate(
             torch.tensor([p]),
@@ -151,6 +149,65 @@ def median_result(results: list[Result]) -> Result:
     """The round with the median throughput (the lower middle one for an even count)."""
     ordered = sorted(results, key=lambda r: r.tokens_per_s)
     return ordered[(len(ordered) - 1) // 2]
+
+
+def system_worker(system: str, args: argparse.Namespace, conn: Connection) -> None:
+    """One system in its own process, so neither inherits the other's allocator, thread-pool or
+    oneDNN kernel-cache state: loads its model once, then runs what the parent sends."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    if system == "kvpilot":
+        from kvpilot.engine import LLM
+
+        llm = LLM(
+            dtype=args.dtype,
+            attention_backend=args.attention_backend,
+            max_num_seqs=args.max_batch,
+            max_num_batched_tokens=2048,
+        )
+        tok = llm.tokenizer
+    else:
+        from transformers import AutoModelForCausalLM
+
+        from kvpilot.engine.model.loader import bundled_gguf_path
+
+        gguf = bundled_gguf_path()
+        hf = AutoModelForCausalLM.from_pretrained(
+            str(gguf.parent), gguf_file=gguf.name, dtype=getattr(torch, args.dtype)
+        ).eval()
+    conn.send("ready")
+    while True:
+        command, *payload = conn.recv()
+        if command == "stop":
+            return
+        if command == "prompt_ids":  # and the pad id, for transformers' left padding
+            pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+            conn.send((prompt_ids(tok, payload[0]), pad))
+        elif command == "kvpilot":
+            # Every run starts as cold as the first: no prompt block cached by an earlier one.
+            assert llm.reset_prefix_cache()
+            conn.send(run_kvpilot(llm, *payload))
+        elif command == "static":
+            conn.send(run_hf_static(hf, *payload, args.max_batch))
+        elif command == "single":
+            conn.send(run_hf_single(hf, *payload))
+
+
+class Worker:
+    def __init__(self, system: str, args: argparse.Namespace) -> None:
+        ctx = multiprocessing.get_context("spawn")
+        self.conn, child = ctx.Pipe()
+        self.process = ctx.Process(target=system_worker, args=(system, args, child), daemon=True)
+        self.process.start()
+        if self.conn.recv() != "ready":
+            raise RuntimeError(f"the {system} worker did not start")
+
+    def __call__(self, command: str, *payload: object) -> object:
+        self.conn.send((command, *payload))
+        return self.conn.recv()
+
+    def stop(self) -> None:
+        self.conn.send(("stop",))
+        self.process.join(timeout=60)
 
 
 def main() -> None:
@@ -187,54 +244,36 @@ def main() -> None:
     )
     args = ap.parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-
-    from transformers import AutoModelForCausalLM
-
-    from kvpilot.engine import LLM
-    from kvpilot.engine.model.loader import bundled_gguf_path
-
+    # Only one worker computes at a time; the other waits on its pipe.
+    kvpilot = Worker("kvpilot", args)
+    transformers = Worker("transformers", args)
     requests = make_requests(args.num_requests, args.min_out, args.max_out, args.seed)
-    dtype = getattr(torch, args.dtype)
-    llm = LLM(
-        dtype=args.dtype,
-        attention_backend=args.attention_backend,
-        max_num_seqs=args.max_batch,
-        max_num_batched_tokens=2048,
-    )
-    ids = prompt_ids(llm.tokenizer, requests)
+    ids, pad = kvpilot("prompt_ids", requests)
     lens = sorted(len(p) for p in ids)
     print(
         f"{len(ids)} requests; prompt tokens min/median/max {lens[0]}/{lens[len(lens) // 2]}/"
         f"{lens[-1]}; output tokens {sum(r.max_tokens for r in requests)}; torch threads "
-        f"{torch.get_num_threads()}; dtype {args.dtype}"
+        f"{torch.get_num_threads()}; dtype {args.dtype}; each system in its own process"
     )
-    gguf = bundled_gguf_path()
-    hf = AutoModelForCausalLM.from_pretrained(
-        str(gguf.parent), gguf_file=gguf.name, dtype=dtype
-    ).eval()
-    tok = llm.tokenizer
     # Warm-up, the same for both systems and outside the timings: the workload's shapes on other
     # requests (own numbers: no prompt block of theirs can serve a measured request), 8 tokens
     # each, so oneDNN's per-shape kernels and the allocators are warm, as in a running server.
     warm = make_requests(args.num_requests, 8, 8, args.seed + 1, first_index=10_000)
-    warm_ids = prompt_ids(tok, warm)
-    run_kvpilot(llm, warm_ids, warm)
-    run_hf_static(hf, tok, warm_ids[: args.max_batch], warm[: args.max_batch], args.max_batch)
-    run_hf_single(hf, tok, warm_ids[:1], warm[:1])
+    warm_ids, _ = kvpilot("prompt_ids", warm)
+    kvpilot("kvpilot", warm_ids, warm)
+    transformers("static", pad, warm_ids[: args.max_batch], warm[: args.max_batch])
+    transformers("single", pad, warm_ids[:1], warm[:1])
 
     # Interleaved rounds, so that both systems see the same drift of a shared machine.
     rounds: list[tuple[Result, Result]] = []
     for round_index in range(args.repeats):
         print(f"round {round_index + 1} of {args.repeats}")
-        # Every round starts as cold as the first: no prompt block cached by an earlier round.
-        assert llm.reset_prefix_cache()
         rounds.append(
-            (
-                run_kvpilot(llm, ids, requests),
-                run_hf_static(hf, tok, ids, requests, args.max_batch),
-            )
+            (kvpilot("kvpilot", ids, requests), transformers("static", pad, ids, requests))
         )
-    single = run_hf_single(hf, tok, ids[: args.single_subset], requests[: args.single_subset])
+    single = transformers("single", pad, ids[: args.single_subset], requests[: args.single_subset])
+    kvpilot.stop()
+    transformers.stop()
     results = [
         median_result([r[0] for r in rounds]),
         median_result([r[1] for r in rounds]),
