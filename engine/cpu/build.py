@@ -37,11 +37,12 @@ BASE_FLAGS = (
 # The storage dtypes the kernels are built for, and their function-name suffixes.
 SUFFIXES = {torch.float32: "f32", torch.bfloat16: "bf16"}
 _PTR, _I64, _F32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
-# Argument types of each exported function (per dtype suffix); pointers are tensor data_ptr()s.
+# Argument and result types of each exported function (per dtype suffix); pointers are tensor
+# data_ptr()s.
 SIGNATURES = {
-    "paged_decode": [_PTR] * 6 + [_I64] * 12 + [_F32],
-    "rotary": [_PTR] * 6 + [_I64] * 6,
-    "write_kv": [_PTR] * 5 + [_I64] * 4,
+    "paged_decode": ([_PTR] * 6 + [_I64] * 12 + [_F32], None),
+    "rotary": ([_PTR] * 4 + [_I64] + [_PTR] * 2 + [_I64] * 6, ctypes.c_int),
+    "write_kv": ([_PTR] * 5 + [_I64] * 4, None),
 }
 
 
@@ -114,10 +115,10 @@ def load_library(extra_flags: tuple[str, ...] = ()) -> ctypes.CDLL | None:
     except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
         log.warning("the CPU kernels fall back to plain torch: %s", exc)
         return None
-    for name, argtypes in SIGNATURES.items():
+    for name, (argtypes, restype) in SIGNATURES.items():
         for suffix in SUFFIXES.values():
             fn = getattr(lib, f"{name}_{suffix}")
             fn.argtypes = argtypes
-            fn.restype = None
+            fn.restype = restype
     lib.kvpilot_openmp_threads.restype = ctypes.c_int
     return lib

@@ -49,18 +49,14 @@ def apply_rotary(
         or not positions.is_contiguous()
     ):
         return layers.apply_rotary(query, key, positions, cos_sin_cache)
-    # The C loop indexes the table unchecked; torch would raise, so must we (a cheap host check).
-    if positions.numel() and not 0 <= int(positions.min()) <= int(positions.max()) < len(
-        cos_sin_cache
-    ):
-        raise IndexError(f"rotary positions outside the table of {len(cos_sin_cache)} positions")
     q_out = torch.empty(query.shape, dtype=query.dtype)
     k_out = torch.empty(key.shape, dtype=key.dtype)
-    getattr(lib, f"rotary_{SUFFIXES[query.dtype]}")(
+    out_of_table = getattr(lib, f"rotary_{SUFFIXES[query.dtype]}")(
         query.data_ptr(),
         key.data_ptr(),
         positions.data_ptr(),
         cos_sin_cache.data_ptr(),
+        len(cos_sin_cache),
         q_out.data_ptr(),
         k_out.data_ptr(),
         query.shape[0],
@@ -70,6 +66,8 @@ def apply_rotary(
         query.stride(0),
         key.stride(0),
     )
+    if out_of_table:  # the kernel checks every position before it reads the table
+        raise IndexError(f"rotary positions outside the table of {len(cos_sin_cache)} positions")
     return q_out, k_out
 
 

@@ -261,10 +261,13 @@ DEFINE_DECODE(paged_decode_bf16, bf16, uint16_t, bf16_to_f32, f32_to_bf16)
 #define ROUND_BF16(x) bf16_to_f32(f32_to_bf16(x))
 
 #define DEFINE_LAYER_OPS(SUFFIX, T, LOAD, STORE, ROUND)                                           \
-    void rotary_##SUFFIX(const T *q, const T *k, const int64_t *positions,                        \
-                         const float *cos_sin, T *q_out, T *k_out, int64_t tokens,                \
-                         int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,               \
-                         int64_t q_stride, int64_t k_stride) {                                    \
+    /* Returns 0, or 1 (writing nothing) when a position lies outside the cos/sin table. */       \
+    int rotary_##SUFFIX(const T *q, const T *k, const int64_t *positions,                         \
+                        const float *cos_sin, int64_t num_positions, T *q_out, T *k_out,          \
+                        int64_t tokens, int64_t num_heads, int64_t num_kv_heads,                  \
+                        int64_t head_dim, int64_t q_stride, int64_t k_stride) {                   \
+        for (int64_t t = 0; t < tokens; t++)                                                      \
+            if (positions[t] < 0 || positions[t] >= num_positions) return 1;                      \
         const int64_t half = head_dim / 2;                                                        \
         _Pragma("omp parallel for if (tokens > 8)")                                               \
         for (int64_t t = 0; t < tokens; t++) {                                                    \
@@ -281,6 +284,7 @@ DEFINE_DECODE(paged_decode_bf16, bf16, uint16_t, bf16_to_f32, f32_to_bf16)
                 }                                                                                 \
             }                                                                                     \
         }                                                                                         \
+        return 0;                                                                                 \
     }                                                                                             \
                                                                                                   \
     void write_kv_##SUFFIX(const T *key, const T *value, T *k_cache, T *v_cache,                  \
