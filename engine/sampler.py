@@ -30,16 +30,21 @@ class SampleResult:
 
 
 def apply_penalties(logits: torch.Tensor, rows: list[SamplerRow]) -> torch.Tensor:
+    """The logits with presence/frequency penalties applied: a copy when any row has some to
+    apply, else the same tensor (the caller's logits are never changed)."""
+    penalized = None
     for i, row in enumerate(rows):
         p = row.params
         if not p.has_penalties or not row.output_token_ids:
             continue
+        if penalized is None:
+            penalized = logits.clone()
         ids = torch.tensor(row.output_token_ids, device=logits.device)
         counts = torch.bincount(ids, minlength=logits.shape[1]).to(logits.dtype)
-        logits[i] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(
+        penalized[i] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(
             logits.dtype
         )
-    return logits
+    return logits if penalized is None else penalized
 
 
 def filter_logits(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
@@ -69,8 +74,7 @@ def sample(
         if any(r.params.logprobs is not None for r in rows)
         else None
     )
-    if any(r.params.has_penalties and r.output_token_ids for r in rows):
-        logits = apply_penalties(logits.clone(), rows)  # in place: keep the caller's logits
+    logits = apply_penalties(logits, rows)
     token_ids: list[int] = []
     greedy = [i for i, r in enumerate(rows) if r.params.is_greedy]
     greedy_tokens = logits[greedy].argmax(-1).tolist() if greedy else []
