@@ -44,20 +44,22 @@ def paged_attention_reference(
     v_cache: torch.Tensor,
     meta: AttentionMetadata,
     scale: float,
-    skip_rows: list[int] | None = None,
+    skip_decodes: bool = False,
 ) -> torch.Tensor:
-    """skip_rows: sequences another kernel computes; their rows of the result are left unset."""
+    """skip_decodes: leave the rows of single-token sequences unset (another kernel computes
+    them)."""
     num_heads = query.shape[1]
     num_kv_heads = k_cache.shape[2]
     out = torch.empty_like(query)
     # Token offsets of each sequence, from the host copy: no device sync.
     starts = [0, *itertools.accumulate(meta.query_lens_cpu)]
-    done = set(skip_rows or ())
-    rows = [s for s, q_len in enumerate(meta.query_lens_cpu) if q_len == 1 and s not in done]
-    if len(rows) > 1:
-        token_idx = torch.tensor([starts[s] for s in rows], device=query.device)
+    rows, token_idx = decode_rows(meta)
+    done: set[int] = set()
+    if skip_decodes:
+        done = set(rows)
+    elif len(rows) > 1:
         _decode_batch(query, k_cache, v_cache, meta, scale, rows, token_idx, out)
-        done.update(rows)
+        done = set(rows)
     for s in range(meta.num_seqs):
         if s in done:
             continue

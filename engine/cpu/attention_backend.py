@@ -113,7 +113,7 @@ class CpuAttentionBackend:
                 self.lib, query, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale
             )
         rows, token_idx = decode_rows(meta)
-        out = paged_attention_reference(query, k_cache, v_cache, meta, scale, skip_rows=rows)
+        out = paged_attention_reference(query, k_cache, v_cache, meta, scale, skip_decodes=True)
         if rows:
             rows_t = torch.tensor(rows)
             out[token_idx] = paged_decode(
