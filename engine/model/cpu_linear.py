@@ -16,14 +16,9 @@ packed linear; anything else keeps nn.Linear.
 
 from __future__ import annotations
 
-import logging
-
 import torch
 import torch.nn.functional as F
 from torch import nn
-
-log = logging.getLogger("kvpilot")
-
 
 PACKED_DTYPES = (torch.float32, torch.bfloat16)
 
@@ -66,9 +61,8 @@ class PackedLinear(nn.Module):
 
 def pack_linears(model: nn.Module, batch_hint: int) -> int:
     """Swaps every float32 or bfloat16 CPU nn.Linear in `model` for a PackedLinear; returns how
-    many. A tied
-    lm_head is packed too (the largest single matmul of a decode step): its packed copy costs one
-    extra vocab x hidden matrix, since the embedding keeps the original."""
+    many. A tied lm_head is packed too (the largest single matmul of a decode step): its packed
+    copy costs one extra vocab x hidden matrix, since the embedding keeps the original."""
     swapped = 0
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
