@@ -301,7 +301,7 @@ class AsyncEngine:
             while self._handle_commands(engine, live, block=not engine.has_unfinished_requests()):
                 if engine.has_unfinished_requests():
                     self._step(engine, live)
-                self._publish(engine)
+                    self._publish(engine)
         except BaseException as exc:
             logger.exception("the engine loop crashed; failing all requests")
             self.error = exc
@@ -351,20 +351,31 @@ class AsyncEngine:
             command = self._commands.get() if block else self._commands.get_nowait()
         except queue.Empty:
             return True
-        while True:
-            if isinstance(command, _Stop):
-                return False
-            if isinstance(command, _Add):
-                self._add(engine, live, command)
-            elif command.request_id in live:
-                engine.abort_request(command.request_id)
-                del live[command.request_id]
-                if self.metrics is not None:
-                    self.metrics.request_success["abort"].inc()
-            try:
-                command = self._commands.get_nowait()
-            except queue.Empty:
-                return True
+        num_added = 0
+        try:
+            while True:
+                if isinstance(command, _Stop):
+                    return False
+                if isinstance(command, _Add):
+                    num_added += 1
+                    self._add(engine, live, command)
+                elif command.request_id in live:
+                    engine.abort_request(command.request_id)
+                    del live[command.request_id]
+                    if self.metrics is not None:
+                        self.metrics.request_success["abort"].inc()
+                try:
+                    command = self._commands.get_nowait()
+                except queue.Empty:
+                    return True
+        finally:
+            # Publish before the adds stop counting as pending: otherwise, for the whole next
+            # step, the requests just added would be in neither count and the queue would read
+            # empty (to the autoscaler and to --max-queue). Counted twice for an instant instead.
+            self._publish(engine)
+            if num_added:
+                with self._lock:
+                    self._num_pending_adds -= num_added
 
     def _add(self, engine: Any, live: dict[str, _Live], command: _Add) -> None:
         error: BaseException | None = None
@@ -379,9 +390,6 @@ class AsyncEngine:
             live[command.request_id] = _Live(command.stream)
         except Exception as exc:
             error = exc
-        finally:
-            with self._lock:
-                self._num_pending_adds -= 1
         try:
             command.stream.loop.call_soon_threadsafe(_resolve, command.added, error)
         except RuntimeError:  # the requester's event loop is closed: nobody to serve

@@ -45,6 +45,7 @@ async def test_32_concurrent_streams_match_solo_runs_and_move_the_metrics(
     wait_idle(server)
     before = server.metrics()
     seen = {"waiting": 0.0, "running": 0.0, "in_flight": 0.0}
+    samples: list[dict[str, float]] = []  # every scrape, for the failure message
     strict_status: list[httpx.Response] = []
 
     async def watch(http: httpx.AsyncClient, done: asyncio.Event) -> None:
@@ -55,6 +56,7 @@ async def test_32_concurrent_streams_match_solo_runs_and_move_the_metrics(
                 for line in text.splitlines()
                 if line.startswith(("vllm:num_requests", "kvpilot:num_requests_in_flight"))
             }
+            samples.append(values)
             seen["waiting"] = max(seen["waiting"], values["vllm:num_requests_waiting"])
             seen["running"] = max(seen["running"], values["vllm:num_requests_running"])
             seen["in_flight"] = max(seen["in_flight"], values["kvpilot:num_requests_in_flight"])
@@ -76,9 +78,10 @@ async def test_32_concurrent_streams_match_solo_runs_and_move_the_metrics(
         await watcher
 
     assert all(len(t) > 0 for t in together)
-    assert seen["running"] >= 2 and seen["running"] <= 16  # batched, capped by max_num_seqs
-    assert seen["waiting"] >= 8  # 32 requests, 16 slots
-    assert seen["in_flight"] >= 16
+    # Batched, capped by max_num_seqs; 32 requests for 16 slots, so some wait.
+    assert 2 <= seen["running"] <= 16, samples
+    assert seen["waiting"] >= 8, samples
+    assert seen["in_flight"] >= 16, samples
     after = wait_idle(server)
     gen = after["vllm:generation_tokens_total"] - before["vllm:generation_tokens_total"]
     assert gen == 32 * MAX_TOKENS
@@ -91,7 +94,7 @@ async def test_32_concurrent_streams_match_solo_runs_and_move_the_metrics(
     )
 
     (rejected,) = strict_status
-    assert rejected.status_code == 429
+    assert rejected.status_code == 429, (rejected.text, samples)
     assert rejected.headers["retry-after"] == "1"
     assert rejected.json()["error"]["code"] == "queue_full"
     # Idle again: the strict server serves.
