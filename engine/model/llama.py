@@ -1,6 +1,5 @@
 """A Llama-family decoder (Llama 2/3, Mistral, Qwen2, SmolLM2) over a flat token batch and a paged
-KV
-cache.
+KV cache.
 
 Parameter names follow HF's, except that q/k/v and gate/up are merged (qkv_proj, gate_up_proj): one
 matmul each instead of three and two. The loader does the merging.
