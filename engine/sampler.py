@@ -77,7 +77,9 @@ def sample(
     logits = apply_penalties(logits, rows)
     token_ids: list[int] = []
     greedy = [i for i, r in enumerate(rows) if r.params.is_greedy]
-    greedy_tokens = logits[greedy].argmax(-1).tolist() if greedy else []
+    # An all-greedy batch (the common case) skips copying the rows out first.
+    greedy_logits = logits if len(greedy) == len(rows) else logits[greedy]
+    greedy_tokens = greedy_logits.argmax(-1).tolist() if greedy else []
     greedy_by_row = dict(zip(greedy, greedy_tokens, strict=True))
     for i, row in enumerate(rows):
         if i in greedy_by_row:
@@ -85,8 +87,7 @@ def sample(
             continue
         probs = filter_logits(logits[i], row.params).softmax(-1)
         # Exponential-race sampling: argmax(p / E) with E ~ Exp(1) draws from p, using only this
-        # row's
-        # generator, so the draw does not depend on the batch.
+        # row's generator, so the draw does not depend on the batch.
         noise = torch.empty_like(probs).exponential_(generator=row.generator or default_generator)
         token_ids.append(int((probs / noise).argmax()))
     logprobs: list[tuple[float, int, list[tuple[int, float]]] | None] = []

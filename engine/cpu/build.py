@@ -43,6 +43,8 @@ SIGNATURES = {
     "paged_decode": ([_PTR] * 6 + [_I64] * 12 + [_F32], None),
     "rotary": ([_PTR] * 4 + [_I64] + [_PTR] * 2 + [_I64] * 6, ctypes.c_int),
     "write_kv": ([_PTR] * 5 + [_I64] * 4, None),
+    "rms_norm_prepare": ([_PTR] * 4 + [_I64] * 2, None),
+    "rms_norm_apply": ([_PTR] * 3 + [_F32] + [_PTR] + [_I64] * 2, None),
 }
 
 

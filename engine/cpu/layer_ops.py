@@ -1,7 +1,7 @@
-"""Rotary embedding and the KV-cache write through the C kernels, with the signatures of
-kvpilot.engine.model.layers.apply_rotary and write_kv_reference, falling back to those torch
-versions for anything the kernels do not take: another dtype, a layout whose last dimension is not
-contiguous, or no compiled library at all.
+"""Rotary embedding, RMSNorm and the KV-cache write through the C kernels, with the signatures of
+kvpilot.engine.model.layers.apply_rotary and rms_norm and of write_kv_reference, falling back to
+those torch versions for anything the kernels do not take: another dtype, a layout that is not
+contiguous where the kernel needs it, or no compiled library at all.
 
 The C versions compute in float32 and round to the storage dtype where the torch ops round, so the
 results are identical (the tests compare them bit for bit).
@@ -107,16 +107,62 @@ def write_kv(
     )
 
 
+def rms_norm(
+    lib: ctypes.CDLL | None,
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    residual: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """layers.rms_norm, bit for bit: the C kernels do the elementwise passes, torch's own mean
+    sums the squares (so the variance is summed in exactly torch's order)."""
+    tensors = (x, weight) if residual is None else (x, weight, residual)
+    if (
+        lib is None
+        or not _takes(*tensors)
+        or not all(t.is_contiguous() for t in tensors)
+        or x.dim() != 2
+        or weight.shape != (x.shape[1],)
+        or (residual is not None and residual.shape != x.shape)
+    ):
+        return layers.rms_norm(x, weight, eps, residual)
+    tokens, hidden = x.shape
+    suffix = SUFFIXES[x.dtype]
+    summed = x if residual is None else torch.empty_like(x)
+    squares = torch.empty((tokens, hidden), dtype=torch.float32)
+    getattr(lib, f"rms_norm_prepare_{suffix}")(
+        x.data_ptr(),
+        None if residual is None else residual.data_ptr(),
+        summed.data_ptr(),
+        squares.data_ptr(),
+        tokens,
+        hidden,
+    )
+    variance = squares.mean(-1)
+    out = torch.empty_like(x)
+    getattr(lib, f"rms_norm_apply_{suffix}")(
+        summed.data_ptr(),
+        variance.data_ptr(),
+        weight.data_ptr(),
+        eps,
+        out.data_ptr(),
+        tokens,
+        hidden,
+    )
+    return out, summed
+
+
 def cpu_layer_ops() -> LayerOps:
     """The C versions bound to the compiled library (each falls back to torch by itself).
 
-    RMSNorm and SiLU-and-multiply stay in torch. A C RMSNorm was twice as fast but summed the
-    squares in another order than torch's mean: a one-ulp change of the float32 variance that
-    bfloat16 rounding turned into different tokens on the real model (torch matches transformers
-    bit for bit there). SiLU's vectorized exp in torch beat a C loop on the development VM."""
+    RMSNorm leaves the sum of squares to torch's mean: a C sum in another order changed the float32
+    variance by an ulp, which bfloat16 rounding turned into different tokens on the real model
+    (torch matches transformers bit for bit there). SiLU-and-multiply stays in torch: its
+    vectorized exp beat a C loop on the development VM."""
     lib = load_library()
     if lib is None:
         return LayerOps()
     return LayerOps(
+        rms_norm=lambda x, weight, eps, residual=None: rms_norm(lib, x, weight, eps, residual),
         apply_rotary=lambda q, k, positions, cache: apply_rotary(lib, q, k, positions, cache),
     )

@@ -77,3 +77,42 @@ def test_rotary_positions_beyond_the_table_raise() -> None:
     cache = layers.rope_cos_sin_cache(32, 16, 10000.0, RopeScaling())
     with pytest.raises(IndexError, match="16 positions"):
         layer_ops.apply_rotary(LIB, q, k, torch.tensor([3, 16]), cache)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("num_tokens", "hidden"), [(1, 576), (32, 576), (300, 576), (7, 4096)])
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_rms_norm_is_bit_identical(
+    dtype: torch.dtype, num_tokens: int, hidden: int, with_residual: bool
+) -> None:
+    """Both outputs (normed, next residual), over rows of very different scales and many seeds:
+    the variance must be torch's to the last bit, or bf16 rounding flips values."""
+    for seed in range(4):
+        gen = torch.Generator().manual_seed(seed)
+        scales = 10.0 ** torch.randint(-3, 4, (num_tokens, 1), generator=gen)
+        x = (torch.randn(num_tokens, hidden, generator=gen) * scales).to(dtype)
+        residual = (torch.randn(num_tokens, hidden, generator=gen) * scales).to(dtype)
+        weight = (1 + 0.1 * torch.randn(hidden, generator=gen)).to(dtype)
+        res = residual if with_residual else None
+        out, new_residual = layer_ops.rms_norm(LIB, x, weight, 1e-5, res)
+        ref, ref_residual = layers.rms_norm(x, weight, 1e-5, res)
+        assert_matches(out, ref)
+        assert_matches(new_residual, ref_residual)
+        if not with_residual:
+            assert new_residual is x  # x itself is the residual, as in the torch version
+
+
+def test_rms_norm_falls_back_for_what_the_kernel_does_not_take() -> None:
+    x = torch.randn(6, 64)
+    weight = torch.randn(64)
+    cases = [
+        (x.half(), weight.half(), None),  # another dtype
+        (x.t().contiguous().t(), weight, None),  # non-contiguous rows
+        (x, weight, x.t().contiguous().t()),  # non-contiguous residual
+        (x.view(2, 3, 64), weight, None),  # 3-d
+    ]
+    for xs, w, res in cases:
+        for lib in (LIB, None):
+            out, new_residual = layer_ops.rms_norm(lib, xs, w, 1e-6, res)
+            ref, ref_residual = layers.rms_norm(xs, w, 1e-6, res)
+            assert torch.equal(out, ref) and torch.equal(new_residual, ref_residual)

@@ -2,9 +2,9 @@
  * and called through ctypes:
  * - paged decode attention: one query token per sequence, read straight from the paged KV cache
  *   (no gather into a contiguous copy), with an online softmax over chunks of the context;
- * - two of the decoder's elementwise steps (rotary embedding, the KV-cache write), one pass each,
- *   in float32 math with the result rounded to the storage dtype at the points where the torch ops
- *   of kvpilot.engine.model.layers round.
+ * - three of the decoder's elementwise steps (rotary embedding, the KV-cache write, RMSNorm around
+ *   torch's mean), in float32 math with the result rounded to the storage dtype at the points where
+ *   the torch ops of kvpilot.engine.model.layers round.
  *
  * Built with -ffp-contract=off so that a*b - c*d rounds as torch rounds it; the attention kernel
  * asks for its fused multiply-adds explicitly.
@@ -296,6 +296,52 @@ DEFINE_DECODE(paged_decode_bf16, bf16, uint16_t, bf16_to_f32, f32_to_bf16)
             memcpy(v_cache + slots[t] * row, value + t * v_stride, row * sizeof(T));              \
         }                                                                                         \
     }
+
+/* RMSNorm in two passes around torch's own mean of the squares (its summation order is torch's
+ * business; a sum in another order changes the variance in the last bit). Together with that mean
+ * they compute exactly what kvpilot.engine.model.layers.rms_norm computes:
+ *   prepare: sum = x + residual (rounded to T, the next residual), squares = float(sum)^2;
+ *   apply:   out = weight * T(float(sum) * (1 / sqrt(variance + eps))).
+ * Every tensor is contiguous: element (t, i) at t * hidden + i. */
+#define DEFINE_RMS_NORM(SUFFIX, T, LOAD, STORE, ROUND)                                            \
+    void rms_norm_prepare_##SUFFIX(const T *x, const T *residual, T *sum, float *squares,          \
+                                   int64_t tokens, int64_t hidden) {                               \
+        _Pragma("omp parallel for if (tokens > 64)")                                              \
+        for (int64_t t = 0; t < tokens; t++) {                                                    \
+            const T *xr = x + t * hidden;                                                         \
+            float *sq = squares + t * hidden;                                                     \
+            if (residual == NULL) {                                                               \
+                for (int64_t i = 0; i < hidden; i++) {                                            \
+                    const float v = LOAD(xr[i]);                                                  \
+                    sq[i] = v * v;                                                                \
+                }                                                                                 \
+                continue;                                                                         \
+            }                                                                                     \
+            const T *rr = residual + t * hidden;                                                  \
+            T *out = sum + t * hidden;                                                            \
+            for (int64_t i = 0; i < hidden; i++) {                                                \
+                const T s = STORE(LOAD(xr[i]) + LOAD(rr[i]));                                     \
+                const float v = LOAD(s);                                                          \
+                out[i] = s;                                                                       \
+                sq[i] = v * v;                                                                    \
+            }                                                                                     \
+        }                                                                                         \
+    }                                                                                             \
+                                                                                                  \
+    void rms_norm_apply_##SUFFIX(const T *sum, const float *variance, const T *weight, float eps, \
+                                 T *out, int64_t tokens, int64_t hidden) {                        \
+        _Pragma("omp parallel for if (tokens > 64)")                                              \
+        for (int64_t t = 0; t < tokens; t++) {                                                    \
+            const float scale = 1.0f / sqrtf(variance[t] + eps);                                  \
+            const T *sr = sum + t * hidden;                                                       \
+            T *o = out + t * hidden;                                                              \
+            for (int64_t i = 0; i < hidden; i++)                                                  \
+                o[i] = STORE(LOAD(weight[i]) * ROUND(LOAD(sr[i]) * scale));                       \
+        }                                                                                         \
+    }
+
+DEFINE_RMS_NORM(f32, float, LOAD_F32, STORE_F32, ROUND_F32)
+DEFINE_RMS_NORM(bf16, uint16_t, bf16_to_f32, f32_to_bf16, ROUND_BF16)
 
 DEFINE_LAYER_OPS(f32, float, LOAD_F32, STORE_F32, ROUND_F32)
 DEFINE_LAYER_OPS(bf16, uint16_t, bf16_to_f32, f32_to_bf16, ROUND_BF16)
