@@ -6,11 +6,14 @@ Same workload as offline_throughput.py (64 SmolLM2 chat requests, 64-128 output 
 as "decode", the rest as "mixed" (prefill chunks, usually with decodes).
 
     python bench/engine_step_breakdown.py --dtype bfloat16 --backends torch,cpu
+    python bench/engine_step_breakdown.py --dtype float32 --rounds 2 \
+        --backends cpu,cpu-torch-rmsnorm
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 import time
@@ -22,17 +25,39 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 from offline_throughput import make_requests, prompt_ids
 
+TORCH_RMSNORM = "-torch-rmsnorm"  # a backend name suffix: that backend with torch's RMSNorm
+
+
+def build_llm(backend: str, args: argparse.Namespace) -> object:
+    from kvpilot.engine import LLM
+    from kvpilot.engine.cpu import layer_ops
+    from kvpilot.engine.model import layers
+
+    def build() -> object:
+        return LLM(
+            dtype=args.dtype,
+            attention_backend=backend.removesuffix(TORCH_RMSNORM),
+            max_num_seqs=args.max_batch,
+            max_num_batched_tokens=2048,
+        )
+
+    if not backend.endswith(TORCH_RMSNORM):
+        return build()
+    with_c_rms_norm = layer_ops.cpu_layer_ops
+    layer_ops.cpu_layer_ops = lambda: dataclasses.replace(
+        with_c_rms_norm(), rms_norm=layers.rms_norm
+    )
+    try:
+        return build()
+    finally:
+        layer_ops.cpu_layer_ops = with_c_rms_norm
+
 
 def run(backend: str, args: argparse.Namespace) -> None:
-    from kvpilot.engine import LLM, SamplingParams
+    from kvpilot.engine import SamplingParams
 
     requests = make_requests(args.num_requests, 64, 128, args.seed)
-    llm = LLM(
-        dtype=args.dtype,
-        attention_backend=backend,
-        max_num_seqs=args.max_batch,
-        max_num_batched_tokens=2048,
-    )
+    llm = build_llm(backend, args)
     ids = prompt_ids(llm.tokenizer, requests)
     runner = llm.engine.runner
     execute = runner.execute
@@ -75,14 +100,20 @@ def run(backend: str, args: argparse.Namespace) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
-    ap.add_argument("--backends", default="torch,cpu", help="comma-separated attention backends")
+    ap.add_argument(
+        "--backends",
+        default="torch,cpu",
+        help=f"comma-separated attention backends ({TORCH_RMSNORM} suffix: with torch's RMSNorm)",
+    )
+    ap.add_argument("--rounds", type=int, default=1, help="run the backends in turn this often")
     ap.add_argument("--num-requests", type=int, default=64)
     ap.add_argument("--max-batch", type=int, default=32)
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    for backend in args.backends.split(","):
-        run(backend, args)
+    for _ in range(args.rounds):
+        for backend in args.backends.split(","):
+            run(backend, args)
 
 
 if __name__ == "__main__":
