@@ -124,8 +124,7 @@ class ModelRunner:
         if num_blocks < 1:
             raise ValueError(
                 f"no room for the KV cache: the budget of {budget / 2**30:.2f} GiB holds no block "
-                f"of "
-                f"{self.bytes_per_block / 2**20:.1f} MiB (raise kv_cache_gib or "
+                f"of {self.bytes_per_block / 2**20:.1f} MiB (raise kv_cache_gib or "
                 f"gpu_memory_utilization)"
             )
         return num_blocks

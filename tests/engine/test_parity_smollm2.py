@@ -1,7 +1,6 @@
 """Greedy parity on the real model: SmolLM2-135M-Instruct through our engine vs transformers
-loading the
-same GGUF, token for token, under every scheduling regime (prefix cache on/off, chunked prefill,
-preemption, block sizes)."""
+loading the same GGUF, token for token, under every scheduling regime (prefix cache on/off, chunked
+prefill, preemption, block sizes)."""
 
 from __future__ import annotations
 
@@ -19,10 +18,9 @@ LOGPROB_ATOL = 2e-3
 SHARED_SYSTEM = (
     "You are a meticulous assistant for a railway company. Answer questions about timetables, "
     "tickets, luggage and accessibility. Be concise and polite, never invent train numbers, and "
-    "say "
-    "when you do not know. Prices are in euros. Children under six travel free. Bicycles need a "
-    "reservation on long-distance trains. Dogs travel at half price unless they are assistance "
-    "dogs."
+    "say when you do not know. Prices are in euros. Children under six travel free. Bicycles "
+    "need a reservation on long-distance trains. Dogs travel at half price unless they are "
+    "assistance dogs."
 )
 SHARED_QUESTIONS = [
     "Can I bring my bicycle on the night train?",
