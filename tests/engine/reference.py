@@ -32,18 +32,17 @@ class ReferenceOutput:
     token_ids: list[int]
     logprobs: list[float]  # logprob of each generated token under the reference
     top5: list[list[int]]  # reference's top-5 token ids at each step
+    top5_logprobs: list[list[float]]  # and their logprobs
 
 
 @cache
-def smollm2_reference() -> tuple[object, object]:
+def smollm2_reference(dtype: torch.dtype = torch.float32) -> tuple[object, object]:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     path = bundled_gguf_path()
     tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
-    model = AutoModelForCausalLM.from_pretrained(
-        str(path.parent), gguf_file=path.name, dtype=torch.float32
-    )
+    model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=dtype)
     return model.eval(), tok
 
 
@@ -70,12 +69,14 @@ def reference_greedy(model: object, prompt_ids: list[int], max_new_tokens: int) 
         pad_token_id=model.generation_config.eos_token_id,
     )
     tokens = out.sequences[0, len(prompt_ids) :].tolist()
-    logprobs, top5 = [], []
+    logprobs, top5, top5_logprobs = [], [], []
     for step, logits in enumerate(out.logits):
         lp = torch.log_softmax(logits[0].float(), dim=-1)
         logprobs.append(float(lp[tokens[step]]))
-        top5.append(torch.topk(lp, 5).indices.tolist())
-    return ReferenceOutput(tokens, logprobs, top5)
+        best = torch.topk(lp, 5)
+        top5.append(best.indices.tolist())
+        top5_logprobs.append(best.values.tolist())
+    return ReferenceOutput(tokens, logprobs, top5, top5_logprobs)
 
 
 def save_tiny_hf_model(config: object, path: Path, seed: int = 0) -> Path:
