@@ -77,9 +77,11 @@ def sample(
     logits = apply_penalties(logits, rows)
     token_ids: list[int] = []
     greedy = [i for i, r in enumerate(rows) if r.params.is_greedy]
-    # An all-greedy batch (the common case) skips copying the rows out first.
-    greedy_logits = logits if len(greedy) == len(rows) else logits[greedy]
-    greedy_tokens = greedy_logits.argmax(-1).tolist() if greedy else []
+    greedy_tokens: list[int] = []
+    if greedy:
+        # An all-greedy batch (the common case) skips copying the rows out first.
+        greedy_logits = logits if len(greedy) == len(rows) else logits[greedy]
+        greedy_tokens = greedy_logits.argmax(-1).tolist()
     greedy_by_row = dict(zip(greedy, greedy_tokens, strict=True))
     for i, row in enumerate(rows):
         if i in greedy_by_row:
