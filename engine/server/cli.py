@@ -189,6 +189,9 @@ def main(argv: list[str]) -> int:
         return 2
 
     from kvpilot.engine import LLMEngine  # torch and the model code load only once flags are sane
+    from kvpilot.engine.cpu.threads import fit_threads_to_cpu_quota
+
+    fit_threads_to_cpu_quota()
 
     registry = CollectorRegistry()
     engine = AsyncEngine(
