@@ -6,6 +6,7 @@ import argparse
 import logging
 import time
 
+from kvpilot.engine.cpu.threads import fit_threads_to_cpu_quota
 from kvpilot.engine.llm import LLM
 from kvpilot.engine.sampling_params import SamplingParams
 
@@ -34,6 +35,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
+    fit_threads_to_cpu_quota()
     llm = LLM(
         model=args.model,
         dtype=args.dtype,
