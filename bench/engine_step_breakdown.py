@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from offline_throughput import make_requests, prompt_ids
+from offline_throughput import make_requests, prompt_ids, run_kvpilot
 
 TORCH_RMSNORM = "-torch-rmsnorm"  # a backend name suffix: that backend with torch's RMSNorm
 
@@ -77,15 +77,10 @@ def run(backend: str, args: argparse.Namespace) -> None:
 
     llm.generate(ids[:1], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
     runner.execute = timed
-    params = [
-        SamplingParams(temperature=0.0, max_tokens=r.max_tokens, ignore_eos=True) for r in requests
-    ]
-    start = time.perf_counter()
-    outputs = llm.generate(ids, params, use_tqdm=True)
-    seconds = time.perf_counter() - start
-    produced = sum(len(o.outputs[0].token_ids) for o in outputs)
+    result = run_kvpilot(llm, ids, requests)
+    seconds = result.seconds
     print(
-        f"\n{backend} ({args.dtype}): {seconds:.1f} s, {produced / seconds:.1f} output tok/s "
+        f"\n{backend} ({args.dtype}): {seconds:.1f} s, {result.tokens_per_s:.1f} output tok/s "
         f"({torch.get_num_threads()} threads)"
     )
     for kind, (steps, secs, tokens) in sorted(totals.items()):
