@@ -23,7 +23,7 @@ from kvpilot.engine.attention.torch_ref import (
     paged_attention_reference,
 )
 from kvpilot.engine.cpu.build import SUFFIXES, load_library
-from kvpilot.engine.cpu.layer_ops import write_kv
+from kvpilot.engine.cpu.layer_ops import kernels_take, write_kv
 
 MAX_GROUP, MAX_HEAD_DIM, MAX_BLOCK = 16, 256, 256
 
@@ -32,17 +32,14 @@ def is_supported(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     num_heads, head_dim = query.shape[1], query.shape[2]
     num_kv_heads = k_cache.shape[2]
     return (
-        query.device.type == "cpu"
-        and query.dtype in SUFFIXES
-        and k_cache.dtype == query.dtype
-        and v_cache.dtype == query.dtype
+        kernels_take(k_cache, v_cache)
+        and query.device.type == "cpu"
+        and query.dtype == k_cache.dtype
         and num_heads % num_kv_heads == 0
         and num_heads // num_kv_heads <= MAX_GROUP
         and head_dim % 16 == 0
         and head_dim <= MAX_HEAD_DIM
         and k_cache.shape[1] <= MAX_BLOCK
-        and k_cache.stride(-1) == 1
-        and v_cache.stride(-1) == 1
     )
 
 

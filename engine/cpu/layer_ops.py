@@ -19,7 +19,8 @@ from kvpilot.engine.model import layers
 from kvpilot.engine.model.llama import LayerOps
 
 
-def _takes(*tensors: torch.Tensor) -> bool:
+def kernels_take(*tensors: torch.Tensor) -> bool:
+    """CPU tensors of one dtype the kernels are built for, each with a contiguous last dimension."""
     first = tensors[0]
     return (
         first.device.type == "cpu"
@@ -39,7 +40,7 @@ def apply_rotary(
     head_dim = query.shape[-1]
     if (
         lib is None
-        or not _takes(query, key)
+        or not kernels_take(query, key)
         or query.stride(1) != head_dim
         or key.stride(1) != head_dim
         or head_dim % 2
@@ -84,7 +85,7 @@ def write_kv(
     row = key.shape[1] * key.shape[2]
     if (
         lib is None
-        or not _takes(key, value, k_cache, v_cache)
+        or not kernels_take(key, value, k_cache, v_cache)
         or key.stride(1) != key.shape[2]
         or value.stride(1) != value.shape[2]
         or not k_cache.is_contiguous()
@@ -119,7 +120,7 @@ def rms_norm(
     tensors = (x, weight) if residual is None else (x, weight, residual)
     if (
         lib is None
-        or not _takes(*tensors)
+        or not kernels_take(*tensors)
         or not all(t.is_contiguous() for t in tensors)
         or x.dim() != 2
         or weight.shape != (x.shape[1],)
