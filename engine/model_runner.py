@@ -12,7 +12,8 @@ import torch
 from kvpilot.engine.attention import AttentionMetadata, get_attention_backend
 from kvpilot.engine.config import EngineConfig, ModelConfig, num_blocks_for_budget
 from kvpilot.engine.model.cpu_linear import pack_linears, packing_available
-from kvpilot.engine.model.llama import ForwardContext, LayerOps, LlamaForCausalLM
+from kvpilot.engine.model.layer_ops import LayerOps
+from kvpilot.engine.model.llama import ForwardContext, LlamaForCausalLM
 from kvpilot.engine.model.loader import (
     ResolvedModel,
     build_model,
@@ -43,8 +44,7 @@ def layer_ops_for(backend: str) -> LayerOps:
         return LayerOps()
     from kvpilot.engine.kernels import get_layer_ops
 
-    rms_norm, silu_and_mul, apply_rotary = get_layer_ops(backend)
-    return LayerOps(rms_norm=rms_norm, silu_and_mul=silu_and_mul, apply_rotary=apply_rotary)
+    return get_layer_ops(backend)
 
 
 class ModelRunner:

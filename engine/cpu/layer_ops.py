@@ -16,7 +16,7 @@ import torch
 from kvpilot.engine.attention.torch_ref import write_kv_reference
 from kvpilot.engine.cpu.build import SUFFIXES, load_library
 from kvpilot.engine.model import layers
-from kvpilot.engine.model.llama import LayerOps
+from kvpilot.engine.model.layer_ops import LayerOps
 
 
 def kernels_take(*tensors: torch.Tensor) -> bool:

@@ -7,24 +7,16 @@ matmul each instead of three and two. The loader does the merging.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
-from kvpilot.engine.attention import AttentionBackend, AttentionMetadata
+# Interfaces only: the backends and the kernels are chosen by name elsewhere and passed in.
+from kvpilot.engine.attention.base import AttentionBackend, AttentionMetadata
 from kvpilot.engine.config import ModelConfig
 from kvpilot.engine.model import layers
-
-
-@dataclass(frozen=True)
-class LayerOps:
-    """The elementwise building blocks; the Triton backend provides fused versions of the same."""
-
-    rms_norm: Callable[..., tuple[torch.Tensor, torch.Tensor]] = layers.rms_norm
-    silu_and_mul: Callable[[torch.Tensor], torch.Tensor] = layers.silu_and_mul
-    apply_rotary: Callable[..., tuple[torch.Tensor, torch.Tensor]] = layers.apply_rotary
+from kvpilot.engine.model.layer_ops import LayerOps
 
 
 @dataclass

@@ -15,11 +15,12 @@ import torch
 from safetensors import safe_open
 from tqdm import tqdm
 
-from kvpilot.engine.attention import AttentionBackend
+from kvpilot.engine.attention.base import AttentionBackend
 from kvpilot.engine.config import ModelConfig
 from kvpilot.engine.model.gguf_convert import ModelFileError, gguf_to_hf_dir
+from kvpilot.engine.model.layer_ops import LayerOps
 from kvpilot.engine.model.layers import rope_cos_sin_cache
-from kvpilot.engine.model.llama import LayerOps, LlamaForCausalLM
+from kvpilot.engine.model.llama import LlamaForCausalLM
 
 log = logging.getLogger("kvpilot")
 

@@ -13,6 +13,7 @@ from kvpilot.engine.kernels.activation import silu_and_mul
 from kvpilot.engine.kernels.rms_norm import rms_norm
 from kvpilot.engine.kernels.rotary import apply_rotary
 from kvpilot.engine.model import layers
+from kvpilot.engine.model.layer_ops import LayerOps
 
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -95,13 +96,10 @@ def test_rotary(
 
 
 def test_get_layer_ops() -> None:
-    assert get_layer_ops("torch") == (layers.rms_norm, layers.silu_and_mul, layers.apply_rotary)
-    ops = get_layer_ops("triton")
-    assert (ops.rms_norm, ops.silu_and_mul, ops.apply_rotary) == (
-        rms_norm,
-        silu_and_mul,
-        apply_rotary,
+    assert get_layer_ops("torch") == LayerOps(
+        layers.rms_norm, layers.silu_and_mul, layers.apply_rotary
     )
+    assert get_layer_ops("triton") == LayerOps(rms_norm, silu_and_mul, apply_rotary)
     with pytest.raises(ValueError, match="must be one of"):
         get_layer_ops("cuda")
 

@@ -1,0 +1,202 @@
+"""The engine's import structure: no import circles, the model knows only interfaces, and LayerOps
+is defined once.
+
+The attention backends used to close a circle (attention/__init__ -> cpu/attention_backend ->
+cpu/layer_ops -> model/llama -> attention) that only the lazy import in get_attention_backend kept
+from failing; which module a process imported first decided whether it would.
+"""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+ENGINE = REPO / "engine"
+PREFIX = "kvpilot.engine"
+
+# Lazy imports that pick an implementation by name: the one place allowed to point from an
+# interface package down to its implementations (which import the interface back).
+REGISTRIES = {(f"{PREFIX}.attention", "get_attention_backend")}
+# Modules the model is built from; they may import interfaces, never an implementation.
+MODEL = (f"{PREFIX}.model.llama", f"{PREFIX}.model.layer_ops", f"{PREFIX}.attention.base")
+IMPLEMENTATIONS = (f"{PREFIX}.cpu", f"{PREFIX}.kernels")
+
+
+def engine_modules() -> dict[str, Path]:
+    modules = {}
+    for path in ENGINE.rglob("*.py"):
+        parts = [p for p in path.relative_to(ENGINE).with_suffix("").parts if p != "__init__"]
+        modules[".".join([PREFIX, *parts])] = path
+    return modules
+
+
+def imported_names(tree: ast.Module, module_level_only: bool) -> list[tuple[str, str | None]]:
+    """(imported dotted name, enclosing top-level function or None) for every absolute import;
+    `from a import b` yields both a and a.b, since b may be a module. TYPE_CHECKING blocks never
+    run, so they are left out."""
+    found: list[tuple[str, str | None]] = []
+
+    def visit(node: ast.AST, function: str | None) -> None:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, ast.FunctionDef | ast.AsyncFunctionDef):
+                if not module_level_only:
+                    visit(child, function or child.name)
+                continue
+            if isinstance(child, ast.If) and "TYPE_CHECKING" in ast.unparse(child.test):
+                continue
+            if isinstance(child, ast.Import):
+                found.extend((alias.name, function) for alias in child.names)
+            elif isinstance(child, ast.ImportFrom) and child.module and child.level == 0:
+                found.append((child.module, function))
+                found.extend((f"{child.module}.{a.name}", function) for a in child.names)
+            visit(child, function)
+
+    visit(tree, None)
+    return found
+
+
+def import_graph(module_level_only: bool) -> dict[str, set[str]]:
+    """Engine module -> the engine modules importing it runs. Importing a.b.c also runs a.b's
+    __init__, except where the importer lives in a.b itself (its package is already running)."""
+    modules = engine_modules()
+    graph: dict[str, set[str]] = {name: set() for name in modules}
+    for name, path in modules.items():
+        parts = name.split(".")
+        running = {".".join(parts[:i]) for i in range(1, len(parts) + (path.stem == "__init__"))}
+        for target, function in imported_names(ast.parse(path.read_text()), module_level_only):
+            if (name, function) in REGISTRIES:
+                continue
+            pieces = target.split(".")
+            for i in range(3, len(pieces) + 1):
+                dep = ".".join(pieces[:i])
+                if dep in modules and dep not in running and dep != name:
+                    graph[name].add(dep)
+    return graph
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+    path: list[str] = []
+
+    def visit(node: str) -> list[str] | None:
+        state[node] = 1
+        path.append(node)
+        for dep in sorted(graph[node]):
+            if state.get(dep) == 1:
+                return [*path[path.index(dep) :], dep]
+            if dep not in state and (cycle := visit(dep)):
+                return cycle
+        path.pop()
+        state[node] = 2
+        return None
+
+    for node in sorted(graph):
+        if node not in state and (cycle := visit(node)):
+            return cycle
+    return None
+
+
+def reachable(graph: dict[str, set[str]], start: str) -> set[str]:
+    seen, todo = set(), [start]
+    while todo:
+        node = todo.pop()
+        if node not in seen:
+            seen.add(node)
+            todo.extend(graph[node])
+    return seen
+
+
+def test_the_graph_sees_the_modules_of_the_old_circle() -> None:
+    graph = import_graph(module_level_only=False)
+    assert f"{PREFIX}.cpu.layer_ops" in graph[f"{PREFIX}.cpu.attention_backend"]
+    assert f"{PREFIX}.attention.base" in graph[f"{PREFIX}.model.llama"]
+
+
+@pytest.mark.parametrize("module_level_only", (True, False), ids=("at-import", "with-lazy"))
+def test_no_import_circle(module_level_only: bool) -> None:
+    """Lazy imports count too (they run later, but a circle through them is still one module
+    needing the other's half-built state), except the by-name backend registry."""
+    cycle = find_cycle(import_graph(module_level_only))
+    assert cycle is None, "import circle: " + " -> ".join(cycle or [])
+
+
+@pytest.mark.parametrize("module", MODEL)
+def test_the_model_imports_only_interfaces(module: str) -> None:
+    reached = reachable(import_graph(module_level_only=False), module)
+    wrong = sorted(m for m in reached if m.startswith(IMPLEMENTATIONS))
+    assert not wrong, f"{module} reaches implementations: {wrong}"
+
+
+def test_implementations_do_not_import_the_model() -> None:
+    graph = import_graph(module_level_only=False)
+    for name, deps in graph.items():
+        if name.startswith(IMPLEMENTATIONS):
+            assert f"{PREFIX}.model.llama" not in deps, f"{name} imports the model"
+
+
+def run_python(code: str) -> None:
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=False
+    )
+    assert result.returncode == 0, result.stderr[-4000:]
+
+
+# Each first in a fresh interpreter, then the rest of the old circle in every rotation: whichever
+# module a process happens to import first must not matter.
+CIRCLE = (
+    f"{PREFIX}.attention",
+    f"{PREFIX}.cpu.attention_backend",
+    f"{PREFIX}.cpu.layer_ops",
+    f"{PREFIX}.model.llama",
+    f"{PREFIX}.model.layer_ops",
+    f"{PREFIX}.kernels",
+    f"{PREFIX}.kernels.attention_backend",
+    f"{PREFIX}.model.loader",
+)
+
+
+def test_any_import_order_works() -> None:
+    rotations = [CIRCLE[i:] + CIRCLE[:i] for i in range(len(CIRCLE))]
+    rotations += [tuple(reversed(order)) for order in rotations]
+    # One interpreter (torch, the slow part, stays loaded); every order starts with no kvpilot
+    # module loaded.
+    script = (
+        "import importlib, sys\n"
+        f"for order in {rotations!r}:\n"
+        "    for name in [m for m in sys.modules if m.startswith('kvpilot')]:\n"
+        "        del sys.modules[name]\n"
+        "    for name in order:\n"
+        "        importlib.import_module(name)\n"
+    )
+    run_python(script)
+    for module in CIRCLE:
+        run_python(f"import {module}")
+
+
+def test_importing_the_model_loads_no_implementation() -> None:
+    run_python(
+        "import sys\n"
+        "import kvpilot.engine.model.llama, kvpilot.engine.model.loader\n"
+        f"loaded = sorted(m for m in sys.modules if m.startswith({IMPLEMENTATIONS!r}))\n"
+        "assert not loaded, loaded\n"
+    )
+
+
+def test_layer_ops_is_defined_once() -> None:
+    sources = [
+        path
+        for folder in ("engine", "operator", "cli", "bench", "tests")
+        for path in (REPO / folder).rglob("*.py")
+    ]
+    defined = [
+        str(path.relative_to(REPO))
+        for path in sources
+        for node in ast.walk(ast.parse(path.read_text()))
+        if isinstance(node, ast.ClassDef) and node.name == "LayerOps"
+    ]
+    assert defined == ["engine/model/layer_ops.py"], defined
