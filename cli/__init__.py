@@ -1,5 +1,10 @@
 """The `kvpilot` command: `generate` (offline demo), `serve` (the engine's HTTP server),
-`operator`."""
+`operator` (the Kubernetes operator).
+
+It lives beside the engine and the operator, not in either: each command imports only its own
+side, so the engine never learns that the operator exists, the operator never pays for torch, and
+serve never pays for kopf.
+"""
 
 from __future__ import annotations
 
@@ -21,8 +26,7 @@ def main(argv: list[str] | None = None) -> int:
         print(USAGE)
         return 0
     command, rest = args[0], args[1:]
-    # Each command imports only what it needs: the operator must not pay for torch, nor serve for
-    # kopf.
+    # Imported only now (see the module docstring).
     if command == "generate":
         from kvpilot.engine.generate_cli import main as run
     elif command == "serve":
@@ -33,7 +37,3 @@ def main(argv: list[str] | None = None) -> int:
         print(f"kvpilot: unknown command {command!r}\n\n{USAGE}", file=sys.stderr)
         return 2
     return run(rest)
-
-
-if __name__ == "__main__":
-    sys.exit(main())
