@@ -6,20 +6,80 @@ the whole process. We decide per launch instead, from the device of the tensors:
 the compiled kernel, CPU tensors the interpreter, and the interpreter only when TRITON_INTERPRET=1
 asks for it (it is far too slow to be the default CPU path; without it the launchers fall back to
 the torch reference).
+
+Triton has no public way to choose per launch, so the interpreter side leans on Triton internals:
+`triton.runtime.interpreter.InterpretedFunction` (its `fn` and `rewrite()`) and the private
+`_patch_lang(fn)`, whose scope object has `restore()`. They are used only within the Triton
+releases they were checked against (INTERPRETER_TRITON_RANGE, with their shape checked too); any
+other Triton gets the compiled kernels on CUDA as usual, and the torch reference instead of the
+interpreter on CPU (a direct interpreted launch raises UnsupportedTritonInterpreter).
+tests/kernels/test_runtime.py fails while the installed Triton is outside the range.
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
+import logging
 import os
+import re
 import sys
 from collections.abc import Callable, Iterator
+from types import ModuleType
 from typing import Any
 
 import torch
 
+log = logging.getLogger("kvpilot")
+
 _TRUTHY = ("1", "true", "yes", "on")
+# First and last Triton (major, minor) whose interpreter.py the code below was read against and
+# tested on (3.6: the GPU image; 3.9: CI). Widen only after re-reading both uses of _patch_lang in
+# the new release's triton/runtime/interpreter.py.
+INTERPRETER_TRITON_RANGE = ((3, 6), (3, 9))
+
+
+class UnsupportedTritonInterpreter(RuntimeError):
+    """The installed Triton's interpreter is not one this module's workarounds were checked on."""
+
+
+def interpreter_problem_for(version: str, interpreter: ModuleType) -> str | None:
+    """Why interpreted launches cannot run on this Triton (its __version__ and its
+    triton.runtime.interpreter module), or None."""
+    low, high = INTERPRETER_TRITON_RANGE
+    found = re.match(r"(\d+)\.(\d+)", version)
+    if found is None or not low <= (int(found[1]), int(found[2])) <= high:
+        return (
+            f"Triton {version} is outside {low[0]}.{low[1]}-{high[0]}.{high[1]}, the releases "
+            "whose interpreter internals kvpilot.engine.kernels.runtime was checked against"
+        )
+    patch = getattr(interpreter, "_patch_lang", None)
+    scope = getattr(interpreter, "_LangPatchScope", None)
+    function = getattr(interpreter, "InterpretedFunction", None)
+    if not callable(patch) or list(inspect.signature(patch).parameters) != ["fn"]:
+        return "triton.runtime.interpreter._patch_lang(fn) is gone or changed its signature"
+    if not callable(getattr(scope, "restore", None)):
+        return "the scope triton.runtime.interpreter._patch_lang returns has no restore()"
+    if not isinstance(function, type) or not callable(getattr(function, "rewrite", None)):
+        return "triton.runtime.interpreter.InterpretedFunction.rewrite() is gone"
+    if "fn" not in inspect.signature(function).parameters:
+        return "triton.runtime.interpreter.InterpretedFunction(fn) changed its signature"
+    return None
+
+
+@functools.cache
+def interpreter_problem() -> str | None:
+    """interpreter_problem_for the installed Triton (None: interpreted launches are supported)."""
+    import triton
+    from triton.runtime import interpreter
+
+    return interpreter_problem_for(triton.__version__, interpreter)
+
+
+@functools.cache
+def _warn_interpreter_unsupported(problem: str) -> None:
+    log.warning("TRITON_INTERPRET=1 ignored, CPU tensors take the torch reference: %s", problem)
 
 
 def is_interpret_enabled() -> bool:
@@ -43,7 +103,12 @@ def can_use_triton(*tensors: torch.Tensor) -> bool:
         return False
     if device.type == "cuda":
         return True
-    return device.type == "cpu" and is_interpret_enabled()
+    if device.type != "cpu" or not is_interpret_enabled():
+        return False
+    problem = interpreter_problem()
+    if problem is not None:
+        _warn_interpreter_unsupported(problem)
+    return problem is None
 
 
 @functools.cache
@@ -70,10 +135,12 @@ class TritonKernel:
     def on(self, device: torch.device) -> Any:
         if device.type == "cuda":
             if self._compiled is None:
-                from triton.runtime.jit import JITFunction
+                from triton import JITFunction
 
                 self._compiled = JITFunction(self.fn)
             return self._compiled
+        if (problem := interpreter_problem()) is not None:
+            raise UnsupportedTritonInterpreter(f"cannot interpret {self.__name__}: {problem}")
         if self._interpreted is None:
             from triton.runtime.interpreter import InterpretedFunction
 
@@ -102,6 +169,7 @@ _TWINS: dict[int, Any] = {}
 
 @functools.cache
 def _nested_interpreted_class() -> type:
+    # Only reached through TritonKernel.on, after interpreter_problem() vouched for these internals.
     from triton.runtime.interpreter import InterpretedFunction, _patch_lang
 
     class NestedInterpreted(InterpretedFunction):
@@ -132,8 +200,8 @@ def _interpretable_jit_functions(kernel_globals: dict[str, Any]) -> Iterator[Non
     interpreter cannot call compiled functions, so for the duration of one launch swap in
     interpreted twins, in triton.language and in the kernel's module (the interpreter recognizes its
     reduction helpers by identity, and swapping the module attributes keeps that consistent)."""
+    from triton import JITFunction
     from triton.runtime.interpreter import InterpretedFunction
-    from triton.runtime.jit import JITFunction
 
     twin_class = _nested_interpreted_class()
     namespaces = [
@@ -164,6 +232,6 @@ def triton_helper(fn: Callable[..., Any]) -> Any:
     """A device function called from kernels: always a compiled JITFunction (whatever
     TRITON_INTERPRET says), swapped for an interpreted twin while an interpreted kernel of the same
     module runs."""
-    from triton.runtime.jit import JITFunction
+    from triton import JITFunction
 
     return JITFunction(fn)

@@ -3,13 +3,79 @@ leaves behind in a process that also compiles (a GPU test session)."""
 
 from __future__ import annotations
 
+import logging
+from types import SimpleNamespace
+
 import pytest
 import torch
+import triton
 import triton.language as tl
+from triton.runtime import interpreter
 
 from kvpilot.engine.kernels import runtime
 from kvpilot.engine.kernels.rms_norm import rms_norm
 from kvpilot.engine.model import layers
+
+
+def test_installed_triton_is_one_the_interpreter_workarounds_were_checked_on() -> None:
+    """Fails as soon as CI's Triton moves outside the checked range, or its interpreter internals
+    change shape: re-read runtime.py's uses of them against the new interpreter.py, then widen
+    runtime.INTERPRETER_TRITON_RANGE."""
+    problem = runtime.interpreter_problem_for(triton.__version__, interpreter)
+    assert problem is None, f"runtime.py must be re-checked for this Triton: {problem}"
+
+
+@pytest.mark.parametrize(
+    ("version", "supported"),
+    (("3.5.1", False), ("3.6.0", True), ("3.7.1+git1234", True), ("3.9.0", True), ("3.10.0", False),
+     ("4.0.0", False), ("main", False)),
+)  # fmt: skip
+def test_version_range(version: str, supported: bool) -> None:
+    problem = runtime.interpreter_problem_for(version, interpreter)
+    assert (problem is None) is supported, problem
+    if problem is not None:
+        assert "outside 3.6-3.9" in problem
+
+
+def test_changed_internals_are_named() -> None:
+    def patch_lang(fn: object) -> None:
+        pass
+
+    class Interpreted:
+        def __init__(self, fn: object) -> None:
+            self.fn = fn
+
+        def rewrite(self) -> None:
+            pass
+
+    scope = SimpleNamespace(restore=lambda: None)
+    fine = SimpleNamespace(
+        _patch_lang=patch_lang, _LangPatchScope=scope, InterpretedFunction=Interpreted
+    )
+    assert runtime.interpreter_problem_for("3.9.0", fine) is None
+    for name, value, message in (
+        ("_patch_lang", None, "_patch_lang(fn) is gone"),
+        ("_patch_lang", lambda fn, scope: None, "changed its signature"),
+        ("_LangPatchScope", object, "no restore()"),
+        ("InterpretedFunction", object, "rewrite() is gone"),
+    ):
+        changed = SimpleNamespace(**{**vars(fine), name: value})
+        problem = runtime.interpreter_problem_for("3.9.0", changed)
+        assert problem is not None and message in problem
+
+
+def test_unsupported_interpreter_falls_back_or_refuses(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setattr(runtime, "interpreter_problem", lambda: "Triton 9.0 is outside 3.6-3.9")
+    cpu = torch.zeros(1)
+    with caplog.at_level(logging.WARNING, logger="kvpilot"):
+        assert not runtime.can_use_triton(cpu)
+    assert "TRITON_INTERPRET=1 ignored" in caplog.text
+    x, w = torch.randn(2, 32), torch.randn(32)  # the launcher takes the torch reference
+    assert torch.equal(rms_norm(x, w, 1e-6)[0], layers.rms_norm(x, w, 1e-6)[0])
+    with pytest.raises(runtime.UnsupportedTritonInterpreter, match=r"outside 3\.6-3\.9"):
+        runtime.TritonKernel(lambda: None).on(torch.device("cpu"))
 
 
 def snapshot_language() -> dict[str, object]:
