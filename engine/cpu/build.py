@@ -36,16 +36,44 @@ BASE_FLAGS = (
 )
 # The storage dtypes the kernels are built for, and their function-name suffixes.
 SUFFIXES = {torch.float32: "f32", torch.bfloat16: "bf16"}
-_PTR, _I64, _F32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
-# Argument and result types of each exported function (per dtype suffix); pointers are tensor
-# data_ptr()s.
-SIGNATURES = {
+_PTR, _I64, _F32, _INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
+Signature = tuple[list[type], type | None]
+# Every entry point of csrc/cpu_ops.c: (argument types in the C parameter order, result type), set
+# on the loaded library so that a call with too few arguments or a wrong type raises in Python
+# instead of reading garbage in C. Pointers (const or not, T * for either dtype) are tensor
+# data_ptr()s. The typed kernels exist once per dtype suffix (TYPED). Every row is checked against
+# the preprocessed C source by tests/engine/test_cpu_ctypes.py.
+TYPED: dict[str, Signature] = {
+    # query, k_cache, v_cache, block_tables, seq_lens, out; num_seqs, num_heads, num_kv_heads,
+    # head_dim, block_size, table_stride, k_sb, k_ss, k_sh, v_sb, v_ss, v_sh; scale
     "paged_decode": ([_PTR] * 6 + [_I64] * 12 + [_F32], None),
-    "rotary": ([_PTR] * 4 + [_I64] + [_PTR] * 2 + [_I64] * 6, ctypes.c_int),
+    # q, k, positions, cos_sin; num_positions; q_out, k_out; tokens, num_heads, num_kv_heads,
+    # head_dim, q_stride, k_stride -> 0, or 1 for a position outside the table
+    "rotary": ([_PTR] * 4 + [_I64] + [_PTR] * 2 + [_I64] * 6, _INT),
+    # key, value, k_cache, v_cache, slots; tokens, row, k_stride, v_stride
     "write_kv": ([_PTR] * 5 + [_I64] * 4, None),
+    # x, residual (NULL: none), sum, squares; tokens, hidden
     "rms_norm_prepare": ([_PTR] * 4 + [_I64] * 2, None),
+    # sum, variance, weight; eps; out; tokens, hidden
     "rms_norm_apply": ([_PTR] * 3 + [_F32] + [_PTR] + [_I64] * 2, None),
 }
+UNTYPED: dict[str, Signature] = {
+    "kvpilot_openmp_threads": ([], _INT),
+}
+
+
+def signatures() -> dict[str, Signature]:
+    """Every exported function's full name -> (argtypes, restype)."""
+    typed = {
+        f"{name}_{suffix}": signature
+        for name, signature in TYPED.items()
+        for suffix in SUFFIXES.values()
+    }
+    return {**typed, **UNTYPED}
+
+
+def c_compiler() -> str | None:
+    return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
 
 
 def _cpu_signature() -> str:
@@ -89,7 +117,7 @@ def load_library(extra_flags: tuple[str, ...] = ()) -> ctypes.CDLL | None:
     kernels share torch's thread pool and its torch.set_num_threads setting."""
     from kvpilot.engine.model.gguf_convert import cache_root
 
-    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    compiler = c_compiler()
     if compiler is None:
         log.warning("no C compiler found: the CPU kernels fall back to plain torch")
         return None
@@ -117,10 +145,8 @@ def load_library(extra_flags: tuple[str, ...] = ()) -> ctypes.CDLL | None:
     except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
         log.warning("the CPU kernels fall back to plain torch: %s", exc)
         return None
-    for name, (argtypes, restype) in SIGNATURES.items():
-        for suffix in SUFFIXES.values():
-            fn = getattr(lib, f"{name}_{suffix}")
-            fn.argtypes = argtypes
-            fn.restype = restype
-    lib.kvpilot_openmp_threads.restype = ctypes.c_int
+    for name, (argtypes, restype) in signatures().items():
+        fn = getattr(lib, name)
+        fn.argtypes = argtypes
+        fn.restype = restype
     return lib
