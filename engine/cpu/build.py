@@ -50,8 +50,9 @@ TYPED: dict[str, Signature] = {
     # q, k, positions, cos_sin; num_positions; q_out, k_out; tokens, num_heads, num_kv_heads,
     # head_dim, q_stride, k_stride -> 0, or 1 for a position outside the table
     "rotary": ([_PTR] * 4 + [_I64] + [_PTR] * 2 + [_I64] * 6, _INT),
-    # key, value, k_cache, v_cache, slots; tokens, row, k_stride, v_stride
-    "write_kv": ([_PTR] * 5 + [_I64] * 4, None),
+    # key, value, k_cache, v_cache, slots; num_slots, tokens, row, k_stride, v_stride -> 0, or 1
+    # for a slot outside the cache
+    "write_kv": ([_PTR] * 5 + [_I64] * 5, _INT),
     # x, residual (NULL: none), sum, squares; tokens, hidden
     "rms_norm_prepare": ([_PTR] * 4 + [_I64] * 2, None),
     # sum, variance, weight; eps; out; tokens, hidden

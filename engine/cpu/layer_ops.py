@@ -41,6 +41,9 @@ def apply_rotary(
     if (
         lib is None
         or not kernels_take(query, key)
+        or key.shape[0] != query.shape[0]
+        or key.shape[2] != head_dim
+        or positions.shape != query.shape[:1]
         or query.stride(1) != head_dim
         or key.stride(1) != head_dim
         or head_dim % 2
@@ -81,11 +84,16 @@ def write_kv(
     slot_mapping: torch.Tensor,
 ) -> None:
     """Each new token's key and value into its slot of the paged cache [blocks, block_size, KVH,
-    D] (in place); negative slots are skipped."""
+    D] (in place); IndexError for a slot outside the cache."""
     row = key.shape[1] * key.shape[2]
     if (
         lib is None
         or not kernels_take(key, value, k_cache, v_cache)
+        # The C kernel trusts the shapes: anything inconsistent is the reference's to reject.
+        or value.shape != key.shape
+        or v_cache.shape != k_cache.shape
+        or k_cache.shape[2:] != key.shape[1:]
+        or slot_mapping.shape != key.shape[:1]
         or key.stride(1) != key.shape[2]
         or value.stride(1) != value.shape[2]
         or not k_cache.is_contiguous()
@@ -95,17 +103,21 @@ def write_kv(
     ):
         write_kv_reference(key, value, k_cache, v_cache, slot_mapping)
         return
-    getattr(lib, f"write_kv_{SUFFIXES[key.dtype]}")(
+    num_slots = k_cache.shape[0] * k_cache.shape[1]
+    out_of_cache = getattr(lib, f"write_kv_{SUFFIXES[key.dtype]}")(
         key.data_ptr(),
         value.data_ptr(),
         k_cache.data_ptr(),
         v_cache.data_ptr(),
         slot_mapping.data_ptr(),
+        num_slots,
         key.shape[0],
         row,
         key.stride(0),
         value.stride(0),
     )
+    if out_of_cache:  # checked in C before any write: a wrong slot must not write out of bounds
+        raise IndexError(f"slot_mapping has slots outside the cache's {num_slots} slots")
 
 
 def rms_norm(

@@ -168,7 +168,7 @@ def _paged_attention_kernel(
         m_i = m_new
 
     if NUM_SPLITS == 1:
-        # A row with no visible key at all (a padding sequence of length 0) comes out as zeros.
+        # Rows outside the batch (masked off at the store) see no key: keep them finite.
         out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
         tl.store(
             out_ptr + token[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :],

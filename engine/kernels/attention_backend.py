@@ -16,15 +16,9 @@ from kvpilot.engine.kernels.runtime import can_use_triton
 
 
 class TritonAttentionBackend:
-    """num_splits: None chooses split-K per step from occupancy (on CUDA); an int fixes it, which is
-    what a CUDA graph wants, since the split count is baked into the captured launch."""
+    """Split-K is chosen per step from occupancy (on CUDA), by attention.paged_attention."""
 
     name = "triton"
-
-    def __init__(self, num_splits: int | None = None) -> None:
-        if num_splits is not None and not 1 <= num_splits <= attention.MAX_SPLITS:
-            raise ValueError(f"num_splits must be in [1, {attention.MAX_SPLITS}], got {num_splits}")
-        self.num_splits = num_splits
 
     def write_kv(
         self,
@@ -50,7 +44,5 @@ class TritonAttentionBackend:
         scale: float,
     ) -> torch.Tensor:
         if can_use_triton(query, k_cache, v_cache) and attention.is_supported(query, k_cache):
-            return attention.paged_attention(
-                query, k_cache, v_cache, meta, scale, num_splits=self.num_splits
-            )
+            return attention.paged_attention(query, k_cache, v_cache, meta, scale)
         return paged_attention_reference(query, k_cache, v_cache, meta, scale)

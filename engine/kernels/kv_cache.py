@@ -37,8 +37,6 @@ def _write_kv_kernel(
 ):
     token = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
-    if slot < 0:
-        return  # a padding token (CUDA-graph batches are padded with slot -1)
     block = slot // BLOCK_SIZE
     in_block = slot % BLOCK_SIZE
     offs_h = tl.arange(0, BLOCK_H)
@@ -80,7 +78,8 @@ def write_kv(
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
 ) -> None:
-    """Store key[t], value[t] at slot_mapping[t] = block * block_size + offset; slot < 0 is skipped.
+    """Store key[t], value[t] at slot_mapping[t] = block * block_size + offset. The slots are not
+    checked (that would read them back on the host): each must lie in the cache.
 
     key/value: [T, KVH, D]; k_cache/v_cache: [num_blocks, block_size, KVH, D], written in place.
     """

@@ -61,6 +61,28 @@ def test_write_kv(dtype: torch.dtype) -> None:
     assert caches[0].count_nonzero() == num_tokens * kvh * head_dim
 
 
+def test_write_kv_slots_outside_the_cache_raise_before_writing() -> None:
+    key, value = torch.randn(3, 2, 32), torch.randn(3, 2, 32)
+    k_cache, v_cache = torch.zeros(4, 8, 2, 32), torch.zeros(4, 8, 2, 32)
+    for bad in (-1, 32):
+        with pytest.raises(IndexError, match="outside the cache's 32 slots"):
+            layer_ops.write_kv(LIB, key, value, k_cache, v_cache, torch.tensor([5, bad, 6]))
+        assert k_cache.count_nonzero() == 0 and v_cache.count_nonzero() == 0
+
+
+def test_inconsistent_shapes_go_to_the_reference() -> None:
+    """The C kernels trust their shapes; the torch versions reject what does not fit."""
+    cache = torch.zeros(4, 8, 2, 32)
+    key = torch.randn(3, 2, 32)
+    for value, slots in ((torch.randn(2, 2, 32), torch.arange(3)), (key, torch.arange(2))):
+        with pytest.raises((IndexError, RuntimeError)):
+            layer_ops.write_kv(LIB, key, value, cache, cache.clone(), slots)
+    q, k = torch.randn(3, 4, 32), torch.randn(2, 2, 32)
+    rope = layers.rope_cos_sin_cache(32, 16, 10000.0, RopeScaling())
+    with pytest.raises(RuntimeError):
+        layer_ops.apply_rotary(LIB, q, k, torch.arange(3), rope)
+
+
 def test_unsupported_inputs_fall_back_to_torch() -> None:
     q = torch.randn(5, 4, 32, dtype=torch.float16)
     k = torch.randn(5, 2, 32, dtype=torch.float16)

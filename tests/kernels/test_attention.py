@@ -209,10 +209,3 @@ def test_backend_runs_the_kernel_and_falls_back_without_interpreter(
     monkeypatch.delenv("TRITON_INTERPRET")
     assert torch.equal(backend.forward(*args), ref)  # the torch reference itself
     assert launched == ["_paged_attention_kernel"]
-
-
-def test_backend_rejects_bad_num_splits() -> None:
-    from kvpilot.engine.kernels.attention_backend import TritonAttentionBackend
-
-    with pytest.raises(ValueError, match="num_splits"):
-        TritonAttentionBackend(num_splits=0)

@@ -56,18 +56,6 @@ def test_int32_slots_strided_keys_and_dtype_cast() -> None:
     assert torch.equal(v_cache, v_ref)
 
 
-def test_negative_slot_is_skipped() -> None:
-    key, value, k_cache, v_cache, slots = prepare_write(6, 2, 64, 16, torch.float32)
-    slots[2] = -1  # a padding token of a CUDA-graph batch
-    before_k, before_v = k_cache.clone(), v_cache.clone()
-    write_kv(key, value, k_cache, v_cache, slots)
-    keep = slots >= 0
-    k_ref, v_ref = before_k.clone(), before_v.clone()
-    write_kv_reference(key[keep], value[keep], k_ref, v_ref, slots[keep])
-    assert torch.equal(k_cache, k_ref)
-    assert torch.equal(v_cache, v_ref)
-
-
 def test_rejects_mismatched_inputs() -> None:
     key, value, k_cache, v_cache, slots = prepare_write(4, 2, 64, 16, torch.float32)
     with pytest.raises(ValueError, match="caches must be"):

@@ -287,14 +287,17 @@ DEFINE_DECODE(paged_decode_bf16, bf16, uint16_t, bf16_to_f32, f32_to_bf16)
         return 0;                                                                                 \
     }                                                                                             \
                                                                                                   \
-    void write_kv_##SUFFIX(const T *key, const T *value, T *k_cache, T *v_cache,                  \
-                           const int64_t *slots, int64_t tokens, int64_t row, int64_t k_stride,   \
-                           int64_t v_stride) {                                                    \
+    /* Returns 0, or 1 (writing nothing) when a slot lies outside the cache's num_slots. */       \
+    int write_kv_##SUFFIX(const T *key, const T *value, T *k_cache, T *v_cache,                   \
+                          const int64_t *slots, int64_t num_slots, int64_t tokens, int64_t row,   \
+                          int64_t k_stride, int64_t v_stride) {                                   \
+        for (int64_t t = 0; t < tokens; t++)                                                      \
+            if (slots[t] < 0 || slots[t] >= num_slots) return 1;                                  \
         for (int64_t t = 0; t < tokens; t++) {                                                    \
-            if (slots[t] < 0) continue;                                                           \
             memcpy(k_cache + slots[t] * row, key + t * k_stride, row * sizeof(T));                \
             memcpy(v_cache + slots[t] * row, value + t * v_stride, row * sizeof(T));              \
         }                                                                                         \
+        return 0;                                                                                 \
     }
 
 /* RMSNorm in two passes around torch's own mean of the squares (its summation order is torch's
