@@ -1,4 +1,4 @@
-"""Incremental detokenization and stop-string detection for one sequence.
+"""Incremental detokenization and stop-string detection for one sequence (API side).
 
 Text is decoded over a sliding window of token ids: the new text is what decoding the window gives
 beyond decoding its older part. A window whose text ends in U+FFFD is an incomplete multi-byte
@@ -9,30 +9,34 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvpilot.engine.sequence import Sequence
-
 # Prompt tokens used as left context for the first output tokens (spacing of word-piece tokenizers).
 _CONTEXT_TOKENS = 5
 
 
-def init_offsets(seq: Sequence) -> None:
-    seq.read_offset = seq.num_prompt_tokens
-    seq.prefix_offset = max(seq.num_prompt_tokens - _CONTEXT_TOKENS, 0)
+class IncrementalDetokenizer:
+    """The text of one sequence's output so far. Keeps only the prompt's last few tokens."""
 
+    def __init__(self, tokenizer: Any, prompt_token_ids: list[int]) -> None:
+        self.tokenizer = tokenizer
+        context = prompt_token_ids[-_CONTEXT_TOKENS:]
+        self.token_ids: list[int] = list(context)
+        self.prefix_offset = 0
+        self.read_offset = len(context)
 
-def decode_new_text(tokenizer: Any, seq: Sequence, num_ids: int | None = None) -> str:
-    """Text added by the sequence's tokens up to num_ids (default: all); advances its offsets."""
-    end = seq.num_tokens if num_ids is None else num_ids
-    window = seq.token_ids[seq.prefix_offset : end]
-    prefix_text = tokenizer.decode(
-        seq.token_ids[seq.prefix_offset : seq.read_offset], skip_special_tokens=True
-    )
-    full_text = tokenizer.decode(window, skip_special_tokens=True)
-    if len(full_text) <= len(prefix_text) or full_text.endswith("\ufffd"):
-        return ""
-    seq.prefix_offset = seq.read_offset
-    seq.read_offset = end
-    return full_text[len(prefix_text) :]
+    def append(self, token_id: int) -> str:
+        """Add one token; returns the text it completes (may be "" until a character is whole)."""
+        self.token_ids.append(token_id)
+        end = len(self.token_ids)
+        decode = self.tokenizer.decode
+        prefix_text = decode(
+            self.token_ids[self.prefix_offset : self.read_offset], skip_special_tokens=True
+        )
+        full_text = decode(self.token_ids[self.prefix_offset : end], skip_special_tokens=True)
+        if len(full_text) <= len(prefix_text) or full_text.endswith("\ufffd"):
+            return ""
+        self.prefix_offset = self.read_offset
+        self.read_offset = end
+        return full_text[len(prefix_text) :]
 
 
 def find_stop_string(

@@ -1,5 +1,5 @@
-"""The state of one generated sequence (a request with n > 1 has n of them). No policy lives
-here."""
+"""The engine core's state of one generated sequence (a request with n > 1 has n of them): token
+ids and KV bookkeeping, no text. No policy lives here."""
 
 from __future__ import annotations
 
@@ -9,7 +9,6 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kvpilot.engine.outputs import TokenLogprobs
 from kvpilot.engine.sampling_params import SamplingParams
 
 _seq_counter = itertools.count()
@@ -28,6 +27,7 @@ class Sequence:
     token_ids: list[int]  # prompt then output
     num_prompt_tokens: int
     params: SamplingParams
+    eos_token_ids: tuple[int, ...] = ()
     cache_salt: str | None = None
     generator: torch.Generator | None = None
     seq_id: int = field(default_factory=lambda: next(_seq_counter))
@@ -37,14 +37,8 @@ class Sequence:
     block_hashes: list[int] = field(default_factory=list)  # hash chain of the full blocks so far
     num_cached_tokens: int = 0  # prompt tokens served by the prefix cache on first admission
     was_admitted: bool = False
-    output_logprobs: list[TokenLogprobs] = field(default_factory=list)
-    cumulative_logprob: float = 0.0
-    output_text: str = ""
     finish_reason: str | None = None
-    stop_reason: str | int | None = None
-    # Incremental detokenization offsets into token_ids (see detokenizer.py).
-    prefix_offset: int = 0
-    read_offset: int = 0
+    stop_reason: int | None = None
 
     @property
     def num_tokens(self) -> int:

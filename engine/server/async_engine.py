@@ -1,13 +1,17 @@
-"""The engine on one background thread, and the per-request streams the event loop reads.
+"""The API process's side of the engine: the engine core in its own process, output processing on
+one thread here, and the per-request streams the event loops read.
 
-The engine is not thread-safe, so exactly one thread (`kvpilot-engine`) loads it and then owns
-it: it drains a command queue (add / abort / stop) before every step, runs `step()`, and hands each
-step's outputs to the event loop that owns each request with `call_soon_threadsafe`, one callback
-per loop per step. The event loop therefore never blocks on the engine, and an abort reaches the
-engine before its next step (so a disconnected client's KV blocks are freed within one step).
+Event loops hand requests (token ids) to the core directly over the client's socket; one thread
+(`kvpilot-output`) receives each step's token updates, turns them into text and RequestOutputs
+(output_processor.py), records metrics, and hands each loop its outputs with `call_soon_threadsafe`,
+one callback per loop per step. So no event loop ever blocks on the engine, and tokenizing or
+parsing on the HTTP side never delays the step loop, which runs in another process.
 
 A RequestStream keeps only the *latest* cumulative output: outputs are cumulative, so a slow reader
 loses nothing by skipping intermediate ones, and memory per request stays constant.
+
+If the core process dies, every request fails with EngineDeadError, /health turns 503 and the
+server exits non-zero (cli.py): a pod restarts instead of hanging.
 """
 
 from __future__ import annotations
@@ -15,22 +19,38 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import copy
-import dataclasses
 import logging
-import queue
 import threading
 import time
-from collections.abc import Callable
+from collections import deque
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from prometheus_client import CollectorRegistry
 
-from kvpilot.engine.outputs import CompletionOutput, RequestOutput
+from kvpilot.engine.config import EngineConfig
+from kvpilot.engine.core.client import CoreProcessExited, EngineCoreClient
+from kvpilot.engine.core.engine_core import check_prompt
+from kvpilot.engine.core.messages import (
+    Abort,
+    AddRequest,
+    CoreFailed,
+    CoreReady,
+    ModelDescription,
+    StepOutputs,
+)
+from kvpilot.engine.llm_engine import eos_token_ids
+from kvpilot.engine.model.loader import has_tokenizer, load_tokenizer
+from kvpilot.engine.output_processor import OutputProcessor
+from kvpilot.engine.outputs import RequestOutput
 from kvpilot.engine.sampling_params import SamplingParams
 from kvpilot.engine.server.metrics import EngineCounters, ServerMetrics, finished_reason
+from kvpilot.engine.server.preprocess import PromptLimits, max_chars_per_token
 
 logger = logging.getLogger("kvpilot.server")
+
+_POLL_S = 0.5  # how often the output thread looks up from the socket to check for a shutdown
 
 
 class RequestFailed(RuntimeError):
@@ -38,7 +58,7 @@ class RequestFailed(RuntimeError):
 
 
 class EngineDeadError(RequestFailed):
-    """The engine thread stopped (crash or shutdown); no request can make progress."""
+    """The engine core stopped (crash or shutdown); no request can make progress."""
 
 
 class RequestCut(RequestFailed):
@@ -100,29 +120,8 @@ class RequestStream:
 
 
 @dataclass
-class _Add:
-    request_id: str
-    prompt_ids: list[int]
-    params: SamplingParams
-    cache_salt: str | None
-    arrival_time: float | None
-    stream: RequestStream
-    added: asyncio.Future[None]
-
-
-@dataclass
-class _Abort:
-    request_id: str
-
-
-@dataclass
-class _Stop:
-    pass
-
-
-@dataclass
 class _Live:
-    """Engine-thread bookkeeping of one running request."""
+    """Output-side bookkeeping of one request in the engine."""
 
     stream: RequestStream
     num_tokens: int = 0
@@ -131,14 +130,14 @@ class _Live:
 
 @dataclass(frozen=True)
 class StateSnapshot:
-    """Scheduler state published by the engine thread after every step or command batch."""
+    """Scheduler state as of the core's latest report."""
 
     num_waiting: int = 0
     num_running: int = 0
     kv_cache_usage: float = 0.0
 
 
-@dataclass
+@dataclass(frozen=True)
 class ModelInfo:
     """What the HTTP side needs to know about the loaded model (immutable once loaded)."""
 
@@ -149,39 +148,25 @@ class ModelInfo:
     block_size: int
     num_blocks: int
     enable_prefix_caching: bool
+    eos_token_ids: tuple[int, ...] = ()
+    hf_dir: str = ""  # the tokenizer's files
+    max_chars_per_token: int | None = None  # see preprocess.py; None without a tokenizer
 
+    @property
+    def limits(self) -> PromptLimits:
+        return PromptLimits(
+            self.model_name, self.max_model_len, self.vocab_size, self.max_chars_per_token
+        )
 
-def snapshot_output(output: RequestOutput) -> RequestOutput:
-    """A copy the event loop may read while the engine keeps appending to its own lists."""
-    return RequestOutput(
-        request_id=output.request_id,
-        prompt=output.prompt,
-        prompt_token_ids=output.prompt_token_ids,
-        outputs=[
-            CompletionOutput(
-                index=o.index,
-                text=o.text,
-                token_ids=list(o.token_ids),
-                cumulative_logprob=o.cumulative_logprob,
-                logprobs=None if o.logprobs is None else list(o.logprobs),
-                finish_reason=o.finish_reason,
-                stop_reason=o.stop_reason,
-            )
-            for o in output.outputs
-        ],
-        finished=output.finished,
-        num_cached_tokens=output.num_cached_tokens,
-        metrics=None if output.metrics is None else dataclasses.replace(output.metrics),
-    )
-
-
-def _resolve(future: asyncio.Future[None], exc: BaseException | None) -> None:
-    if future.done():  # the awaiting handler was cancelled meanwhile
-        return
-    if exc is None:
-        future.set_result(None)
-    else:
-        future.set_exception(exc)
+    def check_prompt(self, prompt_token_ids: list[int]) -> None:
+        """ValueError unless the core can run this prompt (checked here, before it is sent)."""
+        check_prompt(
+            prompt_token_ids,
+            vocab_size=self.vocab_size,
+            max_model_len=self.max_model_len,
+            num_blocks=self.num_blocks,
+            block_size=self.block_size,
+        )
 
 
 def _deliver(items: list[tuple[RequestStream, RequestOutput]]) -> None:
@@ -189,34 +174,53 @@ def _deliver(items: list[tuple[RequestStream, RequestOutput]]) -> None:
         stream._put(output)
 
 
+def _fail_streams(streams: list[RequestStream], exc: BaseException) -> None:
+    for stream in streams:
+        stream._fail(exc)
+
+
 class AsyncEngine:
-    """Loads an LLMEngine on its own thread and runs its step loop there."""
+    """Starts the engine-core process and serves its outputs to any number of event loops."""
 
     def __init__(
         self,
-        build_engine: Callable[[], Any],
+        config: EngineConfig,
         *,
         registry: CollectorRegistry | None = None,
         vllm_metrics: bool = True,
+        core_threads: int | None = None,
+        log_level: int = logging.INFO,
     ) -> None:
-        self._build_engine = build_engine
+        self.config = config
         self.registry = registry
         self._vllm_metrics = vllm_metrics
-        self._commands: queue.SimpleQueue[_Add | _Abort | _Stop] = queue.SimpleQueue()
-        self._thread = threading.Thread(target=self._run, name="kvpilot-engine", daemon=True)
+        self._client = EngineCoreClient(config, num_threads=core_threads, log_level=log_level)
+        self._thread = threading.Thread(target=self._run, name="kvpilot-output", daemon=True)
         self._loaded = threading.Event()
+        # Guards the processor, the live requests and the command count: event loops add and
+        # abort while the output thread processes steps.
         self._lock = threading.Lock()
-        self._num_pending_adds = 0
+        self._processor: OutputProcessor | None = None
+        self._live: dict[str, _Live] = {}
+        self._num_commands_sent = 0
+        self._pending_adds: deque[int] = deque()  # command numbers of adds the core has not seen
         self._state = StateSnapshot()
+        self._stopping = False
         self.info: ModelInfo | None = None
         self.metrics: ServerMetrics | None = None
         self.error: BaseException | None = None
+        self.died_at: float | None = None  # time.monotonic() when the core was found dead
         self.stopped = False
 
     # ---- lifecycle (any thread) ----
 
     def start(self) -> None:
+        self._client.start()
         self._thread.start()
+
+    @property
+    def core_pid(self) -> int | None:
+        return self._client.pid
 
     def wait_loaded(self, timeout: float | None = None) -> bool:
         """Block until the model is loaded or failed to load; True when it is servable."""
@@ -229,20 +233,22 @@ class AsyncEngine:
 
     @property
     def is_alive(self) -> bool:
-        """Loaded, and the engine thread still runs (it exits on a crash or on shutdown)."""
+        """Loaded, and the core process still runs."""
         return self.is_loaded and self.error is None and not self.stopped
 
     def shutdown(self, timeout: float = 30.0) -> None:
-        self._commands.put(_Stop())
+        self._stopping = True
+        self._client.stop(timeout)
         if self._thread.is_alive():
             self._thread.join(timeout)
+        self._client.close()
 
     # ---- scheduler state (any thread: reads one immutable snapshot) ----
 
     @property
     def num_waiting(self) -> int:
-        # Requests already handed over but not yet seen by the engine count as waiting too.
-        return self._state.num_waiting + self._num_pending_adds
+        # Requests already sent but not yet seen by the core count as waiting too.
+        return self._state.num_waiting + len(self._pending_adds)
 
     @property
     def num_running(self) -> int:
@@ -252,6 +258,12 @@ class AsyncEngine:
     def kv_cache_usage(self) -> float:
         return self._state.kv_cache_usage
 
+    def queue_counts(self) -> tuple[int, int, int]:
+        """(waiting, running, unfinished requests here), read at one instant: a request the core
+        reports finished leaves both sides together."""
+        with self._lock:
+            return self.num_waiting, self.num_running, len(self._live)
+
     # ---- requests (event loop) ----
 
     async def add_request(
@@ -260,170 +272,171 @@ class AsyncEngine:
         prompt_ids: list[int],
         params: SamplingParams,
         *,
+        prompt_text: str | None = None,
         cache_salt: str | None = None,
         arrival_time: float | None = None,
     ) -> RequestStream:
-        """Hand a request to the engine; raises the engine's ValueError if it rejects it."""
-        if not self.is_alive:
+        """Hand a request to the core; ValueError when it cannot run (a client error)."""
+        info = self.info
+        if not self.is_alive or info is None or self._processor is None:
             raise EngineDeadError("the engine is not running")
-        loop = asyncio.get_running_loop()
-        stream = RequestStream(request_id, loop, self)
-        added: asyncio.Future[None] = loop.create_future()
-        with self._lock:
-            self._num_pending_adds += 1
-        self._commands.put(
-            _Add(request_id, prompt_ids, params, cache_salt, arrival_time, stream, added)
+        info.check_prompt(prompt_ids)
+        stream = RequestStream(request_id, asyncio.get_running_loop(), self)
+        arrival = time.monotonic() if arrival_time is None else arrival_time
+        command = AddRequest(
+            request_id, prompt_ids, params, info.eos_token_ids, cache_salt, arrival
         )
-        try:
-            await added
-        except asyncio.CancelledError:
-            self.abort(request_id)  # the add may still land: make sure it does not run
-            raise
+        with self._lock:
+            if self.error is not None:
+                raise EngineDeadError(f"the engine is not running: {self.error}")
+            self._processor.add_request(request_id, prompt_text, prompt_ids, params, arrival)
+            self._live[request_id] = _Live(stream)
+            # Numbered and sent under the lock, so numbers follow the order the core sees.
+            self._num_commands_sent += 1
+            self._pending_adds.append(self._num_commands_sent)
+            self._client.send(command)
         return stream
 
     def abort(self, request_id: str) -> None:
-        self._commands.put(_Abort(request_id))
+        with self._lock:
+            if self._live.pop(request_id, None) is None:
+                return  # finished (or never added)
+            if self._processor is not None:
+                self._processor.abort(request_id)
+            if self.metrics is not None:
+                self.metrics.request_success["abort"].inc()
+            self._send(Abort(request_id))
 
-    # ---- the engine thread ----
+    def _send(self, command: Abort) -> None:
+        """Under the lock."""
+        self._num_commands_sent += 1
+        self._client.send(command)
+
+    # ---- the output thread ----
 
     def _run(self) -> None:
         try:
-            engine = self._build_engine()
-            self._on_loaded(engine)
+            if not self._wait_ready():
+                return
+            while True:
+                try:
+                    event = self._client.receive(_POLL_S)
+                except CoreProcessExited:
+                    if self._stopping:
+                        break
+                    raise
+                if isinstance(event, StepOutputs):
+                    self._on_step(event)
+                elif isinstance(event, CoreFailed):
+                    raise RuntimeError(event.message)
         except BaseException as exc:
-            logger.exception("loading the model failed")
-            self.error = exc
-            self._loaded.set()
-            return
-        self._loaded.set()
-        live: dict[str, _Live] = {}
-        try:
-            while self._handle_commands(engine, live, block=not engine.has_unfinished_requests()):
-                if engine.has_unfinished_requests():
-                    self._step(engine, live)
-                    self._publish(engine)
-        except BaseException as exc:
-            logger.exception("the engine loop crashed; failing all requests")
-            self.error = exc
-            self._fail_all(live, EngineDeadError(f"the engine crashed: {exc!r}"))
+            logger.error("the engine core failed: %s; failing all requests", exc)
+            self._die(EngineDeadError(f"the engine core failed: {exc}"))
             return
         self.stopped = True
-        for request_id in list(live):
-            engine.abort_request(request_id)
-        self._fail_all(live, EngineDeadError("the engine was shut down"))
+        self._fail_all(EngineDeadError("the engine was shut down"))
 
-    def _on_loaded(self, engine: Any) -> None:
-        tokenizer = engine.tokenizer
+    def _wait_ready(self) -> bool:
+        """Wait for the core to load; False (with self.error set) when it could not."""
         try:
-            # The HTTP side tokenizes on the event loop while this thread detokenizes: separate
-            # copies keep the Rust tokenizer's interior borrows out of each other's way.
-            tokenizer = copy.deepcopy(tokenizer)
-        except Exception:
-            logger.warning("could not copy the tokenizer; sharing the engine's", exc_info=True)
-        vocab_size = engine.model_config.vocab_size
-        cache = engine.config.cache
-        self.info = ModelInfo(
-            model_name=engine.model_name,
-            max_model_len=engine.max_model_len,
-            tokenizer=tokenizer,
-            vocab_size=vocab_size,
-            block_size=engine.block_size,
-            num_blocks=engine.num_blocks,
-            enable_prefix_caching=cache.enable_prefix_caching,
-        )
+            while True:
+                try:
+                    event = self._client.receive(_POLL_S)
+                except CoreProcessExited as exc:
+                    raise RuntimeError(f"{exc} while loading the model") from None
+                if isinstance(event, CoreReady):
+                    self._on_loaded(event.model)
+                    return True
+                if isinstance(event, CoreFailed):
+                    raise RuntimeError(event.message)
+                if event is None and self._stopping:
+                    raise RuntimeError("shut down while loading")
+        except BaseException as exc:
+            logger.error("loading the model failed: %s", exc)
+            self.error = exc
+            self.died_at = time.monotonic()
+            return False
+        finally:
+            self._loaded.set()
+
+    def _on_loaded(self, model: ModelDescription) -> None:
+        hf_dir = Path(model.hf_dir)
+        tokenizer = load_tokenizer(hf_dir) if has_tokenizer(hf_dir) else None
+        http_tokenizer = tokenizer
+        if tokenizer is not None:
+            try:
+                # The HTTP side tokenizes on its threads while this one detokenizes: separate
+                # copies keep the Rust tokenizer's interior borrows out of each other's way.
+                http_tokenizer = copy.deepcopy(tokenizer)
+            except Exception:
+                logger.warning("could not copy the tokenizer; sharing one", exc_info=True)
+        self._processor = OutputProcessor(tokenizer)
         if self.registry is not None:
             self.metrics = ServerMetrics(
                 self.registry,
-                engine.model_name,
-                block_size=engine.block_size,
-                num_gpu_blocks=engine.num_blocks,
-                enable_prefix_caching=cache.enable_prefix_caching,
+                model.model_name,
+                block_size=model.block_size,
+                num_gpu_blocks=model.num_blocks,
+                enable_prefix_caching=model.enable_prefix_caching,
                 vllm_names=self._vllm_metrics,
             )
             self.metrics.bind_engine_state(
                 lambda: self.num_waiting, lambda: self.num_running, lambda: self.kv_cache_usage
             )
-        self._publish(engine)
+        self.info = ModelInfo(
+            model_name=model.model_name,
+            max_model_len=model.max_model_len,
+            tokenizer=http_tokenizer,
+            vocab_size=model.vocab_size,
+            block_size=model.block_size,
+            num_blocks=model.num_blocks,
+            enable_prefix_caching=model.enable_prefix_caching,
+            eos_token_ids=eos_token_ids(model.eos_token_ids, tokenizer),
+            hf_dir=model.hf_dir,
+            max_chars_per_token=None if tokenizer is None else max_chars_per_token(tokenizer),
+        )
 
-    def _handle_commands(self, engine: Any, live: dict[str, _Live], *, block: bool) -> bool:
-        """Apply every queued command; False once told to stop."""
-        try:
-            command = self._commands.get() if block else self._commands.get_nowait()
-        except queue.Empty:
-            return True
-        num_added = 0
-        try:
-            while True:
-                if isinstance(command, _Stop):
-                    return False
-                if isinstance(command, _Add):
-                    num_added += 1
-                    self._add(engine, live, command)
-                elif command.request_id in live:
-                    engine.abort_request(command.request_id)
-                    del live[command.request_id]
-                    if self.metrics is not None:
-                        self.metrics.request_success["abort"].inc()
-                try:
-                    command = self._commands.get_nowait()
-                except queue.Empty:
-                    return True
-        finally:
-            # Publish before the adds stop counting as pending: otherwise, for the whole next
-            # step, the requests just added would be in neither count and the queue would read
-            # empty (to the autoscaler and to --max-queue). Counted twice for an instant instead.
-            self._publish(engine)
-            if num_added:
-                with self._lock:
-                    self._num_pending_adds -= num_added
-
-    def _add(self, engine: Any, live: dict[str, _Live], command: _Add) -> None:
-        error: BaseException | None = None
-        try:
-            engine.add_request(
-                command.request_id,
-                command.prompt_ids,
-                command.params,
-                cache_salt=command.cache_salt,
-                arrival_time=command.arrival_time,
-            )
-            live[command.request_id] = _Live(command.stream)
-        except Exception as exc:
-            error = exc
-        try:
-            command.stream.loop.call_soon_threadsafe(_resolve, command.added, error)
-        except RuntimeError:  # the requester's event loop is closed: nobody to serve
-            if command.request_id in live:
-                engine.abort_request(command.request_id)
-                del live[command.request_id]
-
-    def _step(self, engine: Any, live: dict[str, _Live]) -> None:
-        start = time.monotonic()
-        outputs = engine.step()
-        now = time.monotonic()
-        if self.metrics is not None:
-            self.metrics.engine_step_duration.observe(now - start)
+    def _on_step(self, step: StepOutputs) -> None:
         by_loop: dict[asyncio.AbstractEventLoop, list[tuple[RequestStream, RequestOutput]]] = {}
-        for output in outputs:
-            entry = live.get(output.request_id)
-            if entry is None:
-                continue
-            self._observe_tokens(entry, output, now)
-            if output.finished:
-                del live[output.request_id]
-                if self.metrics is not None:
-                    self.metrics.record_finished(output, finished_reason(output))
-            by_loop.setdefault(entry.stream.loop, []).append(
-                (entry.stream, snapshot_output(output))
-            )
+        failed: list[tuple[RequestStream, RequestFailed]] = []
+        metrics = self.metrics
+        assert self._processor is not None
+        with self._lock:
+            while self._pending_adds and self._pending_adds[0] <= step.num_commands_applied:
+                self._pending_adds.popleft()
+            stats = step.stats
+            self._state = StateSnapshot(stats.num_waiting, stats.num_running, stats.kv_cache_usage)
+            if metrics is not None:
+                metrics.record_counters(EngineCounters.of(stats))
+                if step.step_duration is not None:
+                    metrics.engine_step_duration.observe(step.step_duration)
+            for request_id, why in step.rejected:
+                entry = self._live.pop(request_id, None)
+                self._processor.abort(request_id)
+                if entry is not None:
+                    failed.append((entry.stream, RequestFailed(f"the engine refused it: {why}")))
+            processed = self._processor.process(step)
+            for request_id, index in processed.stop_hits:
+                self._send(Abort(request_id, index))
+            for output in processed.outputs:
+                entry = self._live.get(output.request_id)
+                if entry is None:
+                    continue
+                self._observe_tokens(entry, output, step.token_time)
+                if output.finished:
+                    del self._live[output.request_id]
+                    if metrics is not None:
+                        metrics.record_finished(output, finished_reason(output))
+                by_loop.setdefault(entry.stream.loop, []).append((entry.stream, output))
+        for stream, exc in failed:
+            with contextlib.suppress(RuntimeError):
+                stream.loop.call_soon_threadsafe(stream._fail, exc)
         for loop, items in by_loop.items():
             try:
                 loop.call_soon_threadsafe(_deliver, items)
             except RuntimeError:  # that event loop is closed: its requests have no reader
                 for stream, _ in items:
-                    if stream.request_id in live:
-                        engine.abort_request(stream.request_id)
-                        del live[stream.request_id]
+                    self.abort(stream.request_id)
 
     def _observe_tokens(self, entry: _Live, output: RequestOutput, now: float) -> None:
         num_tokens = sum(len(o.token_ids) for o in output.outputs)
@@ -434,25 +447,18 @@ class AsyncEngine:
         entry.num_tokens = num_tokens
         entry.last_token_time = now
 
-    def _publish(self, engine: Any) -> None:
-        stats = engine.stats()
-        self._state = StateSnapshot(stats.num_waiting, stats.num_running, stats.kv_cache_usage)
-        if self.metrics is not None:
-            self.metrics.record_counters(EngineCounters.of(stats))
+    def _die(self, exc: BaseException) -> None:
+        self.error = exc
+        self.died_at = time.monotonic()
+        self._fail_all(exc)
 
-    def _fail_all(self, live: dict[str, _Live], exc: BaseException) -> None:
+    def _fail_all(self, exc: BaseException) -> None:
+        with self._lock:
+            live, self._live = self._live, {}
+            self._pending_adds.clear()
+        by_loop: dict[asyncio.AbstractEventLoop, list[RequestStream]] = {}
         for entry in live.values():
+            by_loop.setdefault(entry.stream.loop, []).append(entry.stream)
+        for loop, streams in by_loop.items():
             with contextlib.suppress(RuntimeError):
-                entry.stream.loop.call_soon_threadsafe(entry.stream._fail, exc)
-        live.clear()
-        # Adds still queued will never be applied: fail them too.
-        while True:
-            try:
-                command = self._commands.get_nowait()
-            except queue.Empty:
-                return
-            if isinstance(command, _Add):
-                with self._lock:
-                    self._num_pending_adds -= 1
-                with contextlib.suppress(RuntimeError):
-                    command.stream.loop.call_soon_threadsafe(_resolve, command.added, exc)
+                loop.call_soon_threadsafe(_fail_streams, streams, exc)

@@ -1,7 +1,8 @@
 """`kvpilot serve`: flags (vLLM's names where it has one), engine configs, uvicorn, graceful drain.
 
-The HTTP server listens at once, and the model loads on the engine thread meanwhile: /health answers
-200 during the load, /ready 503 until the model is servable (what a Kubernetes startup probe wants).
+The HTTP server listens at once, and the model loads in the engine-core process meanwhile: /health
+answers 200 during the load, /ready 503 until the model is servable (what a Kubernetes startup probe
+wants). If the engine core dies, /health turns 503 and the process exits 1.
 
 SIGTERM starts a drain instead of uvicorn's immediate close: /ready turns 503, new requests get a
 503 (the listener stays open, because endpoints are removed from Services only after the pod is told
@@ -34,6 +35,9 @@ from kvpilot.engine.server.state import ServerSettings, ServerState
 
 logger = logging.getLogger("kvpilot.server")
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+# After the engine core died: long enough for failed requests' error bodies to go out and for a
+# probe to read /health 503, short enough that the pod restarts at once.
+ENGINE_DEAD_LINGER_S = 1.0
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -150,8 +154,14 @@ class DrainingServer(uvicorn.Server):
             self.drain_requested = True
 
     async def on_tick(self, counter: int) -> bool:
-        if self.state.engine.error is not None and not self.state.engine.is_loaded:
-            return True  # the model failed to load: nothing to serve
+        engine = self.state.engine
+        if engine.error is not None and (
+            not engine.is_loaded
+            or time.monotonic() - (engine.died_at or 0.0) > ENGINE_DEAD_LINGER_S
+        ):
+            # Nothing to serve: exit non-zero so the container restarts, rather than hang.
+            self.force_exit = True
+            return True
         if self.drain_requested and self.drain_started is None:
             self.drain_started = time.monotonic()
             self.state.start_draining()
@@ -188,14 +198,14 @@ def main(argv: list[str]) -> int:
         print("kvpilot serve: --shutdown-timeout must be >= 0", file=sys.stderr)
         return 2
 
-    from kvpilot.engine import LLMEngine  # torch and the model code load only once flags are sane
-    from kvpilot.engine.cpu.threads import fit_threads_to_cpu_quota
-
-    fit_threads_to_cpu_quota()
-
     registry = CollectorRegistry()
+    # The engine core (model, KV cache, scheduler) runs in a child process it starts; it fits its
+    # torch threads to the container's CPU quota there.
     engine = AsyncEngine(
-        lambda: LLMEngine(config), registry=registry, vllm_metrics=not args.disable_vllm_metrics
+        config,
+        registry=registry,
+        vllm_metrics=not args.disable_vllm_metrics,
+        log_level=getattr(logging, args.log_level.upper()),
     )
     state = ServerState(engine, settings)
     uv_config = uvicorn.Config(
@@ -213,9 +223,13 @@ def main(argv: list[str]) -> int:
     try:
         server.run()
     finally:
+        state.close()
         engine.shutdown()
-    if engine.error is not None and engine.info is None:
-        logger.error("exiting: the model could not be loaded: %s", engine.error)
+    if engine.error is not None:
+        if engine.info is None:
+            logger.error("exiting: the model could not be loaded: %s", engine.error)
+        else:
+            logger.error("exiting: %s", engine.error)
         return 1
     return 0
 

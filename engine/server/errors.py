@@ -30,8 +30,26 @@ class APIError(Exception):
         self.code = code
         self.headers = headers or {}
 
+    def __reduce__(self) -> tuple[Any, ...]:
+        # Picklable (keyword-only fields): preprocessing raises these in a worker process too.
+        return (
+            _rebuild,
+            (self.status_code, self.message, self.type, self.param, self.code, self.headers),
+        )
+
     def body(self) -> dict[str, Any]:
         return error_body(self.message, type=self.type, param=self.param, code=self.code)
+
+
+def _rebuild(
+    status_code: int,
+    message: str,
+    type: str,
+    param: str | None,
+    code: str | None,
+    headers: dict[str, str],
+) -> APIError:
+    return APIError(status_code, message, type=type, param=param, code=code, headers=headers)
 
 
 def error_body(

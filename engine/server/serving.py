@@ -11,7 +11,6 @@ import asyncio
 import time
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
 from typing import Any
 
 from starlette.requests import Request
@@ -21,27 +20,20 @@ from kvpilot.engine.outputs import RequestOutput
 from kvpilot.engine.server import errors, render
 from kvpilot.engine.server.async_engine import (
     EngineDeadError,
-    ModelInfo,
     RequestCut,
     RequestFailed,
     RequestStream,
 )
+from kvpilot.engine.server.preprocess import Prompt
 from kvpilot.engine.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     num_logprobs,
-    parse_request,
     requested_max_tokens,
     to_sampling_params,
 )
 from kvpilot.engine.server.sse import ClientGone, SSEResponse, unless_disconnected
 from kvpilot.engine.server.state import InFlight, ServerState
-
-
-@dataclass(frozen=True)
-class Prompt:
-    text: str | None  # None for token-id prompts until decoded for echo
-    token_ids: list[int]
 
 
 def resolve_max_tokens(
@@ -68,59 +60,6 @@ def resolve_max_tokens(
             code="context_length_exceeded",
         )
     return requested
-
-
-def completion_prompts(request: CompletionRequest, info: ModelInfo) -> list[Prompt]:
-    raw = request.prompt
-    if isinstance(raw, str):
-        items: list[str | list[int]] = [raw]
-    elif raw and all(isinstance(x, int) for x in raw):
-        items = [raw]  # type: ignore[list-item]
-    else:
-        items = list(raw)  # type: ignore[arg-type]
-    if not items:
-        raise errors.bad_request("prompt must not be empty.", param="prompt")
-    prompts = []
-    for item in items:
-        if isinstance(item, str):
-            if info.tokenizer is None:
-                raise errors.bad_request(
-                    "This model has no tokenizer: pass token ids.", param="prompt"
-                )
-            if not item:
-                raise errors.bad_request("prompt must not be an empty string.", param="prompt")
-            prompts.append(Prompt(item, list(info.tokenizer.encode(item))))
-            continue
-        if not item:
-            raise errors.bad_request("a token-id prompt must not be empty.", param="prompt")
-        bad = [t for t in item if not 0 <= t < info.vocab_size]
-        if bad:
-            raise errors.bad_request(
-                f"prompt token ids must be in [0, {info.vocab_size}); got {bad[0]}.", param="prompt"
-            )
-        prompts.append(Prompt(None, list(item)))
-    return prompts
-
-
-def chat_prompt(request: ChatCompletionRequest, info: ModelInfo) -> Prompt:
-    tokenizer = info.tokenizer
-    if tokenizer is None or not getattr(tokenizer, "chat_template", None):
-        raise errors.bad_request(
-            "This model has no chat template; use /v1/completions.", param="messages"
-        )
-    try:
-        text = tokenizer.apply_chat_template(
-            request.chat_messages(),
-            add_generation_prompt=request.add_generation_prompt,
-            continue_final_message=request.continue_final_message,
-            tokenize=False,
-        )
-    except Exception as exc:  # template errors (role order, raise_exception) are the client's
-        raise errors.bad_request(
-            f"The chat template rejected the messages: {exc}", param="messages"
-        ) from None
-    # The template already holds the special tokens: do not add a BOS twice.
-    return Prompt(text, list(tokenizer.encode(text, add_special_tokens=False)))
 
 
 def failure_error(exc: RequestFailed) -> errors.APIError:
@@ -219,6 +158,7 @@ async def start_generation(
                     rid,
                     prompt.token_ids,
                     sampling,
+                    prompt_text=prompt.text,
                     cache_salt=request.cache_salt,
                     arrival_time=arrival_time,
                 )
@@ -235,30 +175,13 @@ async def start_generation(
     return Generation(streams, ticket)
 
 
-async def _prepare(
-    state: ServerState, http: Request, model: type[CompletionRequest] | type[ChatCompletionRequest]
-) -> tuple[ModelInfo, Any]:
-    info = state.model_info()  # 503 while loading or draining, before reading anything
-    request = parse_request(model, await http.body())
-    if request.model is not None and request.model != info.model_name:
-        raise state.reject(
-            "model_not_found", errors.model_not_found(request.model, info.model_name)
-        )
-    return info, request
-
-
 async def create_completion(state: ServerState, http: Request) -> Response:
     arrival = time.monotonic()
-    info, request = await _prepare(state, http, CompletionRequest)
-    prompts = completion_prompts(request, info)
+    info = state.model_info()  # 503 while loading or draining, before reading anything
+    pre = await state.preprocess("completion", await http.body())
+    request, prompts = pre.request, pre.prompts
+    assert isinstance(request, CompletionRequest)
     header = render.ResponseHeader(f"cmpl-{uuid.uuid4().hex}", int(time.time()), info.model_name)
-    if request.echo:
-        prompts = [
-            p
-            if p.text is not None or info.tokenizer is None
-            else Prompt(info.tokenizer.decode(p.token_ids), p.token_ids)
-            for p in prompts
-        ]
     generation = await start_generation(state, request, prompts, header.id, arrival)
     if request.stream:
         return SSEResponse(
@@ -334,8 +257,10 @@ async def _completion_events(
 
 async def create_chat_completion(state: ServerState, http: Request) -> Response:
     arrival = time.monotonic()
-    info, request = await _prepare(state, http, ChatCompletionRequest)
-    prompts = [chat_prompt(request, info)]
+    info = state.model_info()
+    pre = await state.preprocess("chat", await http.body())
+    request, prompts = pre.request, pre.prompts
+    assert isinstance(request, ChatCompletionRequest)
     header = render.ResponseHeader(
         f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), info.model_name
     )

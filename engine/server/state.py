@@ -2,14 +2,31 @@
 
 from __future__ import annotations
 
+import asyncio
+import copy
 import logging
+import multiprocessing
+import threading
 from collections.abc import Callable
+from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass
+from typing import Any
 
 from kvpilot.engine.server import errors
 from kvpilot.engine.server.async_engine import AsyncEngine, ModelInfo
+from kvpilot.engine.server.preprocess import (
+    BIG_BODY_BYTES,
+    Preprocessed,
+    RequestKind,
+    init_worker,
+    lower_priority,
+    preprocess,
+    preprocess_in_worker,
+)
 
 logger = logging.getLogger("kvpilot.server")
+TOKENIZER_THREADS = 2
 
 
 @dataclass(frozen=True)
@@ -51,6 +68,58 @@ class ServerState:
         self.settings = settings or ServerSettings()
         self.draining = False
         self.in_flight: set[InFlight] = set()
+        # Parsing, chat templates and tokenization run off the event loop (see preprocess.py).
+        self._tokenizer_pool = ThreadPoolExecutor(
+            TOKENIZER_THREADS, "kvpilot-tokenize", initializer=lower_priority
+        )
+        self._tokenizers = threading.local()
+        self._big_body_pool: ProcessPoolExecutor | None = None
+
+    def _thread_tokenizer(self, info: ModelInfo) -> Any:
+        """This pool thread's own copy of the tokenizer (copies never share Rust borrows)."""
+        tokenizer = getattr(self._tokenizers, "tokenizer", None)
+        if tokenizer is None and info.tokenizer is not None:
+            tokenizer = self._tokenizers.tokenizer = copy.deepcopy(info.tokenizer)
+        return tokenizer
+
+    async def preprocess(self, kind: RequestKind, body: bytes) -> Preprocessed:
+        """The request parsed, validated and tokenized, off the event loop; APIError for the
+        client's faults (a wrong model is counted as such)."""
+        info = self.model_info()
+        loop = asyncio.get_running_loop()
+        try:
+            if len(body) > BIG_BODY_BYTES:
+                return await loop.run_in_executor(
+                    self._big_body_executor(info), preprocess_in_worker, kind, body
+                )
+            return await loop.run_in_executor(
+                self._tokenizer_pool,
+                lambda: preprocess(kind, body, self._thread_tokenizer(info), info.limits),
+            )
+        except errors.APIError as exc:
+            if exc.code == "model_not_found":
+                raise self.reject("model_not_found", exc) from None
+            raise
+        except BrokenProcessPool:
+            self._big_body_pool = None  # started again for the next big request
+            logger.exception("the preprocessing worker died")
+            raise errors.internal_error("The request's preprocessing worker died.") from None
+
+    def _big_body_executor(self, info: ModelInfo) -> ProcessPoolExecutor:
+        """Started on the first big request (most servers never see one)."""
+        if self._big_body_pool is None:
+            self._big_body_pool = ProcessPoolExecutor(
+                1,
+                mp_context=multiprocessing.get_context("spawn"),
+                initializer=init_worker,
+                initargs=(info.hf_dir if info.tokenizer is not None else None, info.limits),
+            )
+        return self._big_body_pool
+
+    def close(self) -> None:
+        self._tokenizer_pool.shutdown(wait=False, cancel_futures=True)
+        if self._big_body_pool is not None:
+            self._big_body_pool.shutdown(wait=False, cancel_futures=True)
 
     @property
     def num_in_flight(self) -> int:

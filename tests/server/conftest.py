@@ -1,5 +1,6 @@
-"""Real servers for the server tests: the bundled SmolLM2 engine, loaded once per session, behind
-two real uvicorn servers on 127.0.0.1 (ephemeral ports), each on its own thread and event loop.
+"""Real servers for the server tests: the bundled SmolLM2 engine core, in its own process, loaded
+once per session, behind two real uvicorn servers on 127.0.0.1 (ephemeral ports), each on its own
+thread and event loop.
 
 `server` is the ordinary one; `strict_server` shares the same engine but refuses requests as soon as
 two are waiting (--max-queue 2), so the 429 path runs against the real scheduler state.
@@ -11,10 +12,9 @@ import time
 from collections.abc import Callable, Iterator
 
 import pytest
-import torch
 from prometheus_client import CollectorRegistry
 
-from kvpilot.engine import CacheConfig, EngineConfig, LLMEngine, SchedulerConfig
+from kvpilot.engine import CacheConfig, EngineConfig, SchedulerConfig
 from kvpilot.engine.server.async_engine import AsyncEngine
 from kvpilot.engine.server.inprocess import InProcessServer, serve_in_thread
 from kvpilot.engine.server.state import ServerSettings, ServerState
@@ -26,22 +26,18 @@ STRICT_MAX_QUEUE = 2
 
 @pytest.fixture(scope="session")
 def engine() -> Iterator[AsyncEngine]:
-    # This process runs the engine, two uvicorn event loops and the test clients on 2 cores: with
-    # torch's default of one intra-op thread per core, its spinning workers starve the Python
-    # threads (3x slower here). One intra-op thread leaves a core for HTTP; restored at the end.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
+    # The engine core runs in its own process. On 2 cores, one intra-op thread there leaves a core
+    # for this process's uvicorn loops and test clients.
     config = EngineConfig(
         max_model_len=MAX_MODEL_LEN,
         cache=CacheConfig(kv_cache_gib=0.25),
         scheduler=SchedulerConfig(max_num_seqs=MAX_NUM_SEQS),
     )
-    async_engine = AsyncEngine(lambda: LLMEngine(config), registry=CollectorRegistry())
+    async_engine = AsyncEngine(config, registry=CollectorRegistry(), core_threads=1)
     async_engine.start()
     assert async_engine.wait_loaded(timeout=300), f"the engine did not load: {async_engine.error}"
     yield async_engine
     async_engine.shutdown()
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="session")

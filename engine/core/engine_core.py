@@ -1,0 +1,231 @@
+"""The engine core: requests of token ids in, one token per running sequence per step out.
+
+It owns the model runner (weights, KV pool, sampler), the block manager and the scheduler, and
+decides what can be decided on token ids alone: EOS, stop token ids, max_tokens and the context
+limit. Text (detokenization, stop strings, logprob strings) is the API side's business
+(output_processor.py), which finishes a sequence early with `abort(request_id, index)`.
+
+Not thread-safe: one thread owns a core.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+
+from kvpilot.engine.block_manager import BlockManager
+from kvpilot.engine.config import EngineConfig, ModelConfig
+from kvpilot.engine.core.messages import (
+    AddRequest,
+    EngineStats,
+    ModelDescription,
+    SeqUpdate,
+    StepOutputs,
+)
+from kvpilot.engine.model.loader import read_hf_config, resolve_model, set_offline_defaults
+from kvpilot.engine.model_runner import ModelRunner
+from kvpilot.engine.scheduler import Scheduler
+from kvpilot.engine.sequence import Sequence
+
+log = logging.getLogger("kvpilot")
+
+
+def check_prompt(
+    prompt_token_ids: list[int], *, vocab_size: int, max_model_len: int, num_blocks: int,
+    block_size: int,
+) -> None:  # fmt: skip
+    """Raise ValueError (a client error) unless this prompt can run: ids in the vocabulary, room
+    for one generated token in the context and in the whole KV pool."""
+    num_tokens = len(prompt_token_ids)
+    if num_tokens == 0:
+        raise ValueError("the prompt is empty")
+    if any(not isinstance(t, int) or not 0 <= t < vocab_size for t in prompt_token_ids):
+        raise ValueError(f"prompt token ids must be integers in [0, {vocab_size})")
+    if num_tokens >= max_model_len:
+        raise ValueError(
+            f"the prompt has {num_tokens} tokens, but this model's context is {max_model_len} "
+            "tokens, including at least one generated token"
+        )
+    if num_tokens >= num_blocks * block_size:
+        raise ValueError(
+            f"the prompt has {num_tokens} tokens, but the whole KV cache holds "
+            f"{num_blocks * block_size} tokens ({num_blocks} blocks of {block_size})"
+        )
+
+
+class EngineCore:
+    def __init__(self, config: EngineConfig) -> None:
+        set_offline_defaults()
+        self.config = config
+        started = time.monotonic()
+        log.info("loading model %s", config.model or "(bundled SmolLM2-135M-Instruct)")
+        source = resolve_model(config.model, config.load_format)
+        self.model_config = ModelConfig.from_hf_config(read_hf_config(source.hf_dir))
+        self.max_model_len = config.max_model_len or self.model_config.max_position_embeddings
+        self.runner = ModelRunner(config, self.model_config, source, self.max_model_len)
+        self.block_size = config.cache.block_size
+        self.num_blocks = self.runner.num_blocks
+        self.block_manager = BlockManager(
+            self.num_blocks, self.block_size, config.cache.enable_prefix_caching
+        )
+        self.scheduler = Scheduler(config.scheduler, self.block_manager)
+        # A sequence can never outgrow the whole pool: it stops with "length" there instead of
+        # hanging.
+        self.max_seq_len = min(self.max_model_len, self.num_blocks * self.block_size)
+        self.requests: dict[str, list[Sequence]] = {}
+        self.num_prompt_tokens = 0
+        self.num_generation_tokens = 0
+        self.description = ModelDescription(
+            model_name=config.served_model_name or source.name,
+            hf_dir=str(source.hf_dir),
+            max_model_len=self.max_model_len,
+            vocab_size=self.model_config.vocab_size,
+            block_size=self.block_size,
+            num_blocks=self.num_blocks,
+            enable_prefix_caching=config.cache.enable_prefix_caching,
+            eos_token_ids=tuple(self.model_config.eos_token_ids),
+        )
+        log.info(
+            "engine core ready in %.1f s: %s",
+            time.monotonic() - started,
+            self.description.model_name,
+        )
+
+    # ---- requests ------------------------------------------------------------------------------
+    def add_request(self, request: AddRequest) -> None:
+        """Raises ValueError for a request id in use or a prompt that cannot run."""
+        if request.request_id in self.requests:
+            raise ValueError(f"request id {request.request_id!r} is already in use")
+        prompt = request.prompt_token_ids
+        check_prompt(
+            prompt,
+            vocab_size=self.model_config.vocab_size,
+            max_model_len=self.max_model_len,
+            num_blocks=self.num_blocks,
+            block_size=self.block_size,
+        )
+        params = request.params
+        seqs = []
+        for index in range(params.n):
+            generator = None
+            if params.seed is not None:
+                generator = torch.Generator(device=self.runner.device)
+                generator.manual_seed(params.seed + index)
+            seqs.append(
+                Sequence(
+                    request_id=request.request_id,
+                    index=index,
+                    token_ids=list(prompt),
+                    num_prompt_tokens=len(prompt),
+                    params=params,
+                    eos_token_ids=request.eos_token_ids,
+                    cache_salt=request.cache_salt,
+                    generator=generator,
+                )
+            )
+        self.requests[request.request_id] = seqs
+        for seq in seqs:
+            self.scheduler.add(seq)
+
+    def abort(self, request_id: str, index: int | None = None) -> None:
+        """Finish a request's sequences (or one of them) now; unknown ids are ignored."""
+        seqs = self.requests.get(request_id)
+        if seqs is None:
+            return
+        for seq in seqs:
+            if (index is None or seq.index == index) and not seq.is_finished:
+                seq.finish_reason = "abort"
+                self.scheduler.finish(seq)
+        if all(s.is_finished for s in seqs):
+            del self.requests[request_id]
+
+    def reset_prefix_cache(self) -> bool:
+        """Forgets every cached prompt block no request holds (as vLLM's reset_prefix_cache).
+        Refused (False) while requests are in flight, since their blocks would stay cached."""
+        if self.requests:
+            return False
+        self.block_manager.reset_prefix_cache()
+        return True
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    # ---- the step ------------------------------------------------------------------------------
+    def step(self, num_commands_applied: int = 0) -> StepOutputs:
+        started = time.monotonic()
+        plan = self.scheduler.schedule()
+        if plan.is_empty:
+            return StepOutputs([], self.stats(), num_commands_applied)
+        # Every prefill chunk before a request's first token: the API side keeps the first time.
+        first_scheduled = [
+            item.seq.request_id
+            for item in plan.scheduled
+            if item.seq.index == 0 and item.seq.num_output_tokens == 0
+        ]
+        sampled, result = self.runner.execute(plan.scheduled)
+        for item in plan.scheduled:
+            item.seq.num_computed_tokens += item.num_new_tokens
+            self.block_manager.cache_full_blocks(item.seq)
+        updates = []
+        for i, item in enumerate(sampled):
+            seq = item.seq
+            token = result.token_ids[i]
+            self._append_token(seq, token)
+            if seq.num_output_tokens == 1 and seq.index == 0:
+                self.num_prompt_tokens += seq.num_prompt_tokens
+            updates.append(
+                SeqUpdate(
+                    seq.request_id,
+                    seq.index,
+                    token,
+                    result.logprobs[i],
+                    seq.finish_reason,
+                    seq.stop_reason,
+                    seq.num_cached_tokens,
+                )
+            )
+            if seq.finish_reason is not None:
+                self.scheduler.finish(seq)
+                seqs = self.requests[seq.request_id]
+                if all(s.is_finished for s in seqs):
+                    del self.requests[seq.request_id]
+        self.num_generation_tokens += len(updates)
+        now = time.monotonic()
+        return StepOutputs(
+            updates,
+            self.stats(),
+            num_commands_applied,
+            first_scheduled=first_scheduled,
+            scheduled_time=started,
+            token_time=now,
+            step_duration=now - started,
+        )
+
+    def _append_token(self, seq: Sequence, token: int) -> None:
+        seq.token_ids.append(token)
+        params = seq.params
+        is_eos = token in seq.eos_token_ids and not params.ignore_eos
+        if is_eos or token in params.stop_token_ids:
+            seq.finish_reason, seq.stop_reason = "stop", (None if is_eos else token)
+        elif (
+            params.max_tokens is not None and seq.num_output_tokens >= params.max_tokens
+        ) or seq.num_tokens >= self.max_seq_len:
+            seq.finish_reason = "length"
+
+    # ---- observability -------------------------------------------------------------------------
+    def stats(self) -> EngineStats:
+        bm = self.block_manager
+        return EngineStats(
+            num_waiting=len({s.request_id for s in self.scheduler.waiting}),
+            num_running=len({s.request_id for s in self.scheduler.running}),
+            kv_cache_usage=bm.usage,
+            num_blocks=self.num_blocks,
+            block_size=self.block_size,
+            prefix_cache_queries=bm.num_queried_tokens,
+            prefix_cache_hits=bm.num_hit_tokens,
+            num_preemptions=self.scheduler.num_preemptions,
+            num_prompt_tokens=self.num_prompt_tokens,
+            num_generation_tokens=self.num_generation_tokens,
+        )

@@ -1,0 +1,113 @@
+"""What crosses between the API process and the engine-core process: token ids and numbers, never
+text. msgspec structs, encoded as msgpack arrays (compact, no field names on the wire).
+
+API -> core: AddRequest, Abort, ResetPrefixCache, Shutdown (one tagged union, `Command`).
+Core -> API: CoreReady or CoreFailed once at start, then one StepOutputs per step (or per batch of
+commands applied between steps, so the API side sees the queue move), `CoreEvent`.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+from kvpilot.engine.sampling_params import SamplingParams
+
+# (sampled token's logprob, its rank, top-N [(token, logprob)]) of the raw distribution.
+SampledLogprobs = tuple[float, int, list[tuple[int, float]]]
+
+
+class EngineStats(msgspec.Struct, frozen=True, array_like=True):
+    """Scheduler state and cumulative counters after a step."""
+
+    num_waiting: int
+    num_running: int
+    kv_cache_usage: float
+    num_blocks: int
+    block_size: int
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+    num_preemptions: int
+    num_prompt_tokens: int
+    num_generation_tokens: int
+
+
+class AddRequest(msgspec.Struct, frozen=True, array_like=True, tag=True):
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    # The API side knows the tokenizer's EOS; the core knows no tokenizer.
+    eos_token_ids: tuple[int, ...]
+    cache_salt: str | None = None
+    arrival_time: float | None = None
+
+
+class Abort(msgspec.Struct, frozen=True, array_like=True, tag=True):
+    """Stop a request (index None: all its sequences), e.g. a disconnect, or one sequence whose
+    text hit a stop string on the API side."""
+
+    request_id: str
+    index: int | None = None
+
+
+class ResetPrefixCache(msgspec.Struct, frozen=True, array_like=True, tag=True):
+    pass
+
+
+class Shutdown(msgspec.Struct, frozen=True, array_like=True, tag=True):
+    pass
+
+
+Command = AddRequest | Abort | ResetPrefixCache | Shutdown
+
+
+class SeqUpdate(msgspec.Struct, array_like=True, gc=False):
+    """One sequence's token from one step."""
+
+    request_id: str
+    index: int
+    token_id: int
+    logprobs: SampledLogprobs | None = None
+    # Decided on token ids: "stop" (EOS or a stop token id) or "length".
+    finish_reason: str | None = None
+    stop_reason: int | None = None
+    num_cached_tokens: int = 0
+
+
+class StepOutputs(msgspec.Struct, array_like=True, tag=True, gc=False):
+    updates: list[SeqUpdate]
+    stats: EngineStats
+    # Commands applied so far (the API side counts adds it sent beyond this as still waiting).
+    num_commands_applied: int
+    # Requests scheduled for the first time this step, at `scheduled_time` (time.monotonic, which
+    # is one clock for every process of the machine).
+    first_scheduled: list[str] = []
+    scheduled_time: float = 0.0
+    token_time: float = 0.0
+    step_duration: float | None = None
+    # Adds the core refused (request id, why): the API side validates first, so a server fault.
+    rejected: list[tuple[str, str]] = []
+
+
+class ModelDescription(msgspec.Struct, frozen=True, array_like=True):
+    """What the API side needs to know about the loaded model."""
+
+    model_name: str
+    hf_dir: str  # where its tokenizer and config.json are
+    max_model_len: int
+    vocab_size: int
+    block_size: int
+    num_blocks: int
+    enable_prefix_caching: bool
+    eos_token_ids: tuple[int, ...]  # from the model's config (the tokenizer may add one)
+
+
+class CoreReady(msgspec.Struct, frozen=True, array_like=True, tag=True):
+    model: ModelDescription
+
+
+class CoreFailed(msgspec.Struct, frozen=True, array_like=True, tag=True):
+    message: str
+    during_load: bool
+
+
+CoreEvent = StepOutputs | CoreReady | CoreFailed

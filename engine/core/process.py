@@ -1,0 +1,210 @@
+"""The engine core's own process: load the model, then apply commands and step until told to stop.
+
+Three threads, as vLLM's engine core has them: one receives and decodes commands from the API
+process, one encodes and sends step outputs, and the main thread steps. Decoding and encoding then
+overlap the model's forward pass (torch releases the interpreter lock while it computes), and the
+step loop never waits on a socket.
+
+The process dies with its parent: PR_SET_PDEATHSIG on Linux, and a check of the parent pid while
+idle elsewhere. It ignores SIGINT and SIGTERM, which a terminal or a container runtime may send to
+the whole process group: the API process drains first, then stops the core with a Shutdown.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import logging
+import os
+import queue
+import signal
+import sys
+import threading
+import traceback
+from typing import TYPE_CHECKING
+
+import msgspec
+import zmq
+
+from kvpilot.engine.config import EngineConfig
+from kvpilot.engine.core.messages import (
+    Abort,
+    AddRequest,
+    Command,
+    CoreEvent,
+    CoreFailed,
+    CoreReady,
+    ResetPrefixCache,
+    Shutdown,
+    StepOutputs,
+)
+
+if TYPE_CHECKING:
+    from kvpilot.engine.core.engine_core import EngineCore
+
+log = logging.getLogger("kvpilot.core")
+
+_PR_SET_PDEATHSIG = 1
+_IDLE_POLL_S = 1.0  # how often an idle core checks that its parent still lives
+_FLUSH_S = 5  # how long the last messages may take to leave at exit
+
+
+def die_with_parent(parent_pid: int) -> None:
+    """Have the kernel kill this process when its parent goes (Linux), and exit now if it has
+    already gone."""
+    if sys.platform.startswith("linux"):
+        with contextlib.suppress(OSError, AttributeError):
+            libc = ctypes.CDLL(None, use_errno=True)
+            libc.prctl.argtypes = [ctypes.c_int, ctypes.c_ulong]
+            libc.prctl.restype = ctypes.c_int
+            libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    if os.getppid() != parent_pid:
+        os._exit(1)
+
+
+def run_engine_core(
+    config: EngineConfig,
+    commands_address: str,
+    events_address: str,
+    parent_pid: int,
+    num_threads: int | None,
+    log_level: int,
+) -> None:
+    """The child's entry point (multiprocessing spawn target)."""
+    die_with_parent(parent_pid)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    logging.basicConfig(
+        level=log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr
+    )
+    import torch
+
+    from kvpilot.engine.cpu.threads import fit_threads_to_cpu_quota
+
+    if num_threads is not None:
+        torch.set_num_threads(num_threads)
+    else:
+        fit_threads_to_cpu_quota()
+
+    context = zmq.Context()
+    events = context.socket(zmq.PUSH)
+    events.setsockopt(zmq.SNDHWM, 0)
+    events.connect(events_address)
+    # Connected before the (long) load, so the API process's first command finds its peer.
+    commands = context.socket(zmq.PULL)
+    commands.setsockopt(zmq.RCVHWM, 0)
+    commands.connect(commands_address)
+    outbox: queue.SimpleQueue[CoreEvent | None] = queue.SimpleQueue()
+    sender = threading.Thread(target=_send_events, args=(events, outbox), name="core-send")
+    sender.start()
+    try:
+        from kvpilot.engine.core.engine_core import EngineCore
+
+        core = EngineCore(config)
+    except BaseException as exc:
+        log.exception("loading the model failed")
+        outbox.put(CoreFailed(f"loading the model failed: {exc}", during_load=True))
+        commands.close(linger=0)
+        _flush_and_exit(context, sender, outbox, 1)
+    outbox.put(CoreReady(core.description))
+
+    inbox: queue.SimpleQueue[Command] = queue.SimpleQueue()
+    threading.Thread(
+        target=_receive_commands, args=(commands, inbox), name="core-receive", daemon=True
+    ).start()
+    try:
+        _step_loop(core, inbox, outbox, parent_pid)
+    except BaseException as exc:
+        log.exception("the engine core crashed")
+        outbox.put(CoreFailed(f"the engine core crashed: {exc!r}", during_load=False))
+        _flush_and_exit(context, sender, outbox, 1)
+    _flush_and_exit(context, sender, outbox, 0)
+
+
+def _step_loop(
+    core: EngineCore,
+    inbox: queue.SimpleQueue[Command],
+    outbox: queue.SimpleQueue[CoreEvent | None],
+    parent_pid: int,
+) -> None:
+    num_applied = 0
+    while True:
+        busy = core.has_unfinished_requests()
+        try:
+            command = inbox.get(block=not busy, timeout=None if busy else _IDLE_POLL_S)
+        except queue.Empty:
+            if not busy and os.getppid() != parent_pid:
+                return
+            command = None
+        applied_any = False
+        while command is not None:
+            if isinstance(command, Shutdown):
+                return
+            _apply(core, command, outbox, num_applied)
+            num_applied += 1
+            applied_any = True
+            try:
+                command = inbox.get_nowait()
+            except queue.Empty:
+                command = None
+        if core.has_unfinished_requests():
+            outbox.put(core.step(num_applied))
+        elif applied_any:
+            # Aborts (or refused adds) emptied the core: say so, or the API side would count them
+            # as waiting until the next request.
+            outbox.put(StepOutputs([], core.stats(), num_applied))
+
+
+def _apply(
+    core: EngineCore, command: Command, outbox: queue.SimpleQueue[CoreEvent | None], applied: int
+) -> None:
+    if isinstance(command, AddRequest):
+        try:
+            core.add_request(command)
+        except ValueError as exc:
+            refused = [(command.request_id, str(exc))]
+            outbox.put(StepOutputs([], core.stats(), applied + 1, rejected=refused))
+    elif isinstance(command, Abort):
+        core.abort(command.request_id, command.index)
+    elif isinstance(command, ResetPrefixCache):
+        core.reset_prefix_cache()
+
+
+def _receive_commands(socket: zmq.Socket, inbox: queue.SimpleQueue[Command]) -> None:
+    decoder = msgspec.msgpack.Decoder(Command)
+    try:
+        while True:
+            inbox.put(decoder.decode(socket.recv(copy=False).buffer))
+    except zmq.ZMQError:  # the context is terminating: this process is on its way out
+        pass
+    except BaseException:
+        log.error("bad command from the API process:\n%s", traceback.format_exc())
+    finally:
+        socket.close(linger=0)
+        inbox.put(Shutdown())
+
+
+def _send_events(socket: zmq.Socket, outbox: queue.SimpleQueue[CoreEvent | None]) -> None:
+    encoder = msgspec.msgpack.Encoder()
+    while True:
+        event = outbox.get()
+        if event is None:
+            socket.close(linger=_FLUSH_S * 1000)
+            return
+        socket.send(encoder.encode(event), copy=False)
+
+
+def _flush_and_exit(
+    context: zmq.Context,
+    sender: threading.Thread,
+    outbox: queue.SimpleQueue[CoreEvent | None],
+    status: int,
+) -> None:
+    """Exit once the last events have left (a crash report must reach the API process)."""
+    outbox.put(None)
+    sender.join(timeout=_FLUSH_S)
+    # term() waits for queued messages to be sent (up to the linger) and for every socket to close.
+    terminating = threading.Thread(target=context.term, daemon=True)
+    terminating.start()
+    terminating.join(timeout=_FLUSH_S)
+    os._exit(status)

@@ -1,0 +1,186 @@
+"""From a request body to a validated request and its prompts' token ids: JSON parsing, the chat
+template, tokenization.
+
+All of it runs off the event loop, so that a huge request never stalls the streams and probes the
+loop serves: on a tokenizer thread of the API process (the Rust tokenizer releases the interpreter
+lock while it works), or, for bodies over BIG_BODY_BYTES, in a worker process, since parsing a
+many-megabyte JSON body holds the interpreter lock for tens of milliseconds, on any thread.
+
+A prompt whose characters alone prove it longer than the context is refused before it is tokenized:
+no token of the vocabulary covers more than `max_chars_per_token` characters of input, so a prompt
+of C characters has at least C / max_chars_per_token tokens.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+from kvpilot.engine.server import errors
+from kvpilot.engine.server.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    parse_request,
+)
+
+BIG_BODY_BYTES = 1 << 20
+# Where the tokenizer normalizes its input (NFC/NFKC can merge up to 3-4 characters into one),
+# the character bound is loosened by this factor.
+_NORMALIZER_FACTOR = 4
+
+RequestKind = Literal["completion", "chat"]
+
+
+@dataclass(frozen=True)
+class PromptLimits:
+    """What preprocessing checks a request against (picklable: it travels to the worker)."""
+
+    model_name: str
+    max_model_len: int
+    vocab_size: int
+    max_chars_per_token: int | None  # None without a tokenizer
+
+
+@dataclass(frozen=True)
+class Prompt:
+    text: str | None  # None for token-id prompts (unless decoded for echo)
+    token_ids: list[int]
+
+
+@dataclass(frozen=True)
+class Preprocessed:
+    request: CompletionRequest | ChatCompletionRequest
+    prompts: list[Prompt]
+
+
+def max_chars_per_token(tokenizer: Any) -> int:
+    """An upper bound on the input characters one token can stand for."""
+    vocab_size = len(tokenizer)
+    texts = tokenizer.batch_decode([[i] for i in range(vocab_size)], skip_special_tokens=False)
+    # +1: SentencePiece-style decoders drop a token's leading-space marker when it stands alone.
+    longest = max(len(t) for t in texts) + 1
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None or backend.normalizer is not None:
+        longest *= _NORMALIZER_FACTOR
+    return longest
+
+
+def preprocess(
+    kind: RequestKind, body: bytes, tokenizer: Any, limits: PromptLimits
+) -> Preprocessed:
+    """Parse, validate and tokenize one request; raises errors.APIError for the client's faults."""
+    if kind == "chat":
+        chat = parse_request(ChatCompletionRequest, body)
+        _check_model(chat.model, limits)
+        return Preprocessed(chat, [chat_prompt(chat, tokenizer, limits)])
+    request = parse_request(CompletionRequest, body)
+    _check_model(request.model, limits)
+    return Preprocessed(request, completion_prompts(request, tokenizer, limits))
+
+
+def _check_model(requested: str | None, limits: PromptLimits) -> None:
+    if requested is not None and requested != limits.model_name:
+        raise errors.model_not_found(requested, limits.model_name)
+
+
+def completion_prompts(
+    request: CompletionRequest, tokenizer: Any, limits: PromptLimits
+) -> list[Prompt]:
+    raw = request.prompt
+    if isinstance(raw, str):
+        items: list[str | list[int]] = [raw]
+    elif raw and all(isinstance(x, int) for x in raw):
+        items = [raw]  # type: ignore[list-item]
+    else:
+        items = list(raw)  # type: ignore[arg-type]
+    if not items:
+        raise errors.bad_request("prompt must not be empty.", param="prompt")
+    prompts = []
+    for item in items:
+        if isinstance(item, str):
+            if tokenizer is None:
+                raise errors.bad_request(
+                    "This model has no tokenizer: pass token ids.", param="prompt"
+                )
+            if not item:
+                raise errors.bad_request("prompt must not be an empty string.", param="prompt")
+            _check_not_surely_too_long(item, limits, what="prompt", param="prompt")
+            prompts.append(Prompt(item, list(tokenizer.encode(item))))
+            continue
+        if not item:
+            raise errors.bad_request("a token-id prompt must not be empty.", param="prompt")
+        bad = [t for t in item if not 0 <= t < limits.vocab_size]
+        if bad:
+            raise errors.bad_request(
+                f"prompt token ids must be in [0, {limits.vocab_size}); got {bad[0]}.",
+                param="prompt",
+            )
+        text = tokenizer.decode(item) if request.echo and tokenizer is not None else None
+        prompts.append(Prompt(text, list(item)))
+    return prompts
+
+
+def chat_prompt(request: ChatCompletionRequest, tokenizer: Any, limits: PromptLimits) -> Prompt:
+    if tokenizer is None or not getattr(tokenizer, "chat_template", None):
+        raise errors.bad_request(
+            "This model has no chat template; use /v1/completions.", param="messages"
+        )
+    try:
+        text = tokenizer.apply_chat_template(
+            request.chat_messages(),
+            add_generation_prompt=request.add_generation_prompt,
+            continue_final_message=request.continue_final_message,
+            tokenize=False,
+        )
+    except Exception as exc:  # template errors (role order, raise_exception) are the client's
+        raise errors.bad_request(
+            f"The chat template rejected the messages: {exc}", param="messages"
+        ) from None
+    _check_not_surely_too_long(text, limits, what="messages", param="messages")
+    # The template already holds the special tokens: do not add a BOS twice.
+    return Prompt(text, list(tokenizer.encode(text, add_special_tokens=False)))
+
+
+def _check_not_surely_too_long(text: str, limits: PromptLimits, *, what: str, param: str) -> None:
+    if limits.max_chars_per_token is None:
+        return
+    at_least = math.ceil(len(text) / limits.max_chars_per_token)
+    if at_least >= limits.max_model_len:
+        raise errors.bad_request(
+            f"This model's maximum context length is {limits.max_model_len} tokens. However, "
+            f"your {what} has {len(text)} characters, which is at least {at_least} tokens. Please "
+            f"reduce the length of the {what}.",
+            param=param,
+            code="context_length_exceeded",
+        )
+
+
+def lower_priority() -> None:
+    """Make the calling thread yield the CPU to the step loop and the streams (Linux: per-thread
+    niceness; elsewhere the whole process's)."""
+    with contextlib.suppress(OSError, AttributeError):
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 10)
+
+
+# ---- the worker process for big bodies --------------------------------------------------------
+
+_worker: dict[str, Any] = {}
+
+
+def init_worker(hf_dir: str | None, limits: PromptLimits) -> None:
+    """ProcessPoolExecutor initializer: load the tokenizer once."""
+    lower_priority()
+    from kvpilot.engine.model.loader import load_tokenizer, set_offline_defaults
+
+    set_offline_defaults()
+    _worker["tokenizer"] = None if hf_dir is None else load_tokenizer(Path(hf_dir))
+    _worker["limits"] = limits
+
+
+def preprocess_in_worker(kind: RequestKind, body: bytes) -> Preprocessed:
+    return preprocess(kind, body, _worker["tokenizer"], _worker["limits"])
