@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
+from kvpilot.engine.core.process import die_with_parent
 from kvpilot.engine.server import errors
 from kvpilot.engine.server.protocol import (
     ChatCompletionRequest,
@@ -172,8 +173,11 @@ def lower_priority() -> None:
 _worker: dict[str, Any] = {}
 
 
-def init_worker(hf_dir: str | None, limits: PromptLimits) -> None:
+def init_worker(hf_dir: str | None, limits: PromptLimits, parent_pid: int) -> None:
     """ProcessPoolExecutor initializer: load the tokenizer once."""
+    # The pool's queues hold both ends of their pipes, so a killed server would leave this
+    # process waiting forever: the kernel ends it with its parent instead.
+    die_with_parent(parent_pid)
     lower_priority()
     from kvpilot.engine.model.loader import load_tokenizer, set_offline_defaults
 

@@ -6,6 +6,7 @@ import asyncio
 import copy
 import logging
 import multiprocessing
+import os
 import threading
 from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
@@ -112,7 +113,11 @@ class ServerState:
                 1,
                 mp_context=multiprocessing.get_context("spawn"),
                 initializer=init_worker,
-                initargs=(info.hf_dir if info.tokenizer is not None else None, info.limits),
+                initargs=(
+                    info.hf_dir if info.tokenizer is not None else None,
+                    info.limits,
+                    os.getpid(),
+                ),
             )
         return self._big_body_pool
 

@@ -1,18 +1,13 @@
-"""SIGTERM drain of a real `kvpilot serve` process while 8 streams run."""
+"""SIGTERM drain of a real `kvpilot serve` process (and its engine-core child) while 8 streams
+run."""
 
 from __future__ import annotations
 
 import asyncio
 import json
-import os
-import re
 import signal
-import subprocess
-import sys
-import threading
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
@@ -23,65 +18,19 @@ from kvpilot.engine.server.cli import DrainingServer
 from kvpilot.engine.server.inprocess import serve_in_thread
 from kvpilot.engine.server.state import ServerState
 
+from .serve_process import ServeProcess, is_running, launch_serve
+
 NUM_STREAMS = 8
 MAX_TOKENS = 24
 
 
-@dataclass
-class ServeProcess:
-    proc: subprocess.Popen[str]
-    log: list[str] = field(default_factory=list)
-    port: int | None = None
-    statuses: list[tuple[int, int]] = field(
-        default_factory=list
-    )  # (/health, /ready) while starting
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    def read_log(self) -> None:
-        assert self.proc.stderr is not None
-        for line in self.proc.stderr:
-            self.log.append(line)
-            found = re.search(r"Uvicorn running on http://127\.0\.0\.1:(\d+)", line)
-            if found:
-                self.port = int(found.group(1))
-
-
 @pytest.fixture
 def serve() -> Iterator[ServeProcess]:
-    cmd = [
-        sys.executable, "-m", "kvpilot.cli", "serve", "--port", "0",
+    with launch_serve(
         "--max-num-seqs", str(NUM_STREAMS), "--max-model-len", "1024", "--kv-cache-gib", "0.1",
         "--shutdown-timeout", "120",
-    ]  # fmt: skip
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}  # leave the second core to HTTP (see conftest)
-    proc = subprocess.Popen(
-        cmd, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True, env=env
-    )
-    served = ServeProcess(proc)
-    threading.Thread(target=served.read_log, daemon=True).start()
-    try:
-        deadline = time.monotonic() + 240
-        while True:
-            assert proc.poll() is None, "".join(served.log)
-            assert time.monotonic() < deadline, "kvpilot serve did not become ready"
-            if served.port is not None:
-                try:
-                    health = httpx.get(f"{served.url}/health", timeout=2).status_code
-                    ready = httpx.get(f"{served.url}/ready", timeout=2).status_code
-                    served.statuses.append((health, ready))
-                    if ready == 200:
-                        break
-                except httpx.TransportError:
-                    pass
-            time.sleep(0.2)
+    ) as served:  # fmt: skip
         yield served
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait(10)
 
 
 async def read_stream(
@@ -121,6 +70,7 @@ async def test_sigterm_drains_in_flight_streams_then_exits_0(serve: ServeProcess
             for _ in range(NUM_STREAMS)
         ]
         await asyncio.wait_for(all_started.wait(), 120)
+        core = serve.core_pid()
         serve.proc.send_signal(signal.SIGTERM)
 
         # /ready turns 503 at once (within a tick); /health stays 200.
@@ -143,6 +93,10 @@ async def test_sigterm_drains_in_flight_streams_then_exits_0(serve: ServeProcess
         assert chunks[-1]["usage"]["completion_tokens"] == MAX_TOKENS
     assert serve.proc.wait(timeout=60) == 0, "".join(serve.log)
     assert any("drained" in line for line in serve.log)
+    deadline = time.monotonic() + 10
+    while is_running(core):
+        assert time.monotonic() < deadline, "the engine core outlived the server"
+        time.sleep(0.05)
 
 
 def test_drain_timeout_cuts_the_rest_with_a_readable_error(

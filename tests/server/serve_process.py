@@ -1,0 +1,98 @@
+"""A real `kvpilot serve` process for tests: started on a free port, its log read, its engine-core
+child found."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+
+
+@dataclass
+class ServeProcess:
+    proc: subprocess.Popen[str]
+    log: list[str] = field(default_factory=list)
+    port: int | None = None
+    # (/health, /ready) while starting
+    statuses: list[tuple[int, int]] = field(default_factory=list)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def read_log(self) -> None:
+        assert self.proc.stderr is not None
+        for line in self.proc.stderr:
+            self.log.append(line)
+            found = re.search(r"Uvicorn running on http://127\.0\.0\.1:(\d+)", line)
+            if found:
+                self.port = int(found.group(1))
+
+    def core_pid(self) -> int:
+        """The engine-core child (multiprocessing's resource tracker is the other child)."""
+        for pid in child_pids(self.proc.pid):
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ")
+            if b"spawn_main" in cmdline:
+                return pid
+        raise AssertionError(
+            f"no engine-core child of {self.proc.pid}: {child_pids(self.proc.pid)}"
+        )
+
+
+def child_pids(pid: int) -> list[int]:
+    children: list[int] = []
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        with open(task / "children") as f:
+            children += [int(p) for p in f.read().split()]
+    return children
+
+
+def is_running(pid: int) -> bool:
+    """Alive and not a zombie."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+    return state != "Z"
+
+
+@contextmanager
+def launch_serve(*args: str, ready_timeout: float = 240) -> Iterator[ServeProcess]:
+    """`kvpilot serve --port 0 ARGS` with one torch thread (the second core is left to HTTP and
+    the test's clients), ready when this yields; killed at exit if still running."""
+    cmd = [sys.executable, "-m", "kvpilot.cli", "serve", "--port", "0", *args]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen(
+        cmd, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True, env=env
+    )
+    served = ServeProcess(proc)
+    threading.Thread(target=served.read_log, daemon=True).start()
+    try:
+        deadline = time.monotonic() + ready_timeout
+        while True:
+            assert proc.poll() is None, "".join(served.log)
+            assert time.monotonic() < deadline, "kvpilot serve did not become ready"
+            if served.port is not None:
+                try:
+                    health = httpx.get(f"{served.url}/health", timeout=2).status_code
+                    ready = httpx.get(f"{served.url}/ready", timeout=2).status_code
+                    served.statuses.append((health, ready))
+                    if ready == 200:
+                        break
+                except httpx.TransportError:
+                    pass
+            time.sleep(0.2)
+        yield served
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)

@@ -1,0 +1,170 @@
+"""The engine core in its own process: it dies with the server and the server with it, a client's
+disconnect frees its blocks within one step, and a huge request does not stall other streams."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import os
+import signal
+import statistics
+import time
+from collections.abc import Callable, Iterator
+
+import httpx
+import pytest
+
+from kvpilot.engine.model.gguf_convert import gguf_to_hf_dir
+from kvpilot.engine.model.loader import bundled_gguf_path, load_tokenizer
+from kvpilot.engine.server.async_engine import AsyncEngine
+from kvpilot.engine.server.inprocess import InProcessServer
+from kvpilot.engine.server.preprocess import max_chars_per_token
+
+from .serve_process import is_running, launch_serve
+
+MAX_MODEL_LEN = 1024
+SERVE_ARGS = ("--max-model-len", str(MAX_MODEL_LEN), "--kv-cache-gib", "0.1")
+
+
+def wait_until(condition: Callable[[], bool], timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.02)
+
+
+def test_a_crashed_engine_core_fails_health_and_ends_the_server_non_zero() -> None:
+    with launch_serve(*SERVE_ARGS) as serve:
+        body = {"prompt": "Once upon a time", "max_tokens": 500, "ignore_eos": True, "stream": True}
+        with httpx.Client(timeout=30) as http:
+            with http.stream("POST", f"{serve.url}/v1/completions", json=body) as response:
+                lines = (line for line in response.iter_lines() if line.startswith("data: "))
+                next(lines)
+                os.kill(serve.core_pid(), signal.SIGKILL)
+                rest = list(lines)  # the stream ends (with an error), it does not hang
+            assert rest[-1] == "data: [DONE]"
+            error = json.loads(rest[-2][len("data: ") :])["error"]
+            assert error["code"] == "internal_error" and "engine core" in error["message"]
+            healths = []
+            while serve.proc.poll() is None:
+                try:
+                    healths.append(http.get(f"{serve.url}/health", timeout=1).status_code)
+                except httpx.TransportError:
+                    break
+                time.sleep(0.02)
+        assert 503 in healths and 200 not in healths, healths
+        assert serve.proc.wait(timeout=30) == 1, "".join(serve.log)
+        assert any("engine core" in line for line in serve.log)
+
+
+def test_a_killed_server_takes_its_engine_core_along() -> None:
+    with launch_serve(*SERVE_ARGS) as serve:
+        core = serve.core_pid()
+        serve.proc.kill()
+        serve.proc.wait(10)
+        wait_until(lambda: not is_running(core), 10, "the engine core outlived its server")
+
+
+def test_a_disconnect_frees_the_blocks_before_the_next_step(
+    server: InProcessServer, engine: AsyncEngine, model_name: str, wait_idle: Callable[..., dict]
+) -> None:
+    """The core is frozen (SIGSTOP) while the client goes away; once it runs again it applies the
+    abort before stepping again: at most the one step it was in when frozen produces a token."""
+    idle = wait_idle(server)
+    assert engine.core_pid is not None
+    aborts = "vllm:request_success_total{finished_reason=abort}"
+    tokens = "vllm:generation_tokens_total"
+    body = {"model": model_name, "prompt": "Once", "max_tokens": 1000, "ignore_eos": True}
+    with httpx.Client(timeout=60) as http:
+        with http.stream("POST", f"{server.url}/v1/completions", json={**body, "stream": True}):
+            wait_until(lambda: engine.num_running == 1, 30, "the request never ran")
+            os.kill(engine.core_pid, signal.SIGSTOP)
+            try:
+                time.sleep(0.1)  # a step in flight when frozen lands here
+                before = server.metrics()
+                assert before["vllm:kv_cache_usage_perc"] > idle["vllm:kv_cache_usage_perc"]
+            except BaseException:
+                os.kill(engine.core_pid, signal.SIGCONT)
+                raise
+        try:
+            wait_until(
+                lambda: server.metrics()[aborts] - idle[aborts] == 1, 10, "no abort was counted"
+            )
+        finally:
+            os.kill(engine.core_pid, signal.SIGCONT)
+    after = wait_idle(server, timeout=10)
+    assert after["vllm:kv_cache_usage_perc"] == idle["vllm:kv_cache_usage_perc"]
+    assert after[tokens] - before[tokens] <= 1, (before[tokens], after[tokens])
+
+
+NUM_STREAMS = 8
+STREAM_TOKENS = 300
+
+
+async def timed_stream(http: httpx.AsyncClient, url: str, started: asyncio.Event) -> list[float]:
+    """Arrival times of each streamed token."""
+    body = {
+        "prompt": "Write a poem about autumn leaves.",
+        "max_tokens": STREAM_TOKENS,
+        "ignore_eos": True,
+        "stream": True,
+    }
+    times: list[float] = []
+    async with http.stream("POST", f"{url}/v1/completions", json=body) as response:
+        async for line in response.aiter_lines():
+            if line.startswith("data: {"):
+                times.append(time.monotonic())
+                started.set()
+    return times
+
+
+@pytest.fixture(scope="module")
+def big_server() -> Iterator[str]:
+    # The model's whole context (8192), so that the longest prompt not refused on its characters
+    # alone takes a while to tokenize.
+    with launch_serve("--kv-cache-gib", "0.1", "--max-num-seqs", str(NUM_STREAMS)) as serve:
+        yield serve.url
+
+
+async def test_a_16_mib_prompt_does_not_stall_eight_streams(big_server: str) -> None:
+    """While 8 streams run: a 16 MiB prompt (parsed in a worker process, refused on its length
+    before tokenizing) and the longest prompts that must really be tokenized (on a tokenizer
+    thread). No stream's gap between two tokens reaches twice its median."""
+    tokenizer = load_tokenizer(gguf_to_hf_dir(bundled_gguf_path()))
+    max_chars = max_chars_per_token(tokenizer)
+    words = ("time", "year", "people", "way", "day", "man", "thing", "woman", "life", "child")
+    huge = " ".join(words[i % len(words)] for i in range(4_000_000))[: 16 * 2**20]
+    huge_body = json.dumps({"prompt": huge, "max_tokens": 4}).encode()
+    assert len(huge_body) >= 16 * 2**20
+    long_body = json.dumps({"prompt": huge[: (8192 - 2) * max_chars], "max_tokens": 4}).encode()
+    async with httpx.AsyncClient(timeout=300) as http:
+        # Warm up: the first big body starts the preprocessing worker process.
+        warm = await http.post(f"{big_server}/v1/completions", content=huge_body)
+        assert warm.status_code == 400, warm.text
+        started = asyncio.Event()
+        streams = [
+            asyncio.create_task(timed_stream(http, big_server, started)) for _ in range(NUM_STREAMS)
+        ]
+        await asyncio.wait_for(started.wait(), 120)
+        await asyncio.sleep(1.0)  # every stream in its decode phase
+        responses = []
+        for body in (huge_body, long_body, long_body, huge_body, long_body):
+            sent = time.monotonic()
+            response = await http.post(f"{big_server}/v1/completions", content=body)
+            responses.append((response, time.monotonic() - sent))
+        window_end = time.monotonic()
+        arrivals = await asyncio.gather(*streams)
+    messages = [r.json()["error"]["message"] for r, _ in responses]
+    assert all(r.status_code == 400 for r, _ in responses), messages
+    assert all(r.json()["error"]["code"] == "context_length_exceeded" for r, _ in responses)
+    # The huge ones are refused on their characters, the long ones after tokenizing.
+    assert ["characters" in m for m in messages] == [True, False, False, True, False], messages
+    assert all("leaves no room" in m for m in messages[1:3]), messages
+    # The big requests were handled while every stream was still running.
+    assert all(len(ts) == STREAM_TOKENS for ts in arrivals)
+    assert window_end < min(ts[-1] for ts in arrivals), [round(t, 2) for _, t in responses]
+    for ts in arrivals:
+        gaps = [b - a for a, b in itertools.pairwise(ts)]
+        median = statistics.median(gaps)
+        assert max(gaps) < 2 * median, (max(gaps), median, [round(t, 2) for _, t in responses])
