@@ -59,7 +59,7 @@ def create_app(state: ServerState) -> FastAPI:
 
     @app.get("/health")
     async def health() -> Response:
-        """Liveness: the process answers and its engine thread has not crashed."""
+        """Liveness: the process answers and its engine core has not died."""
         if state.engine.error is not None:
             return JSONResponse({"status": "engine_dead"}, status_code=503)
         return JSONResponse({"status": "ok"})

@@ -2,7 +2,7 @@
 
 Every metric is registered on the CollectorRegistry passed in (never the global one), so tests and
 several servers in one process do not collide. Each logical metric fans out to one child per prefix,
-so the two name sets can never disagree. The engine thread records through `record_step` and
+so the two name sets can never disagree. The output thread records through `record_counters` and
 `record_finished`; gauges of engine state are read at scrape time from callables (no lag between a
 scheduler change and what KEDA or the Gateway API Inference Extension sees, beyond one engine step).
 See engine/server/README.md for the meaning of every metric.
@@ -174,7 +174,7 @@ class ServerMetrics:
         own = {"registry": registry}
         self.engine_step_duration = Histogram(
             f"{KVPILOT}:engine_step_duration_seconds",
-            "Wall time of one engine step (scheduling, forward, sampling, detokenizing).",
+            "Wall time of one engine-core step (scheduling, forward, sampling).",
             ["model_name"],
             buckets=STEP_BUCKETS,
             **own,
@@ -228,7 +228,7 @@ class ServerMetrics:
         self.kv_cache_usage.set_function(kv_cache_usage)
 
     def record_counters(self, counters: EngineCounters) -> None:
-        """Advance the counters to the engine's cumulative values (engine thread only)."""
+        """Advance the counters to the engine's cumulative values (output thread only)."""
         last, self._last = self._last, counters
         self.prefix_cache_queries.inc(
             max(0, counters.prefix_cache_queries - last.prefix_cache_queries)
@@ -241,7 +241,7 @@ class ServerMetrics:
         )
 
     def record_finished(self, output: RequestOutput, finished_reason: str) -> None:
-        """Observe the latencies of a finished request (engine thread only)."""
+        """Observe the latencies of a finished request (output thread only)."""
         self.request_success[
             finished_reason if finished_reason in FINISHED_REASONS else "stop"
         ].inc()
