@@ -1,8 +1,15 @@
-"""Turns one row of logits per sampling sequence into a token (and its logprobs).
+"""Turns one row of logits per sampling sequence into a token (and its logprobs), for the whole
+batch at once.
 
 Randomness comes from each sequence's own torch.Generator when it has a seed, so a seeded request
 samples the same tokens whatever else shares its batch. Logprobs are those of the model's raw
 distribution (before temperature, penalties and truncation), as vLLM and OpenAI report them.
+
+Every step is a tensor op over the rows that need it, built so that each row gets bit for bit what
+a per-row loop over the same ops would give it: per-row parameters become float tensors of the
+logits' dtype (a Python scalar in a tensor op is rounded to that dtype too), rows whose feature is
+off are left out of the op rather than fed a neutral value that rounding could betray, and sorts
+are stable so ties always break towards the lower token id.
 """
 
 from __future__ import annotations
@@ -29,80 +36,190 @@ class SampleResult:
     logprobs: list[tuple[float, int, list[tuple[int, float]]] | None]
 
 
+def _column(values: list[float], like: torch.Tensor) -> torch.Tensor:
+    """A [R, 1] tensor of per-row values in like's dtype and device, to broadcast over [R, V]."""
+    return torch.tensor(values, dtype=like.dtype, device=like.device).unsqueeze(1)
+
+
+def _rows(logits: torch.Tensor, idx: list[int]) -> torch.Tensor:
+    # Indexing copies; when every row takes part there is nothing to pick.
+    return logits if len(idx) == logits.shape[0] else logits[idx]
+
+
+def _put_rows(logits: torch.Tensor, idx: list[int], values: torch.Tensor) -> torch.Tensor:
+    """logits with rows idx replaced by values; logits must be a tensor this module owns."""
+    if len(idx) == logits.shape[0]:
+        return values
+    logits[idx] = values
+    return logits
+
+
 def apply_penalties(logits: torch.Tensor, rows: list[SamplerRow]) -> torch.Tensor:
     """The logits with presence/frequency penalties applied: a copy when any row has some to
     apply, else the same tensor (the caller's logits are never changed)."""
-    penalized = None
-    for i, row in enumerate(rows):
-        p = row.params
-        if not p.has_penalties or not row.output_token_ids:
-            continue
-        if penalized is None:
-            penalized = logits.clone()
-        ids = torch.tensor(row.output_token_ids, device=logits.device)
-        counts = torch.bincount(ids, minlength=logits.shape[1]).to(logits.dtype)
-        penalized[i] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(
-            logits.dtype
-        )
-    return logits if penalized is None else penalized
+    idx = [i for i, r in enumerate(rows) if r.params.has_penalties and r.output_token_ids]
+    if not idx:
+        return logits
+    vocab = logits.shape[1]
+    longest = max(len(rows[i].output_token_ids) for i in idx)
+    # Pad with an extra column id so the padding is counted somewhere that is then cut away.
+    ids = torch.tensor(
+        [
+            rows[i].output_token_ids + [vocab] * (longest - len(rows[i].output_token_ids))
+            for i in idx
+        ],
+        device=logits.device,
+    )
+    # Counted in integers and converted once, as bincount did: a half-precision count would round.
+    counts = torch.zeros(len(idx), vocab + 1, dtype=torch.long, device=logits.device)
+    counts = counts.scatter_add_(1, ids, torch.ones_like(ids))[:, :vocab].to(logits.dtype)
+    frequency = _column([rows[i].params.frequency_penalty for i in idx], logits)
+    presence = _column([rows[i].params.presence_penalty for i in idx], logits)
+    penalized = logits.clone()
+    penalized[idx] -= frequency * counts + presence * (counts > 0).to(logits.dtype)
+    return penalized
 
 
-def filter_logits(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
-    """Temperature, then top-k, top-p and min-p on one row [V]; removed entries become -inf."""
-    logits = logits / p.temperature
-    if p.top_k and p.top_k < logits.shape[-1]:
-        kth = torch.topk(logits, p.top_k).values[-1]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    if p.top_p < 1.0:
-        sorted_logits, order = torch.sort(logits, descending=True)
-        probs = sorted_logits.softmax(-1)
-        # Drop a token when the mass before it already reaches top_p (the first token always stays).
-        drop = (probs.cumsum(-1) - probs) >= p.top_p
-        logits = logits.masked_fill(drop.scatter(0, order, drop), float("-inf"))
-    if p.min_p > 0.0:
-        probs = logits.softmax(-1)
-        logits = logits.masked_fill(probs < p.min_p * probs.max(), float("-inf"))
+def filter_logits(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """Temperature, then top-k, top-p and min-p on [R, V] (row r with params[r], all of them
+    sampling, temperature > 0); removed entries become -inf. Returns a new tensor."""
+    vocab = logits.shape[-1]
+    logits = logits / _column([p.temperature for p in params], logits)
+    k_idx = [i for i, p in enumerate(params) if p.top_k and p.top_k < vocab]
+    if k_idx:
+        sub = _rows(logits, k_idx)
+        ks = [params[i].top_k for i in k_idx]
+        # The k-th largest value is the same whichever of several tied values topk returns, so one
+        # topk up to the largest k serves every row.
+        ranks = torch.tensor(ks, device=logits.device).sub_(1).unsqueeze(1)
+        kth = torch.topk(sub, max(ks)).values.gather(1, ranks)
+        logits = _put_rows(logits, k_idx, sub.masked_fill(sub < kth, float("-inf")))
+    # Rows that top-k has cut to a few live tokens sort only those; the others sort everything.
+    # Each row's result is its own, so splitting the rows into two groups changes nothing.
+    k_rows = set(k_idx)
+    for narrow in (True, False):
+        p_idx = [i for i, p in enumerate(params) if p.top_p < 1.0 and (i in k_rows) == narrow]
+        if p_idx:
+            sub = _rows(logits, p_idx)
+            top_p = _column([params[i].top_p for i in p_idx], logits)
+            logits = _put_rows(
+                logits, p_idx, sub.masked_fill(_top_p_drop(sub, top_p), float("-inf"))
+            )
+    m_idx = [i for i, p in enumerate(params) if p.min_p > 0.0]
+    if m_idx:
+        sub = _rows(logits, m_idx)
+        probs = sub.softmax(-1)
+        floor = _column([params[i].min_p for i in m_idx], logits) * probs.amax(-1, keepdim=True)
+        logits = _put_rows(logits, m_idx, sub.masked_fill(probs < floor, float("-inf")))
     return logits
+
+
+def _top_p_drop(logits: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """[R, V] mask of the tokens top-p removes: those for which the mass before them, in the order
+    of a stable descending sort (ties: lower token id first), already reaches top_p."""
+    vocab = logits.shape[-1]
+    live = int((logits > float("-inf")).sum(-1).max())
+    if live * 4 > vocab:
+        sorted_logits, order = torch.sort(logits, dim=-1, descending=True, stable=True)
+    else:
+        # Only the live tokens need sorting: the rest are -inf and come last in any order, where
+        # their (zero) probability and their drop flag change nothing. The live ones are exactly
+        # the top `live` of a row that has that many (a row with fewer gets some -inf among them),
+        # put in stable order by sorting them by token id first. The sorted row is then bit for
+        # bit the one a full stable sort gives, -inf tail included, so its softmax and cumsum are
+        # too.
+        values, ids = torch.topk(logits, live, sorted=False)
+        ids, by_id = ids.sort(-1)
+        values, by_value = values.gather(1, by_id).sort(dim=-1, descending=True, stable=True)
+        order = ids.gather(1, by_value)
+        sorted_logits = logits.new_full(logits.shape, float("-inf"))
+        sorted_logits[:, :live] = values
+    # The softmax spans the whole row (its sum depends on the row's length and order); the scan
+    # needs only the sorted part (a CPU cumsum is sequential, so a prefix of it is the same).
+    probs = sorted_logits.softmax(-1)[:, : order.shape[1]]
+    # Drop a token when the mass before it already reaches top_p (the first token always stays).
+    drop = (probs.cumsum(-1) - probs) >= top_p
+    return torch.zeros_like(logits, dtype=torch.bool).scatter_(1, order, drop)
+
+
+def _draw_noise(
+    like: torch.Tensor, generators: list[torch.Generator | None], default: torch.Generator
+) -> torch.Tensor:
+    """Exp(1) noise shaped like [R, V]: row r from generators[r], or from default when None.
+
+    A seeded row takes exactly the numbers a lone [V] draw from its generator would give. Rows on
+    the default generator share one draw: on CPU its stream is sequential, so row j of an [n, V]
+    draw is what the j-th of n successive [V] draws would be. That is not assured on CUDA, where
+    each draw moves a Philox offset: there unseeded rows may get other numbers than a per-row loop
+    would, just as random (nothing promised them the same).
+    """
+    noise = torch.empty_like(like)
+    default_idx = [i for i, g in enumerate(generators) if g is None]
+    if len(default_idx) == len(generators):
+        return noise.exponential_(generator=default)
+    if default_idx:
+        shared = torch.empty(
+            len(default_idx), like.shape[1], dtype=like.dtype, device=like.device
+        ).exponential_(generator=default)
+        noise[default_idx] = shared
+    # In row order, so that rows sharing one generator draw from it as a loop over rows would.
+    for i, g in enumerate(generators):
+        if g is not None:
+            noise[i].exponential_(generator=g)
+    return noise
+
+
+def _logprobs(
+    logits: torch.Tensor, rows: list[SamplerRow], token_ids: list[int]
+) -> list[tuple[float, int, list[tuple[int, float]]] | None]:
+    """Chosen-token logprob, its rank and the top-N of the raw distribution, for rows that asked."""
+    out: list[tuple[float, int, list[tuple[int, float]]] | None] = [None] * len(rows)
+    idx = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
+    if not idx:
+        return out
+    lp = torch.log_softmax(_rows(logits, idx), dim=-1)
+    chosen_ids = torch.tensor([token_ids[i] for i in idx], device=logits.device).unsqueeze(1)
+    chosen = lp.gather(1, chosen_ids)
+    ranks = ((lp > chosen).sum(-1) + 1).tolist()
+    chosen_values = chosen.squeeze(1).tolist()
+    top: dict[int, list[tuple[int, float]]] = {}
+    # One topk per distinct N, not one up to the largest N: among tied logprobs topk(N) is not a
+    # prefix of topk(M > N) on CPU, and each row must get what topk(N) alone gives it.
+    by_n: dict[int, list[int]] = {}
+    for j, i in enumerate(idx):
+        n = rows[i].params.logprobs
+        if n:
+            by_n.setdefault(n, []).append(j)
+    for n, js in by_n.items():
+        values, ids = torch.topk(_rows(lp, js), n)
+        for j, row_ids, row_values in zip(js, ids.tolist(), values.tolist(), strict=True):
+            top[j] = list(zip(row_ids, row_values, strict=True))
+    for j, i in enumerate(idx):
+        out[i] = (chosen_values[j], ranks[j], top.get(j, []))
+    return out
 
 
 def sample(
     logits: torch.Tensor, rows: list[SamplerRow], default_generator: torch.Generator
 ) -> SampleResult:
     """logits: [S, V] float32, one row per sequence that samples this step."""
-    raw_logprobs = (
-        torch.log_softmax(logits, dim=-1)
-        if any(r.params.logprobs is not None for r in rows)
-        else None
-    )
+    if not rows:
+        return SampleResult([], [])
+    raw_logits = logits
     logits = apply_penalties(logits, rows)
-    token_ids: list[int] = []
+    token_ids: list[int] = [0] * len(rows)
     greedy = [i for i, r in enumerate(rows) if r.params.is_greedy]
-    greedy_tokens: list[int] = []
     if greedy:
         # An all-greedy batch (the common case) skips copying the rows out first.
-        greedy_logits = logits if len(greedy) == len(rows) else logits[greedy]
-        greedy_tokens = greedy_logits.argmax(-1).tolist()
-    greedy_by_row = dict(zip(greedy, greedy_tokens, strict=True))
-    for i, row in enumerate(rows):
-        if i in greedy_by_row:
-            token_ids.append(greedy_by_row[i])
-            continue
-        probs = filter_logits(logits[i], row.params).softmax(-1)
-        # Exponential-race sampling: argmax(p / E) with E ~ Exp(1) draws from p, using only this
-        # row's generator, so the draw does not depend on the batch.
-        noise = torch.empty_like(probs).exponential_(generator=row.generator or default_generator)
-        token_ids.append(int((probs / noise).argmax()))
-    logprobs: list[tuple[float, int, list[tuple[int, float]]] | None] = []
-    for i, row in enumerate(rows):
-        if raw_logprobs is None or row.params.logprobs is None:
-            logprobs.append(None)
-            continue
-        lp = raw_logprobs[i]
-        chosen = float(lp[token_ids[i]])
-        rank = int((lp > chosen).sum()) + 1
-        top: list[tuple[int, float]] = []
-        if row.params.logprobs:
-            values, ids = torch.topk(lp, row.params.logprobs)
-            top = list(zip(ids.tolist(), values.tolist(), strict=True))
-        logprobs.append((chosen, rank, top))
-    return SampleResult(token_ids, logprobs)
+        for i, t in zip(greedy, _rows(logits, greedy).argmax(-1).tolist(), strict=True):
+            token_ids[i] = t
+    sampling = [i for i, r in enumerate(rows) if not r.params.is_greedy]
+    if sampling:
+        probs = filter_logits(_rows(logits, sampling), [rows[i].params for i in sampling])
+        probs = probs.softmax(-1)
+        # Exponential-race sampling: argmax(p / E) with E ~ Exp(1) draws from p; a seeded row's E
+        # comes only from its own generator, so its draw does not depend on the batch.
+        noise = _draw_noise(probs, [rows[i].generator for i in sampling], default_generator)
+        for i, t in zip(sampling, (probs / noise).argmax(-1).tolist(), strict=True):
+            token_ids[i] = t
+    return SampleResult(token_ids, _logprobs(raw_logits, rows, token_ids))

@@ -1,0 +1,97 @@
+"""The batched sampler against the per-row one it replaced (kept as reference_sample in
+tests/engine/test_sampler_batched.py), on SmolLM2's vocabulary with a mix of parameters.
+
+    python bench/sampler_bench.py --batch 32 64 --repeats 10 --threads 1
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent.parent / "tests" / "engine"))
+from test_sampler_batched import reference_sample
+
+from kvpilot.engine.sampler import SampleResult, SamplerRow, sample
+from kvpilot.engine.sampling_params import SamplingParams
+
+VOCAB = 49152
+
+# What a serving batch might hold: greedy chat, OpenAI-style sampling, seeded requests, penalties,
+# logprobs.
+MIX = [
+    SamplingParams(temperature=0.0),
+    SamplingParams(temperature=0.7, top_p=0.9),
+    SamplingParams(temperature=1.0, top_k=50, seed=1),
+    SamplingParams(temperature=0.8, top_p=0.95, top_k=40, min_p=0.05),
+    SamplingParams(temperature=0.0, frequency_penalty=0.5, logprobs=5),
+    SamplingParams(temperature=1.0, presence_penalty=0.6, seed=2),
+    SamplingParams(temperature=0.9, min_p=0.1, logprobs=1),
+    SamplingParams(temperature=1.0),
+]
+
+Sampler = Callable[[torch.Tensor, list[SamplerRow], torch.Generator], SampleResult]
+
+
+def make_rows(batch: int, mix: list[SamplingParams]) -> list[SamplerRow]:
+    rows = []
+    for i in range(batch):
+        p = mix[i % len(mix)]
+        generator = None if p.seed is None else torch.Generator().manual_seed(p.seed + i)
+        history = torch.randint(VOCAB, (200,), generator=torch.Generator().manual_seed(i)).tolist()
+        rows.append(SamplerRow(p, history, generator))
+    return rows
+
+
+def time_ms(
+    fns: list[Sampler], logits: torch.Tensor, rows: list[SamplerRow], repeats: int
+) -> list[float]:
+    """Median CPU ms (process time, all threads) per call of each sampler, the samplers taking
+    turns: CPU time rather than wall time, and turns, so that a machine shared with other work
+    still compares them fairly."""
+    default = torch.Generator().manual_seed(0)
+    times: list[list[float]] = [[] for _ in fns]
+    for fn in fns:
+        fn(logits, rows, default)  # warm-up
+    for _ in range(repeats):
+        for fn, t in zip(fns, times, strict=True):
+            start = time.process_time()
+            fn(logits, rows, default)
+            t.append(time.process_time() - start)
+    return [statistics.median(t) * 1e3 for t in times]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--batch", type=int, nargs="+", default=[32, 64])
+    parser.add_argument("--repeats", type=int, default=10)
+    parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, vocab {VOCAB}")
+    workloads = {
+        "mixed": MIX,
+        "all greedy": [SamplingParams(temperature=0.0)],
+        "all top_p 0.9": [SamplingParams(temperature=0.7, top_p=0.9)],
+        "top_k 50+top_p": [SamplingParams(temperature=0.7, top_k=50, top_p=0.95)],
+        "all seeded T=1": [SamplingParams(temperature=1.0, seed=0)],
+    }
+    print(
+        f"{'workload':<16}{'batch':>6}{'per-row cpu ms':>16}{'batched cpu ms':>16}{'speed-up':>10}"
+    )
+    for batch in args.batch:
+        logits = torch.randn(batch, VOCAB, generator=torch.Generator().manual_seed(batch)) * 3
+        for name, mix in workloads.items():
+            rows = make_rows(batch, mix)
+            old, new = time_ms([reference_sample, sample], logits, rows, args.repeats)
+            print(f"{name:<16}{batch:>6}{old:>16.2f}{new:>16.2f}{old / new:>9.2f}x")
+
+
+if __name__ == "__main__":
+    main()
