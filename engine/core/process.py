@@ -148,7 +148,10 @@ def _step_loop(
             except queue.Empty:
                 command = None
         if core.has_unfinished_requests():
-            outbox.put(core.step(num_applied))
+            outputs = core.step(num_applied)
+            # A step that scheduled nothing changed nothing the API side could see.
+            if outputs.step_duration is not None or applied_any:
+                outbox.put(outputs)
         elif applied_any:
             # Aborts (or refused adds) emptied the core: say so, or the API side would count them
             # as waiting until the next request.
