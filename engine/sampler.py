@@ -169,6 +169,13 @@ def _draw_noise(
     return noise
 
 
+def _argmax(values: torch.Tensor) -> torch.Tensor:
+    """Per row, the index of the first largest value (NaN counts as largest), as argmax gives it:
+    on CPU `max(-1)` computes the same indices ~3x faster than `argmax(-1)` (64 x 49152 floats:
+    1.9 against 6.9 ms), a few percent of a decode step."""
+    return values.max(-1).indices
+
+
 def _logprobs(
     logits: torch.Tensor, rows: list[SamplerRow], token_ids: list[int]
 ) -> list[tuple[float, int, list[tuple[int, float]]] | None]:
@@ -211,7 +218,7 @@ def sample(
     greedy = [i for i, r in enumerate(rows) if r.params.is_greedy]
     if greedy:
         # An all-greedy batch (the common case) skips copying the rows out first.
-        for i, t in zip(greedy, _rows(logits, greedy).argmax(-1).tolist(), strict=True):
+        for i, t in zip(greedy, _argmax(_rows(logits, greedy)).tolist(), strict=True):
             token_ids[i] = t
     sampling = [i for i, r in enumerate(rows) if not r.params.is_greedy]
     if sampling:
@@ -220,6 +227,6 @@ def sample(
         # Exponential-race sampling: argmax(p / E) with E ~ Exp(1) draws from p; a seeded row's E
         # comes only from its own generator, so its draw does not depend on the batch.
         noise = _draw_noise(probs, [rows[i].generator for i in sampling], default_generator)
-        for i, t in zip(sampling, (probs / noise).argmax(-1).tolist(), strict=True):
+        for i, t in zip(sampling, _argmax(probs / noise).tolist(), strict=True):
             token_ids[i] = t
     return SampleResult(token_ids, _logprobs(raw_logits, rows, token_ids))

@@ -358,3 +358,16 @@ def test_the_comparison_notices_a_one_step_difference() -> None:
 def test_empty_batch() -> None:
     result = sample(torch.empty(0, VOCAB), [], torch.Generator())
     assert result.token_ids == [] and result.logprobs == []
+
+
+def test_the_fast_argmax_picks_what_argmax_picks_on_ties_and_nan() -> None:
+    from kvpilot.engine.sampler import _argmax
+
+    gen = torch.Generator().manual_seed(3)
+    tied = torch.randint(0, 4, (16, 4096), generator=gen).float()  # many maxima per row
+    tied[3, 100] = tied[3, 900] = 10.0
+    with_nan = torch.randn(4, 64, generator=gen)
+    with_nan[1, 40] = with_nan[1, 20] = float("nan")
+    for values in (tied, tied.to(torch.bfloat16), with_nan):
+        assert torch.equal(_argmax(values), values.argmax(-1))
+    assert _argmax(tied)[3] == 100 and _argmax(with_nan)[1] == 20
