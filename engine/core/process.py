@@ -78,8 +78,13 @@ def run_engine_core(
         level=log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr
     )
     import torch
+    from tqdm import tqdm
 
     from kvpilot.engine.cpu.threads import fit_threads_to_cpu_quota
+
+    # tqdm's default lock is a multiprocessing semaphore, which this process's exit would leave to
+    # the resource tracker (a "leaked semaphore" warning at every shutdown): one process, one lock.
+    tqdm.set_lock(threading.RLock())
 
     if num_threads is not None:
         torch.set_num_threads(num_threads)
