@@ -1,0 +1,80 @@
+"""Where one decode step's time goes, part by part (wall time of each part, timed around it).
+
+64 random-token requests of 64-192 prompt tokens decode together (block size 32); after their
+prefills, 20 steps at batch 64 are timed: the whole step, the model's forward, the attention
+backend's forward (the C decode kernel on CPU) and KV writes, the lm_head, the sampler, the
+output processor, the runner's prepare and the scheduler.
+
+    python bench/decode_step_split.py --dtype bfloat16
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import random
+import time
+from collections.abc import Callable
+from typing import Any
+
+import kvpilot.engine.model_runner as model_runner
+from kvpilot.engine import LLM, SamplingParams
+
+ap = argparse.ArgumentParser(description=__doc__)
+ap.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
+ap.add_argument("--batch", type=int, default=64)
+ap.add_argument("--steps", type=int, default=20)
+args = ap.parse_args()
+llm = LLM(dtype=args.dtype, block_size=32, max_num_seqs=args.batch)
+rng = random.Random(0)
+
+
+def add(n: int, tag: str, out: int = 64) -> None:
+    for i in range(n):
+        ids = [rng.randrange(100, 40000) for _ in range(rng.randint(64, 192))]
+        params = SamplingParams(max_tokens=out, ignore_eos=True, temperature=0)
+        llm.engine.add_request(f"{tag}{i}", ids, params)
+
+
+add(args.batch, "w", 8)  # warm-up: this batch's shapes
+while llm.engine.has_unfinished_requests():
+    llm.engine.step()
+runner = llm.engine.runner
+acc: dict[str, float] = collections.defaultdict(float)
+
+
+def wrap(obj: Any, name: str, label: str) -> None:
+    inner: Callable[..., Any] = getattr(obj, name)
+
+    def timed(*a: Any, **k: Any) -> Any:
+        start = time.perf_counter()
+        result = inner(*a, **k)
+        acc[label] += time.perf_counter() - start
+        return result
+
+    setattr(obj, name, timed)
+
+
+backend = runner.model.model.layers[0].self_attn.backend  # one backend object serves every layer
+wrap(backend, "forward", "attention forward")
+wrap(backend, "write_kv", "KV writes")
+wrap(runner, "prepare", "runner.prepare")
+wrap(runner.model, "compute_logits", "lm_head")
+wrap(runner.model, "forward", "model forward")
+wrap(model_runner, "sample", "sampler")
+wrap(llm.engine.core.scheduler, "schedule", "scheduler")
+wrap(llm.engine.processor, "process", "output processor")
+add(args.batch, "p", 64)
+scheduler = llm.engine.scheduler
+while scheduler.waiting or any(not s.is_decoding for s in scheduler.running):
+    llm.engine.step()  # the prefills, untimed
+acc.clear()
+start = time.perf_counter()
+for _ in range(args.steps):
+    llm.engine.step()
+per_step = (time.perf_counter() - start) / args.steps * 1000
+print(
+    f"{args.dtype} decode steps at batch {llm.engine.stats().num_running}: {per_step:.1f} ms/step"
+)
+for label, seconds in sorted(acc.items(), key=lambda kv: -kv[1]):
+    print(f"  {label:20s} {seconds / args.steps * 1000:7.2f} ms/step")
