@@ -22,6 +22,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 CHART = ROOT / "charts" / "kvpilot"
 GROUP, VERSION, PLURAL = "kvpilot.dev", "v1alpha1", "inferenceservices"
+RESYNC_SECONDS = 5  # the operator's resync period in the e2e release
 SKIP_REASON = (
     "needs a real Kubernetes cluster: set KUBECONFIG (kind or k3d; see operator/README.md, "
     "'End-to-end tests')"
@@ -92,7 +93,7 @@ def release(e2e: E2ESettings, apis: dict[str, Any]) -> Iterator[str]:
     values = {
         "image": {"repository": repository, "tag": tag, "pullPolicy": e2e.pull_policy},
         "watchNamespaces": [e2e.namespace],
-        "resyncSeconds": 5,
+        "resyncSeconds": RESYNC_SECONDS,
         "logLevel": "debug",
     }
     with helm.Config(

@@ -30,7 +30,8 @@ REQUEST_TIMEOUT = (5.0, 30.0)
 APPLY_CONTENT_TYPE = "application/apply-patch+yaml"
 MERGE_PATCH_CONTENT_TYPE = "application/merge-patch+json"
 
-# What this module calls, as RBAC sees it: (apiGroup, resource, verb).
+# What this module calls, as RBAC sees it: (apiGroup, resource, verb). A dry-run apply needs
+# the same verb as the apply itself (patch).
 API_CALLS = (
     ("apps", "deployments", "get"),
     ("apps", "deployments", "create"),
@@ -85,14 +86,43 @@ class KubeApi:
         return _call_or_none(lambda: read(name, namespace, **_RAW))
 
     def apply(self, manifest: dict[str, Any]) -> dict[str, Any]:
-        """Create-or-patch by server-side apply; we own exactly the fields we send.
+        """Create-or-patch by server-side apply; we own exactly the fields we send. Returns the
+        object as the server stored it.
 
         SSA creates a missing object itself; the create fallback serves API servers (and test
         emulators) that answer 404 instead, and a concurrent create (409) goes back to apply.
         """
-        kind, metadata = manifest["kind"], manifest["metadata"]
-        name, namespace = metadata["name"], metadata["namespace"]
-        patch, create = {
+        _, create = self._writers(manifest["kind"])
+        metadata = manifest["metadata"]
+        try:
+            return self._server_side_apply(manifest)
+        except KubeError as error:
+            if error.status != 404:
+                raise
+        try:
+            return _call(
+                lambda: create(metadata["namespace"], manifest, field_manager=FIELD_MANAGER, **_RAW)
+            )
+        except KubeError as error:
+            if error.status != 409:
+                raise
+        return self._server_side_apply(manifest)
+
+    def dry_run_apply(self, manifest: dict[str, Any]) -> dict[str, Any] | None:
+        """What apply would make of the live object, without changing it (`dryRun=All`): the
+        server's defaults, dropped zero values and canonical quantities included. None when the
+        object does not exist (for servers that answer 404, as apply's fallback expects).
+        """
+        try:
+            return self._server_side_apply(manifest, dry_run=True)
+        except KubeError as error:
+            if error.status == 404:
+                return None
+            raise
+
+    def _writers(self, kind: str) -> tuple[Callable[..., Any], Callable[..., Any]]:
+        """(patch, create) of `kind`."""
+        return {
             "Deployment": (
                 self._apps.patch_namespaced_deployment,
                 self._apps.create_namespaced_deployment,
@@ -103,30 +133,24 @@ class KubeApi:
             ),
         }[kind]
 
-        def apply_once() -> dict[str, Any]:
-            return _call(
-                lambda: patch(
-                    name,
-                    namespace,
-                    manifest,
-                    field_manager=FIELD_MANAGER,
-                    force=True,
-                    _content_type=APPLY_CONTENT_TYPE,
-                    **_RAW,
-                )
+    def _server_side_apply(
+        self, manifest: dict[str, Any], *, dry_run: bool = False
+    ) -> dict[str, Any]:
+        patch, _ = self._writers(manifest["kind"])
+        metadata = manifest["metadata"]
+        options: dict[str, Any] = {"dry_run": "All"} if dry_run else {}
+        return _call(
+            lambda: patch(
+                metadata["name"],
+                metadata["namespace"],
+                manifest,
+                field_manager=FIELD_MANAGER,
+                force=True,
+                _content_type=APPLY_CONTENT_TYPE,
+                **options,
+                **_RAW,
             )
-
-        try:
-            return apply_once()
-        except KubeError as error:
-            if error.status != 404:
-                raise
-        try:
-            return _call(lambda: create(namespace, manifest, field_manager=FIELD_MANAGER, **_RAW))
-        except KubeError as error:
-            if error.status != 409:
-                raise
-        return apply_once()
+        )
 
     def scale_deployment(self, namespace: str, name: str, replicas: int) -> None:
         """Sets only spec.replicas, as the autoscaler (its own field manager) does."""

@@ -26,8 +26,15 @@ from kvpilot.operator.builders import (
 )
 from kvpilot.operator.conditions import DEGRADED, changed_conditions
 from kvpilot.operator.config import OperatorConfig
-from kvpilot.operator.constants import ANNOTATION_CONFIG_HASH, KIND
-from kvpilot.operator.drift import has_drifted, is_subset, with_config_hash
+from kvpilot.operator.constants import KIND
+from kvpilot.operator.drift import (
+    config_hash,
+    config_hash_of,
+    has_drifted,
+    is_subset,
+    stored_fields,
+    with_config_hash,
+)
 from kvpilot.operator.kube import KubeApi, KubeError
 from kvpilot.operator.spec import InferenceServiceSpec, InvalidSpecError, parse_spec, validate_name
 from kvpilot.operator.status import (
@@ -42,6 +49,9 @@ logger = logging.getLogger(__name__)
 
 # (object body, event type, reason, message): kopf.event in the operator, a list in tests.
 PostEvent = Callable[[Mapping[str, Any], str, str, str], None]
+# A child: (kind, namespace, name).
+ChildKey = tuple[str, str, str]
+CHILD_KINDS = ("Deployment", "Service")
 
 
 @dataclass(frozen=True)
@@ -76,6 +86,10 @@ def is_controlled_by(live: Mapping[str, Any], uid: str) -> bool:
 class Reconciler:
     """Holds the API and a lock per object: kopf runs an object's timer and change handlers
     (and the child watchers) concurrently, and two reconciles of one object must not interleave.
+
+    It also remembers, per child, the stored form of the last desired manifest it applied or
+    dry-ran (drift.stored_fields): a resync of an unchanged child then costs no API call. Lost on
+    a restart, it is asked of the server again by one dry-run apply per child.
     """
 
     def __init__(
@@ -93,6 +107,8 @@ class Reconciler:
         self._metrics = metrics
         self._locks: dict[tuple[str, str], threading.Lock] = {}
         self._locks_guard = threading.Lock()
+        # child -> (config_hash of the desired manifest, its stored form)
+        self._stored_forms: dict[ChildKey, tuple[str, dict[str, Any]]] = {}
 
     def _lock(self, namespace: str, name: str) -> threading.Lock:
         with self._locks_guard:
@@ -118,14 +134,14 @@ class Reconciler:
             # must see the status that one wrote.
             body = self._api.get_inferenceservice(namespace, name)
             if body is None:
-                self._forget_metrics(namespace, name)
+                self._forget(namespace, name)
                 return Outcome()
             metadata = body["metadata"]
             if uid is not None and metadata.get("uid") != uid:
                 return Outcome()  # a namesake: its own events reconcile it
             if metadata.get("deletionTimestamp"):
                 # Going: the garbage collector removes the children.
-                self._forget_metrics(namespace, name)
+                self._forget(namespace, name)
                 return Outcome()
             return self._reconcile(body)
 
@@ -136,6 +152,12 @@ class Reconciler:
             return
         with self._metrics.reconcile_duration.time():
             yield
+
+    def _forget(self, namespace: str, name: str) -> None:
+        """Drops what is kept in memory for an InferenceService that is gone or going."""
+        self._forget_metrics(namespace, name)
+        for kind in CHILD_KINDS:
+            self._stored_forms.pop((kind, namespace, name), None)
 
     def _forget_metrics(self, namespace: str, name: str) -> None:
         """Drops the autoscaler's series of an InferenceService that is gone or stopped scaling."""
@@ -258,27 +280,56 @@ class Reconciler:
     def _apply(
         self, body: Mapping[str, Any], desired: dict[str, Any], live: dict[str, Any] | None
     ) -> dict[str, Any]:
-        if not has_drifted(desired, live):
-            assert live is not None  # has_drifted is True for a missing object
-            return live
         kind, name = desired["kind"], desired["metadata"]["name"]
-        applied = self._api.apply(desired)
         if live is None:
-            self._post_event(body, "Normal", "Created", f"created {kind} {name}")
-        elif _config_hash_of(live) != _config_hash_of(desired):
-            self._post_event(body, "Normal", "Updated", f"updated {kind} {name} to the spec")
-        elif _only_replicas_differ(desired, live):
-            replicas = desired["spec"]["replicas"]
-            self._post_event(body, "Normal", "Scaled", f"scaled {kind} {name} to {replicas}")
+            event = ("Normal", "Created", f"created {kind} {name}")
+        elif config_hash_of(live) != config_hash_of(desired):
+            event = ("Normal", "Updated", f"updated {kind} {name} to the spec")
         else:
-            self._post_event(
-                body,
-                "Warning",
-                "DriftRepaired",
-                f"{kind} {name} was changed outside the operator; restored it",
-            )
+            expected = self._stored_form(desired, live)
+            if expected is None:  # deleted since we read it
+                event = ("Normal", "Created", f"created {kind} {name}")
+            elif not has_drifted(expected, live):
+                return live
+            elif _only_replicas_differ(expected, live) and _is_new_replicas(body, desired):
+                replicas = desired["spec"]["replicas"]
+                event = ("Normal", "Scaled", f"scaled {kind} {name} to {replicas}")
+            else:
+                event = (
+                    "Warning",
+                    "DriftRepaired",
+                    f"{kind} {name} was changed outside the operator; restored it",
+                )
+        applied = self._api.apply(desired)
+        self._remember(desired, applied)
+        self._post_event(body, *event)
         logger.info("applied %s %s/%s", kind, desired["metadata"]["namespace"], name)
         return applied
+
+    def _stored_form(self, desired: dict[str, Any], live: dict[str, Any]) -> dict[str, Any] | None:
+        """`desired` as the API server stores it (see drift.stored_fields); None if the child is
+        gone.
+
+        Remembered from the last apply or dry-run of this very manifest while the live child
+        still matches it. Otherwise (after a restart, a new replica count, or a live child that
+        differs: a hand edit, or another manager's list item come or gone) the server itself
+        says, by a dry-run apply against the live child; comparing with the manifest as sent
+        would take every zero value the server omits for drift.
+        """
+        remembered = self._stored_forms.get(_child_key(desired))
+        if (
+            remembered is not None
+            and remembered[0] == config_hash(desired)
+            and is_subset(remembered[1], live)
+        ):
+            return remembered[1]
+        served = self._api.dry_run_apply(desired)
+        return None if served is None else self._remember(desired, served)
+
+    def _remember(self, desired: dict[str, Any], served: dict[str, Any]) -> dict[str, Any]:
+        form = stored_fields(desired, served)
+        self._stored_forms[_child_key(desired)] = (config_hash(desired), form)
+        return form
 
     def _write_status(
         self, body: Mapping[str, Any], previous: dict[str, Any], status: dict[str, Any]
@@ -306,10 +357,19 @@ class Reconciler:
             self._post_event(body, "Warning" if is_warning else "Normal", reason, message)
 
 
-def _config_hash_of(manifest: Mapping[str, Any]) -> str | None:
-    return ((manifest.get("metadata") or {}).get("annotations") or {}).get(ANNOTATION_CONFIG_HASH)
+def _child_key(manifest: Mapping[str, Any]) -> ChildKey:
+    metadata = manifest["metadata"]
+    return (manifest["kind"], metadata["namespace"], metadata["name"])
 
 
-def _only_replicas_differ(desired: dict[str, Any], live: dict[str, Any]) -> bool:
-    without = {**desired, "spec": {k: v for k, v in desired["spec"].items() if k != "replicas"}}
+def _only_replicas_differ(expected: dict[str, Any], live: dict[str, Any]) -> bool:
+    without = {**expected, "spec": {k: v for k, v in expected["spec"].items() if k != "replicas"}}
     return is_subset(without, live)
+
+
+def _is_new_replicas(body: Mapping[str, Any], desired: Mapping[str, Any]) -> bool:
+    """Whether the replicas wanted differ from those reconcile (or the autoscaler) applied last,
+    as status.desiredReplicas records: then the spec changed (a scale). Otherwise the live count
+    was changed by hand, and restoring it is a drift repair."""
+    applied_last = (body.get("status") or {}).get("desiredReplicas")
+    return applied_last is None or applied_last != desired["spec"].get("replicas")

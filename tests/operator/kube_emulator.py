@@ -3,9 +3,12 @@
 The stock emulator stores objects as plain dicts (see /work/shared/notes/kopf-with-kmock.md).
 This subclass adds what a real API server does and the tests need: uid, resourceVersion,
 generation and creationTimestamp; generateName; 422 for a failed JSON-patch test; status
-subresource isolation; and no watch event (nor resourceVersion bump) for a patch that changes
-nothing. Everything else (no garbage collection, selectors ignored) stays the emulator's limit,
-which the operator's code never relies on.
+subresource isolation; no watch event (nor resourceVersion bump) for a patch that changes
+nothing; Deployments and Services stored in the server's form (defaults filled in, `omitempty`
+zero values dropped, quantities canonical: server_defaults.py); and dry-run patches
+(`?dryRun=All`), answered with the object the patch would make, which is not stored. Everything
+else (no garbage collection, selectors ignored, apply as a merge patch) stays the emulator's
+limit, which the operator's code never relies on.
 """
 
 from __future__ import annotations
@@ -22,6 +25,8 @@ import aiohttp.web
 import jsonpatch
 import kmock
 from kmock._internal import dicts, rendering
+
+from .server_defaults import stored
 
 # (resource, kind, namespaced, subresources): every resource the operator or kopf touches must be
 # declared before kopf starts, as kopf discovers them through /apis. kopf waits for namespaces
@@ -53,6 +58,8 @@ class KubeEmulator(kmock.KubernetesEmulator):
         return str(self._last_version)
 
     async def _handle(self, request: rendering.Request) -> aiohttp.web.StreamResponse:
+        if request.resource is not None and request.params.get("dryRun"):
+            return aiohttp.web.json_response(self._dry_run(request))
         if request.resource is not None:
             if request.action == kmock.action.CREATE and isinstance(request.data, dict):
                 self._prepare_create(request)
@@ -95,6 +102,34 @@ class KubeEmulator(kmock.KubernetesEmulator):
                 return "status" in subresources
         return False
 
+    def _kind(self, request: rendering.Request) -> str | None:
+        for resource, kind, _, _ in RESOURCES:
+            if kmock.resource(resource) == request.resource:
+                return kind
+        return None
+
+    def _dry_run(self, request: rendering.Request) -> dict[str, Any]:
+        """A dry-run patch: the object as the patch would leave it, nothing stored or sent."""
+        if request.action != kmock.action.UPDATE or request.data is None:
+            raise kmock.KubernetesError(
+                status=400, reason="BadRequest", message="dry-run: patches only"
+            )
+        key = (request.resource, request.namespace, request.name)
+        if key not in self._objects or self._objects[key].deleted:
+            raise kmock.KubernetesObjectNotFoundError()
+        return self._patched(request, copy.deepcopy(self._objects[key].raw))
+
+    def _patched(self, request: rendering.Request, old: dict[str, Any]) -> dict[str, Any]:
+        """`old` with the request's patch applied, in the server's stored form."""
+        patch = request.data
+        if self._has_status(request):
+            patch = _isolate(patch, to_status=request.subresource == "status")
+        try:
+            new = dict(dicts.patch_dict(copy.deepcopy(old), copy.deepcopy(patch)))
+        except jsonpatch.JsonPatchException as error:  # e.g. kopf's resourceVersion "test"
+            raise kmock.KubernetesError(status=422, reason="Invalid", message=str(error)) from None
+        return stored(self._kind(request) or "", new)
+
     def _prepare_create(self, request: rendering.Request) -> None:
         data = request.data
         metadata = data.setdefault("metadata", {})
@@ -110,6 +145,7 @@ class KubeEmulator(kmock.KubernetesEmulator):
         )
         if self._has_status(request):
             data.pop("status", None)  # status is written through /status only
+        object.__setattr__(request, "data", stored(self._kind(request) or "", data))
 
     def _prepare_patch(self, request: rendering.Request) -> dict[str, Any] | None:
         """Adds the server's metadata changes to a patch; returns the object if it is a no-op.
@@ -121,22 +157,21 @@ class KubeEmulator(kmock.KubernetesEmulator):
         if key not in self._objects or self._objects[key].deleted:
             return None  # the emulator answers 404
         old = copy.deepcopy(self._objects[key].raw)
-        patch = request.data
-        if self._has_status(request):
-            patch = _isolate(patch, to_status=request.subresource == "status")
-        try:
-            new = dict(dicts.patch_dict(copy.deepcopy(old), copy.deepcopy(patch)))
-        except jsonpatch.JsonPatchException as error:  # e.g. kopf's resourceVersion "test"
-            raise kmock.KubernetesError(status=422, reason="Invalid", message=str(error)) from None
+        new = self._patched(request, old)
         if new == old:
             return old  # a real API server neither bumps resourceVersion nor emits an event
         server_side = {"resourceVersion": self._next_version()}
         if new.get("spec") != old.get("spec"):
             server_side["generation"] = (old.get("metadata", {}).get("generation") or 1) + 1
+        patch = request.data
         if isinstance(patch, dict):
-            metadata = {**(patch.get("metadata") or {}), **server_side}
-            patch = {**patch, "metadata": metadata}
+            # The merge patch from old to new: the stored form, and no more than the patch
+            # changed (status isolation included).
+            new["metadata"] = {**(new.get("metadata") or {}), **server_side}
+            patch = _merge_diff(old, new)
         else:
+            if self._has_status(request):
+                patch = _isolate(patch, to_status=request.subresource == "status")
             patch = [
                 *patch,
                 *(
@@ -156,6 +191,21 @@ def _isolate(patch: Any, *, to_status: bool) -> Any:
         return {key: value for key, value in patch.items() if key != "status"}
     keep = [op for op in patch if str(op.get("path", "")).startswith("/status") == to_status]
     return keep
+
+
+def _merge_diff(old: dict[str, Any], new: dict[str, Any]) -> dict[str, Any]:
+    """The JSON merge patch that turns `old` into `new` (null removes a key; lists are whole)."""
+    diff: dict[str, Any] = {key: None for key in old if key not in new}
+    for key, value in new.items():
+        if key not in old:
+            diff[key] = value
+        elif isinstance(value, dict) and isinstance(old[key], dict):
+            nested = _merge_diff(old[key], value)
+            if nested:
+                diff[key] = nested
+        elif value != old[key]:
+            diff[key] = value
+    return diff
 
 
 def _now() -> str:

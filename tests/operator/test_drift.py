@@ -3,10 +3,14 @@ from __future__ import annotations
 import copy
 from typing import Any
 
+import pytest
+
 from kvpilot.operator.builders import Owner, build_deployment
-from kvpilot.operator.drift import has_drifted, is_subset, with_config_hash
+from kvpilot.operator.drift import ABSENT, has_drifted, is_subset, stored_fields, with_config_hash
 from kvpilot.operator.reconcile import is_controlled_by, replicas_for
 from kvpilot.operator.spec import parse_spec
+
+from .server_defaults import stored_deployment
 
 OWNER = Owner("chat", "serving", "uid-1")
 
@@ -58,6 +62,63 @@ def test_a_spec_change_is_drift_even_when_it_removes_a_field() -> None:
     new = desired()
     assert is_subset({k: v for k, v in new.items() if k != "metadata"}, old)
     assert has_drifted(new, old)
+
+
+def engine(manifest: dict[str, Any]) -> dict[str, Any]:
+    return manifest["spec"]["template"]["spec"]["containers"][0]
+
+
+def test_stored_fields_are_ours_with_the_values_the_server_stored() -> None:
+    want = {"spec": {"off": False, "memory": "1024Mi", "items": [{"x": 1}], "on": True}}
+    served = {"spec": {"memory": "1Gi", "items": [{"x": 1, "y": 2}, {"x": 9}], "on": True, "d": 4}}
+    # Dropped: ABSENT; defaults the server added inside our items: left out; another manager's
+    # item beyond ours: kept whole; fields only the server has: left out.
+    assert stored_fields(want, served) == {
+        "spec": {"off": ABSENT, "memory": "1Gi", "items": [{"x": 1}, {"x": 9}], "on": True}
+    }
+
+
+def test_a_value_the_server_drops_is_no_drift_against_the_stored_form() -> None:
+    # The issue: readOnly: false (a non-PVC model's cache mount) is not stored; compared as
+    # sent, the live Deployment looks edited on every resync.
+    want = desired(engine={"env": [{"name": "EMPTY", "value": ""}]})
+    assert engine(want)["volumeMounts"][0]["readOnly"] is False
+    live = stored_deployment(want)
+    assert "readOnly" not in engine(live)["volumeMounts"][0]
+    assert has_drifted(want, live)
+    expected = stored_fields(want, live)
+    assert not has_drifted(expected, live)
+
+
+@pytest.mark.parametrize(
+    "edit",
+    [
+        lambda live: engine(live).update(image="someone-else:2"),
+        lambda live: engine(live).update(command=["sh"]),
+        lambda live: engine(live)["env"].pop(),
+        lambda live: engine(live)["volumeMounts"][0].update(readOnly=True),  # dropped, then set
+        lambda live: live["spec"].update(replicas=3),
+    ],
+    ids=["image", "command", "removed-env", "readOnly-set", "replicas"],
+)
+def test_a_hand_edit_is_drift_against_the_stored_form(edit: Any) -> None:
+    want = desired()
+    live = stored_deployment(want)
+    expected = stored_fields(want, live)
+    edit(live)
+    assert has_drifted(expected, live)
+
+
+def test_another_managers_list_item_is_not_drift() -> None:
+    # Server-side apply leaves a sidecar another manager added: re-applying cannot remove it,
+    # so it must not count as drift (the dry-run's answer includes it).
+    want = desired()
+    served = stored_deployment(want)
+    served["spec"]["template"]["spec"]["containers"].append({"name": "sidecar", "image": "s:1"})
+    assert not has_drifted(stored_fields(want, served), served)
+    # A form remembered from before the sidecar came no longer matches: reconcile then asks the
+    # server again rather than calling it drift.
+    assert has_drifted(stored_fields(want, stored_deployment(want)), served)
 
 
 def test_missing_object_is_drift() -> None:

@@ -55,6 +55,25 @@ async def test_apply_creates_then_patches(kmock: KubeEmulator, kubeconfig: Path)
     assert await asyncio.to_thread(api.get, "Service", NAMESPACE, "web") is None
 
 
+async def test_dry_run_apply_answers_without_writing(kmock: KubeEmulator, kubeconfig: Path) -> None:
+    api = KubeApi(connect())
+    assert await asyncio.to_thread(api.dry_run_apply, deployment("one:1")) is None  # no object
+    created = await asyncio.to_thread(api.apply, deployment("one:1"))
+
+    answer = await asyncio.to_thread(api.dry_run_apply, deployment("two:2"))
+    assert answer is not None
+    assert answer["spec"]["template"]["spec"]["containers"][0]["image"] == "two:2"
+    # The server's form: defaults filled in (the emulator stores as the API server does).
+    assert answer["spec"]["template"]["spec"]["containers"][0]["imagePullPolicy"] == "IfNotPresent"
+    request = kmock._requests[-1]
+    assert request.params == {"fieldManager": "kvpilot-operator", "force": "true", "dryRun": "All"}
+    assert request.headers["Content-Type"] == "application/apply-patch+yaml"
+    # Nothing was written.
+    live = stored(kmock, "apps/v1/deployments", "web")
+    assert live["spec"]["template"]["spec"]["containers"][0]["image"] == "one:1"
+    assert live["metadata"]["resourceVersion"] == created["metadata"]["resourceVersion"]
+
+
 async def test_apply_survives_a_create_race(kmock: KubeEmulator, kubeconfig: Path) -> None:
     await kmock.post(DEPLOYMENTS_PATH, json=deployment("theirs:1"))
     # The first apply sees 404 (the object appeared meanwhile), the create then sees 409:
