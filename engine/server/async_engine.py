@@ -45,6 +45,7 @@ from kvpilot.engine.model.loader import has_tokenizer, load_tokenizer
 from kvpilot.engine.output_processor import OutputProcessor
 from kvpilot.engine.outputs import RequestOutput
 from kvpilot.engine.sampling_params import SamplingParams
+from kvpilot.engine.server.limits import RequestLimits
 from kvpilot.engine.server.metrics import EngineCounters, ServerMetrics, finished_reason
 from kvpilot.engine.server.preprocess import PromptLimits, max_chars_per_token
 
@@ -152,10 +153,9 @@ class ModelInfo:
     hf_dir: str = ""  # the tokenizer's files
     max_chars_per_token: int | None = None  # see preprocess.py; None without a tokenizer
 
-    @property
-    def limits(self) -> PromptLimits:
+    def limits(self, requests: RequestLimits) -> PromptLimits:
         return PromptLimits(
-            self.model_name, self.max_model_len, self.vocab_size, self.max_chars_per_token
+            self.model_name, self.max_model_len, self.vocab_size, self.max_chars_per_token, requests
         )
 
     def check_prompt(self, prompt_token_ids: list[int]) -> None:

@@ -31,6 +31,7 @@ from kvpilot.engine.config import (
 )
 from kvpilot.engine.server.app import create_app
 from kvpilot.engine.server.async_engine import AsyncEngine
+from kvpilot.engine.server.limits import RequestLimits
 from kvpilot.engine.server.state import ServerSettings, ServerState
 
 logger = logging.getLogger("kvpilot.server")
@@ -93,6 +94,23 @@ def build_parser() -> argparse.ArgumentParser:
         help="429 when this many requests wait (default: no limit)",
     )
     s.add_argument("--retry-after", type=int, default=1, help="seconds a 429 tells clients to wait")
+    limits = RequestLimits()
+    s.add_argument(
+        "--max-request-body-bytes", type=int, default=limits.max_body_bytes, help="413 above this"
+    )
+    s.add_argument(
+        "--max-json-depth",
+        type=int,
+        default=limits.max_json_depth,
+        help="400 for a body nested deeper",
+    )
+    s.add_argument(
+        "--max-sequences-per-request",
+        type=int,
+        default=limits.max_sequences,
+        help="400 when prompts x n exceeds it",
+    )
+    s.add_argument("--max-stop-strings", type=int, default=limits.max_stop, help="per request")
     s.add_argument(
         "--shutdown-timeout",
         type=float,
@@ -189,7 +207,15 @@ def main(argv: list[str]) -> int:
     try:
         config = engine_config(args)
         settings = ServerSettings(
-            max_queue=args.max_queue, retry_after_s=args.retry_after, api_key=args.api_key
+            max_queue=args.max_queue,
+            retry_after_s=args.retry_after,
+            api_key=args.api_key,
+            limits=RequestLimits(
+                max_body_bytes=args.max_request_body_bytes,
+                max_json_depth=args.max_json_depth,
+                max_sequences=args.max_sequences_per_request,
+                max_stop=args.max_stop_strings,
+            ),
         )
     except ValueError as exc:
         print(f"kvpilot serve: {exc}", file=sys.stderr)

@@ -62,6 +62,16 @@ def bad_request(message: str, *, param: str | None = None, code: str | None = No
     return APIError(400, message, type="invalid_request_error", param=param, code=code)
 
 
+def too_large(num_bytes: int | None, limit: int) -> APIError:
+    what = "exceeds" if num_bytes is None else f"has {num_bytes} bytes, over"
+    return APIError(
+        413,
+        f"The request body {what} the limit of {limit} bytes.",
+        type="invalid_request_error",
+        code="request_too_large",
+    )
+
+
 def unauthorized() -> APIError:
     return APIError(
         401,

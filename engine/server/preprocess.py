@@ -17,12 +17,13 @@ import contextlib
 import math
 import os
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
 from kvpilot.engine.core.process import die_with_parent
 from kvpilot.engine.server import errors
+from kvpilot.engine.server.limits import RequestLimits, check_fan_out, check_stop
 from kvpilot.engine.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -45,6 +46,7 @@ class PromptLimits:
     max_model_len: int
     vocab_size: int
     max_chars_per_token: int | None  # None without a tokenizer
+    requests: RequestLimits = field(default_factory=RequestLimits)
 
 
 @dataclass(frozen=True)
@@ -75,13 +77,30 @@ def preprocess(
     kind: RequestKind, body: bytes, tokenizer: Any, limits: PromptLimits
 ) -> Preprocessed:
     """Parse, validate and tokenize one request; raises errors.APIError for the client's faults."""
+    depth = limits.requests.max_json_depth
     if kind == "chat":
-        chat = parse_request(ChatCompletionRequest, body)
-        _check_model(chat.model, limits)
+        chat = parse_request(ChatCompletionRequest, body, depth)
+        _check_request(chat, 1, limits)
         return Preprocessed(chat, [chat_prompt(chat, tokenizer, limits)])
-    request = parse_request(CompletionRequest, body)
-    _check_model(request.model, limits)
+    request = parse_request(CompletionRequest, body, depth)
+    _check_request(request, num_prompts(request), limits)
     return Preprocessed(request, completion_prompts(request, tokenizer, limits))
+
+
+def num_prompts(request: CompletionRequest) -> int:
+    raw = request.prompt
+    if isinstance(raw, str) or (raw and all(isinstance(x, int) for x in raw)):
+        return 1
+    return len(raw)
+
+
+def _check_request(
+    request: CompletionRequest | ChatCompletionRequest, prompts: int, limits: PromptLimits
+) -> None:
+    """Before any tokenizing: the model asked for and the request's own limits."""
+    _check_model(request.model, limits)
+    check_stop(request.stop, limits.requests)
+    check_fan_out(prompts, request.n, limits.requests)
 
 
 def _check_model(requested: str | None, limits: PromptLimits) -> None:

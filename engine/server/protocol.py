@@ -14,6 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from kvpilot.engine.sampling_params import SamplingParams
 from kvpilot.engine.server.errors import APIError, bad_request
+from kvpilot.engine.server.limits import RequestLimits, check_json, too_deep
 
 MAX_LOGPROBS = 20  # the engine returns at most 20 top logprobs per token
 MAX_N = 128  # OpenAI's own limit on n
@@ -112,14 +113,19 @@ class ChatCompletionRequest(_SamplingRequest):
         ]
 
 
-def parse_request(model: type[RequestT], body: bytes) -> RequestT:
+def parse_request(
+    model: type[RequestT], body: bytes, max_json_depth: int = RequestLimits.max_json_depth
+) -> RequestT:
     """Parse and validate a JSON body; any problem becomes a 400 naming the offending field."""
     try:
         data = json.loads(body)
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise bad_request(f"The request body is not valid JSON: {exc}") from None
+    except RecursionError:  # nested past the parser's own stack
+        raise too_deep(max_json_depth) from None
     if not isinstance(data, dict):
         raise bad_request("The request body must be a JSON object.")
+    check_json(data, max_json_depth)
     try:
         request = model.model_validate(data)
     except ValidationError as exc:

@@ -11,11 +11,14 @@ import threading
 from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
+
+from starlette.requests import Request
 
 from kvpilot.engine.server import errors
 from kvpilot.engine.server.async_engine import AsyncEngine, ModelInfo
+from kvpilot.engine.server.limits import RequestLimits
 from kvpilot.engine.server.preprocess import (
     BIG_BODY_BYTES,
     Preprocessed,
@@ -35,6 +38,7 @@ class ServerSettings:
     max_queue: int | None = None  # None: no limit on waiting requests
     retry_after_s: int = 1  # the Retry-After a 429 carries
     api_key: str | None = None
+    limits: RequestLimits = field(default_factory=RequestLimits)
 
     def __post_init__(self) -> None:
         if self.max_queue is not None and self.max_queue < 0:
@@ -83,10 +87,27 @@ class ServerState:
             tokenizer = self._tokenizers.tokenizer = copy.deepcopy(info.tokenizer)
         return tokenizer
 
-    async def preprocess(self, kind: RequestKind, body: bytes) -> Preprocessed:
-        """The request parsed, validated and tokenized, off the event loop; APIError for the
-        client's faults (a wrong model is counted as such)."""
+    async def read_body(self, http: Request) -> bytes:
+        """The body, or a 413 as soon as it is known to be over the limit (before reading it, when
+        the client declares its length)."""
+        limit = self.settings.limits.max_body_bytes
+        declared = http.headers.get("content-length")
+        if declared is not None and declared.isdigit() and int(declared) > limit:
+            raise errors.too_large(int(declared), limit)
+        chunks: list[bytes] = []
+        size = 0
+        async for chunk in http.stream():
+            size += len(chunk)
+            if size > limit:
+                raise errors.too_large(None, limit)
+            chunks.append(chunk)
+        return b"".join(chunks)
+
+    async def preprocess(self, kind: RequestKind, http: Request) -> Preprocessed:
+        """The request read, parsed, validated and tokenized, off the event loop; APIError for
+        the client's faults (a wrong model is counted as such)."""
         info = self.model_info()
+        body = await self.read_body(http)
         loop = asyncio.get_running_loop()
         try:
             if len(body) > BIG_BODY_BYTES:
@@ -95,7 +116,9 @@ class ServerState:
                 )
             return await loop.run_in_executor(
                 self._tokenizer_pool,
-                lambda: preprocess(kind, body, self._thread_tokenizer(info), info.limits),
+                lambda: preprocess(
+                    kind, body, self._thread_tokenizer(info), info.limits(self.settings.limits)
+                ),
             )
         except errors.APIError as exc:
             if exc.code == "model_not_found":
@@ -115,7 +138,7 @@ class ServerState:
                 initializer=init_worker,
                 initargs=(
                     info.hf_dir if info.tokenizer is not None else None,
-                    info.limits,
+                    info.limits(self.settings.limits),
                     os.getpid(),
                 ),
             )
