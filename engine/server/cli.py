@@ -14,8 +14,11 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 import time
+from collections.abc import Mapping
+from pathlib import Path
 from types import FrameType
 
 import uvicorn
@@ -39,6 +42,7 @@ LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 # After the engine core died: long enough for failed requests' error bodies to go out and for a
 # probe to read /health 503, short enough that the pod restarts at once.
 ENGINE_DEAD_LINGER_S = 1.0
+API_KEY_ENV = "KVPILOT_API_KEY"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -59,7 +63,15 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000, help="0 picks a free port (logged at startup)")
-    p.add_argument("--api-key", default=None, help="require `Authorization: Bearer KEY` on /v1/*")
+    p.add_argument(
+        "--api-key",
+        default=None,
+        help="require `Authorization: Bearer KEY` on /v1/*; visible to `ps`: prefer "
+        f"--api-key-file or ${API_KEY_ENV}",
+    )
+    p.add_argument(
+        "--api-key-file", default=None, help="read the API key from this file (a mounted Secret)"
+    )
     g = p.add_argument_group("engine")
     g.add_argument("--dtype", default="auto", choices=["auto", *DTYPES])
     g.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
@@ -124,6 +136,27 @@ def build_parser() -> argparse.ArgumentParser:
     )
     s.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     return p  # fmt: skip
+
+
+def resolve_api_key(flag: str | None, file: str | None, env: Mapping[str, str]) -> str | None:
+    """The API key from the flag, a file or the environment (in that order; at most one of the
+    first two). ValueError for an unreadable or empty file."""
+    if flag is not None and file is not None:
+        raise ValueError("give --api-key or --api-key-file, not both")
+    if file is not None:
+        try:
+            key = Path(file).read_text().strip()
+        except OSError as exc:
+            raise ValueError(f"--api-key-file: {exc.strerror}: {file}") from None
+        if not key:
+            raise ValueError(f"--api-key-file: {file} is empty")
+        return key
+    if flag is not None:
+        logger.warning(
+            "--api-key shows in the process list: prefer --api-key-file or $%s", API_KEY_ENV
+        )
+        return flag
+    return env.get(API_KEY_ENV) or None
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:
@@ -209,7 +242,7 @@ def main(argv: list[str]) -> int:
         settings = ServerSettings(
             max_queue=args.max_queue,
             retry_after_s=args.retry_after,
-            api_key=args.api_key,
+            api_key=resolve_api_key(args.api_key, args.api_key_file, os.environ),
             limits=RequestLimits(
                 max_body_bytes=args.max_request_body_bytes,
                 max_json_depth=args.max_json_depth,

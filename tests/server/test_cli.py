@@ -68,3 +68,29 @@ def test_a_model_that_cannot_load_exits_1(tmp_path: Path, caplog: pytest.LogCapt
     missing = tmp_path / "no-such-model"
     assert main(["--model", str(missing), "--port", "0", "--log-level", "warning"]) == 1
     assert str(missing) in caplog.text
+
+
+def test_the_api_key_comes_from_a_file_or_the_environment(tmp_path: Path) -> None:
+    from kvpilot.engine.server.cli import API_KEY_ENV, resolve_api_key
+
+    secret = tmp_path / "key"
+    secret.write_text("s3cret\n")  # a mounted Secret usually ends in a newline
+    assert resolve_api_key(None, str(secret), {API_KEY_ENV: "from-env"}) == "s3cret"
+    assert resolve_api_key(None, None, {API_KEY_ENV: "from-env"}) == "from-env"
+    assert resolve_api_key("flag", None, {API_KEY_ENV: "from-env"}) == "flag"
+    assert resolve_api_key(None, None, {}) is None
+    assert resolve_api_key(None, None, {API_KEY_ENV: ""}) is None
+    with pytest.raises(ValueError, match="not both"):
+        resolve_api_key("flag", str(secret), {})
+    (tmp_path / "empty").write_text("\n")
+    with pytest.raises(ValueError, match="is empty"):
+        resolve_api_key(None, str(tmp_path / "empty"), {})
+    with pytest.raises(ValueError, match="No such file"):
+        resolve_api_key(None, str(tmp_path / "missing"), {})
+
+
+def test_a_bad_api_key_file_exits_2(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from kvpilot.engine.server.cli import main
+
+    assert main(["--api-key-file", str(tmp_path / "missing")]) == 2
+    assert "--api-key-file" in capsys.readouterr().err
