@@ -83,15 +83,18 @@ def preprocess(
         _check_request(chat, 1, limits)
         return Preprocessed(chat, [chat_prompt(chat, tokenizer, limits)])
     request = parse_request(CompletionRequest, body, depth)
-    _check_request(request, num_prompts(request), limits)
+    _check_request(request, len(prompt_items(request)), limits)
     return Preprocessed(request, completion_prompts(request, tokenizer, limits))
 
 
-def num_prompts(request: CompletionRequest) -> int:
+def prompt_items(request: CompletionRequest) -> list[str | list[int]]:
+    """The request's prompts: one text, one token-id list, or a batch of either."""
     raw = request.prompt
-    if isinstance(raw, str) or (raw and all(isinstance(x, int) for x in raw)):
-        return 1
-    return len(raw)
+    if isinstance(raw, str):
+        return [raw]
+    if raw and all(isinstance(x, int) for x in raw):
+        return [raw]  # type: ignore[list-item]
+    return list(raw)  # type: ignore[arg-type]
 
 
 def _check_request(
@@ -111,13 +114,7 @@ def _check_model(requested: str | None, limits: PromptLimits) -> None:
 def completion_prompts(
     request: CompletionRequest, tokenizer: Any, limits: PromptLimits
 ) -> list[Prompt]:
-    raw = request.prompt
-    if isinstance(raw, str):
-        items: list[str | list[int]] = [raw]
-    elif raw and all(isinstance(x, int) for x in raw):
-        items = [raw]  # type: ignore[list-item]
-    else:
-        items = list(raw)  # type: ignore[arg-type]
+    items = prompt_items(request)
     if not items:
         raise errors.bad_request("prompt must not be empty.", param="prompt")
     prompts = []
