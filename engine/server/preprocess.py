@@ -3,8 +3,9 @@ template, tokenization.
 
 All of it runs off the event loop, so that a huge request never stalls the streams and probes the
 loop serves: on a tokenizer thread of the API process (the Rust tokenizer releases the interpreter
-lock while it works), or, for bodies over BIG_BODY_BYTES, in a worker process, since parsing a
-many-megabyte JSON body holds the interpreter lock for tens of milliseconds, on any thread.
+lock while it works), or, for bodies over BIG_BODY_BYTES, in a lower-priority worker process,
+since parsing a many-megabyte JSON body holds the interpreter lock for tens of milliseconds, on any
+thread.
 
 A prompt whose characters alone prove it longer than the context is refused before it is tokenized:
 no token of the vocabulary covers more than `max_chars_per_token` characters of input, so a prompt
@@ -179,7 +180,8 @@ def _check_not_surely_too_long(text: str, limits: PromptLimits, *, what: str, pa
 
 def lower_priority() -> None:
     """Make the calling thread yield the CPU to the step loop and the streams (Linux: per-thread
-    niceness; elsewhere the whole process's)."""
+    niceness; elsewhere the whole process's). Only for the big-body worker: a request's ordinary
+    tokenization must not wait behind the engine core's threads."""
     with contextlib.suppress(OSError, AttributeError):
         os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 10)
 

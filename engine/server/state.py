@@ -24,7 +24,6 @@ from kvpilot.engine.server.preprocess import (
     Preprocessed,
     RequestKind,
     init_worker,
-    lower_priority,
     preprocess,
     preprocess_in_worker,
 )
@@ -74,9 +73,9 @@ class ServerState:
         self.draining = False
         self.in_flight: set[InFlight] = set()
         # Parsing, chat templates and tokenization run off the event loop (see preprocess.py).
-        self._tokenizer_pool = ThreadPoolExecutor(
-            TOKENIZER_THREADS, "kvpilot-tokenize", initializer=lower_priority
-        )
+        # At normal priority: every request is tokenized here before it can run, and a niced
+        # thread gets next to no CPU beside the engine core's busy threads (TTFT then waits on it).
+        self._tokenizer_pool = ThreadPoolExecutor(TOKENIZER_THREADS, "kvpilot-tokenize")
         self._tokenizers = threading.local()
         self._big_body_pool: ProcessPoolExecutor | None = None
 
