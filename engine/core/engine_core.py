@@ -38,11 +38,22 @@ def check_prompt(
 ) -> None:  # fmt: skip
     """Raise ValueError (a client error) unless this prompt can run: ids in the vocabulary, room
     for one generated token in the context and in the whole KV pool."""
-    num_tokens = len(prompt_token_ids)
-    if num_tokens == 0:
-        raise ValueError("the prompt is empty")
     if any(not isinstance(t, int) or not 0 <= t < vocab_size for t in prompt_token_ids):
         raise ValueError(f"prompt token ids must be integers in [0, {vocab_size})")
+    check_prompt_fits(
+        len(prompt_token_ids),
+        max_model_len=max_model_len,
+        num_blocks=num_blocks,
+        block_size=block_size,
+    )
+
+
+def check_prompt_fits(
+    num_tokens: int, *, max_model_len: int, num_blocks: int, block_size: int
+) -> None:
+    """The length half of check_prompt (the API side has checked the ids while preprocessing)."""
+    if num_tokens == 0:
+        raise ValueError("the prompt is empty")
     if num_tokens >= max_model_len:
         raise ValueError(
             f"the prompt has {num_tokens} tokens, but this model's context is {max_model_len} "

@@ -31,7 +31,7 @@ from prometheus_client import CollectorRegistry
 
 from kvpilot.engine.config import EngineConfig
 from kvpilot.engine.core.client import CoreProcessExited, EngineCoreClient
-from kvpilot.engine.core.engine_core import check_prompt
+from kvpilot.engine.core.engine_core import check_prompt_fits
 from kvpilot.engine.core.messages import (
     Abort,
     AddRequest,
@@ -158,11 +158,11 @@ class ModelInfo:
             self.model_name, self.max_model_len, self.vocab_size, self.max_chars_per_token, requests
         )
 
-    def check_prompt(self, prompt_token_ids: list[int]) -> None:
-        """ValueError unless the core can run this prompt (checked here, before it is sent)."""
-        check_prompt(
-            prompt_token_ids,
-            vocab_size=self.vocab_size,
+    def check_prompt_fits(self, num_tokens: int) -> None:
+        """ValueError unless the core has room for a prompt this long (checked here, before it is
+        sent; preprocessing has checked its ids)."""
+        check_prompt_fits(
+            num_tokens,
             max_model_len=self.max_model_len,
             num_blocks=self.num_blocks,
             block_size=self.block_size,
@@ -280,7 +280,7 @@ class AsyncEngine:
         info = self.info
         if not self.is_alive or info is None or self._processor is None:
             raise EngineDeadError("the engine is not running")
-        info.check_prompt(prompt_ids)
+        info.check_prompt_fits(len(prompt_ids))
         stream = RequestStream(request_id, asyncio.get_running_loop(), self)
         arrival = time.monotonic() if arrival_time is None else arrival_time
         command = AddRequest(

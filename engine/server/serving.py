@@ -178,7 +178,7 @@ async def start_generation(
 async def create_completion(state: ServerState, http: Request) -> Response:
     arrival = time.monotonic()
     info = state.model_info()  # 503 while loading or draining, before reading anything
-    pre = await state.preprocess("completion", http)
+    pre = await state.preprocess(info, "completion", http)
     request, prompts = pre.request, pre.prompts
     assert isinstance(request, CompletionRequest)
     header = render.ResponseHeader(f"cmpl-{uuid.uuid4().hex}", int(time.time()), info.model_name)
@@ -258,7 +258,7 @@ async def _completion_events(
 async def create_chat_completion(state: ServerState, http: Request) -> Response:
     arrival = time.monotonic()
     info = state.model_info()
-    pre = await state.preprocess("chat", http)
+    pre = await state.preprocess(info, "chat", http)
     request, prompts = pre.request, pre.prompts
     assert isinstance(request, ChatCompletionRequest)
     header = render.ResponseHeader(

@@ -102,10 +102,9 @@ class ServerState:
             chunks.append(chunk)
         return b"".join(chunks)
 
-    async def preprocess(self, kind: RequestKind, http: Request) -> Preprocessed:
+    async def preprocess(self, info: ModelInfo, kind: RequestKind, http: Request) -> Preprocessed:
         """The request read, parsed, validated and tokenized, off the event loop; APIError for
         the client's faults (a wrong model is counted as such)."""
-        info = self.model_info()
         body = await self.read_body(http)
         loop = asyncio.get_running_loop()
         try:
