@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvpilot.operator.autoscaling.metrics import OperatorMetrics
+from kvpilot.operator.autoscaling.policy import AutoscalingPolicy
 from kvpilot.operator.builders import (
     Owner,
     build_deployment,
@@ -71,11 +72,9 @@ def replicas_for(spec: InferenceServiceSpec, live: Mapping[str, Any] | None) -> 
     """
     if spec.autoscaling is None:
         return spec.effective_replicas
-    bounds = spec.autoscaling
+    policy = spec.autoscaling.policy
     current = None if live is None else (live.get("spec") or {}).get("replicas")
-    if current is None:
-        return bounds.min_replicas
-    return min(max(current, bounds.min_replicas), bounds.max_replicas)
+    return policy.min_replicas if current is None else policy.clamp(current)
 
 
 def is_controlled_by(live: Mapping[str, Any], uid: str) -> bool:
@@ -170,38 +169,37 @@ class Reconciler:
         name: str,
         replicas: int | None,
         status_patch: Mapping[str, Any] | None = None,
+        *,
+        seen: tuple[int | None, AutoscalingPolicy],
     ) -> int | None:
         """The autoscaler's hook: set the Deployment's replicas (and write the autoscaler's own
         status keys), under this object's lock so that no reconcile interleaves.
 
-        Only for an InferenceService with a valid spec.autoscaling and a Deployment it controls;
-        the count is clamped into [minReplicas, maxReplicas] (replicas None keeps the live count,
-        clamped). Returns the replicas applied, or None when refused (nothing written). Reconcile
-        keeps whatever count this sets (see replicas_for). The status patch gets
-        desiredReplicas = the count applied, which is what reconcile reports too: the two never
-        rewrite each other's value.
+        `seen` is the (metadata.generation, spec.autoscaling.policy) the tick decided with:
+        refused (None, nothing written) when the spec has changed since or does not autoscale,
+        when the object is going away, or when it controls no Deployment. The count is clamped
+        by that policy (replicas None keeps the live count, clamped). Returns the replicas
+        applied. Reconcile keeps
+        whatever count this sets (see replicas_for). The status patch gets desiredReplicas = the
+        count applied, which is what reconcile reports too: the two never rewrite each other's
+        value.
         """
+        generation, policy = seen
         with self._lock(namespace, name):
             body = self._api.get_inferenceservice(namespace, name)
-            if body is None or body["metadata"].get("deletionTimestamp"):
-                return None
-            try:
-                spec = parse_spec(body.get("spec"))
-            except InvalidSpecError:
-                return None
-            live = self._api.get("Deployment", namespace, name)
             if (
-                spec.autoscaling is None
-                or live is None
-                or not is_controlled_by(live, body["metadata"]["uid"])
+                body is None
+                or body["metadata"].get("deletionTimestamp")
+                or body["metadata"].get("generation") != generation
+                or not (body.get("spec") or {}).get("autoscaling")
             ):
                 return None
-            bounds = spec.autoscaling
+            live = self._api.get("Deployment", namespace, name)
+            if live is None or not is_controlled_by(live, body["metadata"]["uid"]):
+                return None
             current = (live.get("spec") or {}).get("replicas")
             wanted = current if replicas is None else replicas
-            if wanted is None:
-                wanted = bounds.min_replicas
-            bounded = min(max(wanted, bounds.min_replicas), bounds.max_replicas)
+            bounded = policy.min_replicas if wanted is None else policy.clamp(wanted)
             if current != bounded:
                 self._api.scale_deployment(namespace, name, bounded)
             if status_patch:

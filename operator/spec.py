@@ -10,6 +10,7 @@ from __future__ import annotations
 import re
 from typing import Annotated, Any, Literal
 
+from kubernetes.utils import parse_quantity
 from pydantic import (
     ConfigDict,
     Field,
@@ -19,6 +20,7 @@ from pydantic import (
     model_validator,
 )
 
+from kvpilot.operator.autoscaling.spec import AutoscalingSpec
 from kvpilot.operator.constants import (
     ENGINE_PORT,
     LABEL_INSTANCE,
@@ -36,8 +38,6 @@ from kvpilot.operator.kubetypes import (
     Toleration,
 )
 from kvpilot.operator.modeluri import URI_PATTERN, ModelSource, parse_model_uri
-from kvpilot.operator.quantity import parse_quantity
-from kvpilot.operator.spec_autoscaling import AutoscalingSpec
 
 # metadata.name names the Service too, so it must be a DNS-1035 label.
 NAME_PATTERN = r"^[a-z]([-a-z0-9]*[a-z0-9])?$"

@@ -172,7 +172,7 @@ def _limit(
     limited = min(max(target, step_down), step_up)
     if limited != target:
         message += f"; rate limit: {target} -> {limited}"
-    clamped = min(max(limited, policy.min_replicas), policy.max_replicas)
+    clamped = policy.clamp(limited)
     if clamped != limited:
         message += f"; clamped to [{policy.min_replicas}, {policy.max_replicas}]: {clamped}"
         if limited == current:  # nothing but the bounds (changed by the user) moves it

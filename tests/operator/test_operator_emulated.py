@@ -10,6 +10,7 @@ import asyncio
 import aiohttp
 import pytest
 
+from kvpilot.operator.autoscaling import AutoscalingPolicy
 from kvpilot.operator.kube import KubeApi, connect
 from kvpilot.operator.reconcile import Reconciler
 
@@ -292,15 +293,26 @@ async def test_autoscaled_replicas_are_left_to_the_autoscaler(
 
     # The autoscaler's hook scales the Deployment (clamped to the bounds) and writes its status.
     autoscaler = Reconciler(KubeApi(connect()), operator.config, lambda *_: None)
+    generation = live(kmock, ISVC, "auto")["metadata"]["generation"]  # type: ignore[index]
+    seen = (generation, AutoscalingPolicy(min_replicas=2, max_replicas=4))
     applied = await asyncio.to_thread(
-        autoscaler.apply_scale, NAMESPACE, "auto", 3, {"autoscaling": {"mode": "stable"}}
+        autoscaler.apply_scale,
+        NAMESPACE,
+        "auto",
+        3,
+        {"autoscaling": {"mode": "stable"}},
+        seen=seen,
     )
     assert applied == 3
     assert live(kmock, DEPLOYMENT, "auto")["spec"]["replicas"] == 3  # type: ignore[index]
-    assert await asyncio.to_thread(autoscaler.apply_scale, NAMESPACE, "auto", 99) == 4
-    assert await asyncio.to_thread(autoscaler.apply_scale, NAMESPACE, "auto", 3) == 3
+    scale = autoscaler.apply_scale
+    assert await asyncio.to_thread(scale, NAMESPACE, "auto", 99, seen=seen) == 4
+    assert await asyncio.to_thread(scale, NAMESPACE, "auto", 3, seen=seen) == 3
+    # A decision made on an older spec is refused: the next tick decides on the new one.
+    stale = (generation - 1, seen[1])
+    assert await asyncio.to_thread(scale, NAMESPACE, "auto", 4, seen=stale) is None
     # A fixed-size service is not the autoscaler's to scale.
-    assert await asyncio.to_thread(autoscaler.apply_scale, NAMESPACE, "fixed", 3) is None
+    assert await asyncio.to_thread(scale, NAMESPACE, "fixed", 3, seen=seen) is None
     assert live(kmock, DEPLOYMENT, "fixed")["spec"]["replicas"] == 1  # type: ignore[index]
 
     # Reconcile (timer, child events) leaves the count alone, and keeps the autoscaler's status...

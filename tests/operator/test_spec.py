@@ -161,7 +161,7 @@ def test_autoscaling_defaults_we_document_are_the_autoscalers() -> None:
     from dataclasses import fields
 
     from kvpilot.operator.autoscaling.policy import SPEC_PATHS, AutoscalingPolicy
-    from kvpilot.operator.spec_autoscaling import AutoscalingSpec, ScaleDown, ScaleUp
+    from kvpilot.operator.autoscaling.spec import AutoscalingSpec, ScaleDown, ScaleUp
 
     models = {"": AutoscalingSpec, "scaleUp.": ScaleUp, "scaleDown.": ScaleDown}
     checked = 0
