@@ -125,6 +125,7 @@ class _Live:
     """Output-side bookkeeping of one request in the engine."""
 
     stream: RequestStream
+    params: SamplingParams | None = None  # for the request_params_* metrics
     num_tokens: int = 0
     last_token_time: float | None = None
 
@@ -290,7 +291,7 @@ class AsyncEngine:
             if self.error is not None:
                 raise EngineDeadError(f"the engine is not running: {self.error}")
             self._processor.add_request(request_id, prompt_text, prompt_ids, params, arrival)
-            self._live[request_id] = _Live(stream)
+            self._live[request_id] = _Live(stream, params)
             # Numbered and sent under the lock, so numbers follow the order the core sees.
             self._num_commands_sent += 1
             self._pending_adds.append(self._num_commands_sent)
@@ -378,6 +379,7 @@ class AsyncEngine:
                 block_size=model.block_size,
                 num_gpu_blocks=model.num_blocks,
                 enable_prefix_caching=model.enable_prefix_caching,
+                max_model_len=model.max_model_len,
                 vllm_names=self._vllm_metrics,
             )
             self.metrics.bind_engine_state(
@@ -426,7 +428,7 @@ class AsyncEngine:
                 if output.finished:
                     del self._live[output.request_id]
                     if metrics is not None:
-                        metrics.record_finished(output, finished_reason(output))
+                        metrics.record_finished(output, finished_reason(output), entry.params)
                 by_loop.setdefault(entry.stream.loop, []).append((entry.stream, output))
         for stream, exc in failed:
             with contextlib.suppress(RuntimeError):
