@@ -16,6 +16,7 @@ from kvpilot.operator.conditions import (
     READY,
     Condition,
     set_condition,
+    with_kstatus,
 )
 from kvpilot.operator.diagnose import PodProblem, most_pressing
 from kvpilot.operator.kubetypes import FreeForm, KubeModel
@@ -38,9 +39,10 @@ OWNED_KEYS = (
 class StatusCondition(KubeModel):
     """One aspect of the service's state, as Kubernetes conditions are."""
 
-    type: Literal["Ready", "Progressing", "Degraded"] = Field(
+    type: Literal["Ready", "Progressing", "Degraded", "Reconciling", "Stalled"] = Field(
         description="Ready: serving requests. Progressing: a rollout or scale is under way. "
-        "Degraded: something needs attention."
+        "Degraded: something needs attention. Reconciling and Stalled: kstatus' names of "
+        "Progressing and Degraded (for Flux, kpt, kubectl wait)."
     )
     status: Literal["True", "False", "Unknown"] = Field(description="True, False or Unknown.")
     reason: str = Field(description="CamelCase reason, e.g. Serving, CrashLoopBackOff.")
@@ -66,7 +68,7 @@ class InferenceServiceStatus(KubeModel):
             "x-kubernetes-list-type": "map",
             "x-kubernetes-list-map-keys": ["type"],
         },
-        description="Ready, Progressing and Degraded.",
+        description="Ready, Progressing, Degraded, and kstatus' Reconciling and Stalled.",
     )
     replicas: int | None = Field(default=None, description="Engine pods that exist.")
     ready_replicas: int | None = Field(default=None, description="Engine pods ready to serve.")
@@ -136,7 +138,7 @@ def _with_conditions(
     previous: dict[str, Any], generation: int | None, now: datetime.datetime, *new: Condition
 ) -> dict[str, Any]:
     conditions = list(previous.get("conditions") or [])
-    for condition in new:
+    for condition in with_kstatus(*new):
         conditions = set_condition(conditions, condition, generation=generation, now=now)
     status = {key: previous[key] for key in OWNED_KEYS if key in previous}
     return {**status, "observedGeneration": generation, "conditions": conditions}
@@ -193,7 +195,7 @@ def build_status(
     ready_condition = _ready(desired, ready, degraded)
 
     conditions = list(previous.get("conditions") or [])
-    for condition in (ready_condition, rollout, degraded):
+    for condition in with_kstatus(ready_condition, rollout, degraded):
         conditions = set_condition(conditions, condition, generation=observed.generation, now=now)
     return {
         "observedGeneration": observed.generation,

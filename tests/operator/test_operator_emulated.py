@@ -78,7 +78,10 @@ async def test_lifecycle_create_status_update_drift_delete(
     # Status: observedGeneration, the three conditions, where to reach the model.
     status = await eventually(lambda: (live(kmock, ISVC, "chat") or {}).get("status"))
     assert status["observedGeneration"] == 1
-    assert {c["type"] for c in status["conditions"]} == {"Ready", "Progressing", "Degraded"}
+    assert {c["type"] for c in status["conditions"]} == {
+        *("Ready", "Progressing", "Degraded"),
+        *("Reconciling", "Stalled"),  # kstatus
+    }
     assert condition(kmock, "chat", "Ready")[:2] == ("False", "WaitingForReplicas")  # type: ignore[index]
     assert status["url"] == f"http://chat.{NAMESPACE}.svc:8000/v1"
     assert status["model"] == "chat"
