@@ -25,7 +25,7 @@ from kvpilot.operator.builders import (
     served_model_name,
     service_url,
 )
-from kvpilot.operator.conditions import DEGRADED, changed_conditions
+from kvpilot.operator.conditions import DEGRADED, changed_conditions, find_condition
 from kvpilot.operator.config import OperatorConfig
 from kvpilot.operator.constants import KIND
 from kvpilot.operator.drift import (
@@ -127,6 +127,14 @@ class Reconciler:
         return None
 
     def reconcile_named(self, namespace: str, name: str, uid: str | None = None) -> Outcome:
+        try:
+            return self._reconcile_named(namespace, name, uid)
+        except Exception:
+            if self._metrics is not None:
+                self._metrics.reconcile_errors.labels(namespace, name).inc()
+            raise
+
+    def _reconcile_named(self, namespace: str, name: str, uid: str | None) -> Outcome:
         with self._lock(namespace, name), self._timed():
             # Always from the API, never the caller's copy: kopf hands timers and handlers the
             # body they were triggered with, and a reconcile queued behind another on the lock
@@ -154,7 +162,8 @@ class Reconciler:
 
     def _forget(self, namespace: str, name: str) -> None:
         """Drops what is kept in memory for an InferenceService that is gone or going."""
-        self._forget_metrics(namespace, name)
+        if self._metrics is not None:
+            self._metrics.forget_resource(namespace, name)
         for kind in CHILD_KINDS:
             self._stored_forms.pop((kind, namespace, name), None)
 
@@ -333,11 +342,18 @@ class Reconciler:
         self, body: Mapping[str, Any], previous: dict[str, Any], status: dict[str, Any]
     ) -> None:
         """Writes status only when it changed; one Event per changed condition reason."""
+        metadata = body["metadata"]
+        if self._metrics is not None:  # every reconcile, written or not (a restart forgets)
+            degraded = find_condition(status.get("conditions") or [], DEGRADED) or {}
+            self._metrics.set_degraded(
+                metadata["namespace"],
+                metadata["name"],
+                degraded.get("reason") if degraded.get("status") == "True" else None,
+            )
         current = {key: value for key, value in status.items() if value is not None}
         stale = [key for key, value in status.items() if value is None and key in previous]
         if owned_status(previous) == owned_status(current) and not stale:
             return
-        metadata = body["metadata"]
         self._api.patch_inferenceservice_status(metadata["namespace"], metadata["name"], status)
         # One Event per reason (Ready and Degraded often share one): Warning if any says so.
         changed: dict[str, tuple[bool, str]] = {}

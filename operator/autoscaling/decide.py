@@ -37,6 +37,14 @@ class Decision:
     is_panic: bool
     load: float | None  # summed saturation this tick; None when no pod reported
     state: AutoscalerState
+    num_ready: int = 0
+
+    @property
+    def saturation(self) -> float | None:
+        """Mean saturation per Ready pod this tick."""
+        if self.load is None or not self.num_ready:
+            return None
+        return round(self.load / self.num_ready, 4)
 
     @property
     def direction(self) -> str:
@@ -139,6 +147,7 @@ def decide(
         is_panic=panic_since is not None,
         load=load,
         state=new_state,
+        num_ready=num_ready,
     )
 
 

@@ -127,7 +127,7 @@ async def autoscale_tick(
             )
         )
     if metrics is not None:
-        _record(metrics, namespace, name, decision, errors)
+        _record(metrics, namespace, name, policy, decision, errors)
         metrics.autoscale_tick_duration.observe(time.perf_counter() - started)
     return TickResult(
         replicas=decision.replicas if decision.direction != "none" else None,
@@ -161,7 +161,7 @@ def build_status_patch(
             else None
         ),
         "load": decision.load,
-        "saturation": None if decision.load is None else round(decision.load / num_ready, 4),
+        "saturation": decision.saturation,
     }
     return {
         "desiredReplicas": decision.replicas,
@@ -179,6 +179,7 @@ def _record(
     metrics: OperatorMetrics,
     namespace: str,
     name: str,
+    policy: AutoscalingPolicy,
     decision: Decision,
     errors: Mapping[str, ScrapeError],
 ) -> None:
@@ -187,6 +188,11 @@ def _record(
     for error in errors.values():
         metrics.scrape_errors.labels(namespace, name, error.kind).inc()
     metrics.desired_replicas.labels(namespace, name).set(decision.replicas)
+    metrics.current_replicas.labels(namespace, name).set(decision.previous_replicas)
+    metrics.max_replicas.labels(namespace, name).set(policy.max_replicas)
     metrics.panic.labels(namespace, name).set(1 if decision.is_panic else 0)
     if decision.load is not None:
         metrics.load.labels(namespace, name).set(decision.load)
+    saturation = decision.saturation
+    if saturation is not None:
+        metrics.saturation.labels(namespace, name).set(saturation)
