@@ -34,6 +34,8 @@ from kvpilot.operator.constants import (
     PRESTOP_SLEEP_SECONDS,
     READY_PATH,
     TERMINATION_MARGIN_SECONDS,
+    TOPOLOGY_HOSTNAME,
+    TOPOLOGY_ZONE,
 )
 from kvpilot.operator.modeluri import HfModel, ModelSource, PvcModel
 from kvpilot.operator.spec import InferenceServiceSpec
@@ -103,6 +105,11 @@ def _metadata(owner: Owner) -> dict[str, Any]:
         "labels": child_labels(owner.name),
         "ownerReferences": [owner_reference(owner)],
     }
+
+
+def child_metadata(owner: Owner) -> dict[str, Any]:
+    """The metadata every child carries: its name, our labels, the controller reference."""
+    return _metadata(owner)
 
 
 def build_engine_args(spec: InferenceServiceSpec, served_name: str) -> list[str]:
@@ -289,6 +296,24 @@ def termination_grace_seconds(spec: InferenceServiceSpec) -> int:
     return PRESTOP_SLEEP_SECONDS + spec.drain_seconds + TERMINATION_MARGIN_SECONDS
 
 
+def build_topology_spread(owner: Owner, spec: InferenceServiceSpec) -> list[dict[str, Any]]:
+    """spec.topologySpreadConstraints, or by default: replicas spread across nodes and zones as
+    far as the scheduler can (ScheduleAnyway: never a reason to leave a pod Pending). Counted per
+    ReplicaSet (matchLabelKeys), so a rollout's new pods spread among themselves."""
+    if spec.topology_spread_constraints is not None:
+        return [dict(constraint) for constraint in spec.topology_spread_constraints]
+    return [
+        {
+            "maxSkew": 1,
+            "topologyKey": key,
+            "whenUnsatisfiable": "ScheduleAnyway",
+            "labelSelector": {"matchLabels": selector_labels(owner.name)},
+            "matchLabelKeys": ["pod-template-hash"],
+        }
+        for key in (TOPOLOGY_HOSTNAME, TOPOLOGY_ZONE)
+    ]
+
+
 def build_pod_template(owner: Owner, spec: InferenceServiceSpec, image: str) -> dict[str, Any]:
     source = spec.model.source
     served_name = served_model_name(owner, spec)
@@ -328,6 +353,11 @@ def build_pod_template(owner: Owner, spec: InferenceServiceSpec, image: str) -> 
         pod_spec["affinity"] = spec.affinity
     if spec.priority_class_name is not None:
         pod_spec["priorityClassName"] = spec.priority_class_name
+    if spec.runtime_class_name is not None:
+        pod_spec["runtimeClassName"] = spec.runtime_class_name
+    spread = build_topology_spread(owner, spec)
+    if spread:
+        pod_spec["topologySpreadConstraints"] = spread
     if spec.image_pull_secrets:
         pod_spec["imagePullSecrets"] = [{"name": name} for name in spec.image_pull_secrets]
     return {

@@ -60,3 +60,10 @@ DEFAULT_METRICS_PORT = 8081
 
 DEFAULT_ENGINE_IMAGE = "ghcr.io/kvpilot/kvpilot:0.1.0"
 DEFAULT_ANNOTATION_PREFIX = GROUP
+
+# Well-known node labels the default topology spread uses.
+TOPOLOGY_HOSTNAME = "kubernetes.io/hostname"
+TOPOLOGY_ZONE = "topology.kubernetes.io/zone"
+# Pods that may always reach the engines when spec.networkPolicy is set: the operator (its
+# autoscaler scrapes /metrics) and the router carry it.
+NETWORK_PEER_LABELS = {LABEL_PART_OF: PART_OF}

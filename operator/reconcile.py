@@ -37,6 +37,7 @@ from kvpilot.operator.drift import (
     with_config_hash,
 )
 from kvpilot.operator.kube import KubeApi, KubeError
+from kvpilot.operator.policies import build_network_policy, build_pod_disruption_budget
 from kvpilot.operator.spec import InferenceServiceSpec, InvalidSpecError, parse_spec, validate_name
 from kvpilot.operator.status import (
     Observed,
@@ -53,6 +54,11 @@ PostEvent = Callable[[Mapping[str, Any], str, str, str], None]
 # A child: (kind, namespace, name).
 ChildKey = tuple[str, str, str]
 CHILD_KINDS = ("Deployment", "Service")
+# Children only some specs ask for; a None from the builder deletes one made before.
+OPTIONAL_CHILDREN = (
+    ("PodDisruptionBudget", build_pod_disruption_budget),
+    ("NetworkPolicy", build_network_policy),
+)
 
 
 @dataclass(frozen=True)
@@ -164,7 +170,7 @@ class Reconciler:
         """Drops what is kept in memory for an InferenceService that is gone or going."""
         if self._metrics is not None:
             self._metrics.forget_resource(namespace, name)
-        for kind in CHILD_KINDS:
+        for kind in (*CHILD_KINDS, *(kind for kind, _ in OPTIONAL_CHILDREN)):
             self._stored_forms.pop((kind, namespace, name), None)
 
     def _forget_metrics(self, namespace: str, name: str) -> None:
@@ -234,7 +240,15 @@ class Reconciler:
         owner = Owner(name=name, namespace=namespace, uid=metadata["uid"])
         live_deployment = self._api.get("Deployment", namespace, name)
         live_service = self._api.get("Service", namespace, name)
-        for kind, live in (("Deployment", live_deployment), ("Service", live_service)):
+        optional = {
+            kind: (build(owner, spec), self._api.get(kind, namespace, name))
+            for kind, build in OPTIONAL_CHILDREN
+        }
+        wanted_live = [
+            *(("Deployment", live_deployment), ("Service", live_service)),
+            *((kind, live) for kind, (desired, live) in optional.items() if desired is not None),
+        ]
+        for kind, live in wanted_live:
             if live is not None and not is_controlled_by(live, owner.uid):
                 message = (
                     f"a {kind} named {name} already exists and is not controlled by this "
@@ -258,6 +272,8 @@ class Reconciler:
                 live_deployment,
             )
             self._apply(body, with_config_hash(build_service(owner)), live_service)
+            for kind, (desired, live) in optional.items():
+                self._apply_optional(body, kind, desired, live, owner.uid)
         except KubeError as error:
             if error.status not in (400, 422):
                 raise
@@ -312,6 +328,26 @@ class Reconciler:
         self._post_event(body, *event)
         logger.info("applied %s %s/%s", kind, desired["metadata"]["namespace"], name)
         return applied
+
+    def _apply_optional(
+        self,
+        body: Mapping[str, Any],
+        kind: str,
+        desired: dict[str, Any] | None,
+        live: dict[str, Any] | None,
+        uid: str,
+    ) -> None:
+        """Applies an optional child the spec asks for, or deletes ours when it no longer does
+        (one of someone else's under our name is left alone)."""
+        if desired is not None:
+            self._apply(body, with_config_hash(desired), live)
+            return
+        if live is None or not is_controlled_by(live, uid):
+            return
+        metadata = live["metadata"]
+        self._api.delete(kind, metadata["namespace"], metadata["name"])
+        self._stored_forms.pop((kind, metadata["namespace"], metadata["name"]), None)
+        self._post_event(body, "Normal", "Deleted", f"deleted {kind} {metadata['name']}")
 
     def _stored_form(self, desired: dict[str, Any], live: dict[str, Any]) -> dict[str, Any] | None:
         """`desired` as the API server stores it (see drift.stored_fields); None if the child is

@@ -39,6 +39,8 @@ from kvpilot.operator.kubetypes import (
 )
 from kvpilot.operator.modeluri import URI_PATTERN, ModelSource, parse_model_uri
 
+# A namespace's name: a DNS-1123 label.
+NAMESPACE_PATTERN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
 # metadata.name names the Service too, so it must be a DNS-1035 label.
 NAME_PATTERN = r"^[a-z]([-a-z0-9]*[a-z0-9])?$"
 MAX_NAME_LENGTH = 63
@@ -226,6 +228,17 @@ class RolloutSpec(KubeModel):
         return self
 
 
+class NetworkPolicySpec(KubeModel):
+    """A NetworkPolicy that admits to the engine port only kvpilot's own pods (the operator's
+    autoscaler, the router: any pod labelled app.kubernetes.io/part-of=kvpilot) and the pods
+    of the namespaces listed."""
+
+    allow_namespaces: list[Annotated[str, Field(pattern=NAMESPACE_PATTERN, max_length=63)]] = Field(
+        default_factory=list,
+        description="Namespaces whose pods may call the engines (your clients, Prometheus).",
+    )
+
+
 class InferenceServiceSpec(KubeModel):
     """An OpenAI-compatible endpoint serving one model with kvpilot's engine."""
 
@@ -276,6 +289,17 @@ class InferenceServiceSpec(KubeModel):
     )
     pod_labels: dict[str, str] = Field(
         default_factory=dict, description="Extra labels on the engine pods."
+    )
+    runtime_class_name: str | None = Field(
+        default=None, description="RuntimeClass of the engine pods (e.g. nvidia)."
+    )
+    topology_spread_constraints: list[FreeForm] | None = Field(
+        default=None,
+        description="Topology spread of the engine pods (as in a Pod). Default: spread across "
+        "nodes and zones where possible (ScheduleAnyway); [] for none.",
+    )
+    network_policy: NetworkPolicySpec | None = Field(
+        default=None, description=NetworkPolicySpec.__doc__
     )
     replicas: int | None = Field(
         default=None,

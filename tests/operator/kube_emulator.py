@@ -35,6 +35,8 @@ RESOURCES = (
     ("kvpilot.dev/v1alpha1/inferenceservices", "InferenceService", True, {"status", "scale"}),
     ("apps/v1/deployments", "Deployment", True, {"status", "scale"}),
     ("v1/services", "Service", True, {"status"}),
+    ("policy/v1/poddisruptionbudgets", "PodDisruptionBudget", True, {"status"}),
+    ("networking.k8s.io/v1/networkpolicies", "NetworkPolicy", True, set()),
     ("v1/pods", "Pod", True, {"status"}),
     ("v1/events", "Event", True, set()),
     ("v1/namespaces", "Namespace", False, {"status"}),

@@ -352,3 +352,44 @@ async def test_api_errors_are_retried(kmock: KubeEmulator, operator: RunningOper
     ]
     assert len(failed) > 3  # three 503s, then the retries that went through
     assert operator.thread.is_alive()
+
+
+PDB = "policy/v1/poddisruptionbudgets"
+NETWORK_POLICY = "networking.k8s.io/v1/networkpolicies"
+
+
+async def test_disruption_budget_and_network_policy_follow_the_spec(
+    kmock: KubeEmulator, operator: RunningOperator
+) -> None:
+    model = {"uri": "builtin://smollm2-135m-instruct"}
+    await create_isvc(kmock, "pdb", {"model": model, "replicas": 2})
+    budget = await eventually(lambda: live(kmock, PDB, "pdb"))
+    assert budget["spec"]["maxUnavailable"] == 1
+    assert budget["metadata"]["ownerReferences"][0]["kind"] == "InferenceService"
+    assert live(kmock, NETWORK_POLICY, "pdb") is None  # not asked for
+
+    # Down to one replica: the budget goes (it would only ever block drains).
+    await api(kmock, "PATCH", f"{ISVC_PATH}/pdb", {"spec": {"replicas": 1}})
+    await eventually(lambda: live(kmock, PDB, "pdb") is None)
+    assert "Deleted" in reasons(kmock, "pdb")
+    # Autoscaled up to 3 (at 1 replica now): a budget again; and a NetworkPolicy on request.
+    patch = {
+        "replicas": None,
+        "autoscaling": {"maxReplicas": 3},
+        "networkPolicy": {"allowNamespaces": ["web"]},
+    }
+    await api(kmock, "PATCH", f"{ISVC_PATH}/pdb", {"spec": patch})
+    await eventually(lambda: live(kmock, PDB, "pdb"))
+    policy = await eventually(lambda: live(kmock, NETWORK_POLICY, "pdb"))
+    assert policy["spec"]["ingress"][0]["from"][1]["namespaceSelector"]["matchExpressions"][0][
+        "values"
+    ] == ["web"]
+    await api(kmock, "PATCH", f"{ISVC_PATH}/pdb", {"spec": {"networkPolicy": None}})
+    await eventually(lambda: live(kmock, NETWORK_POLICY, "pdb") is None)
+    assert live(kmock, PDB, "pdb") is not None
+
+    # Every call it made for them is in the chart's ClusterRole.
+    rules = operator_rules()
+    calls = {call for call in map(rbac_call, kmock._requests) if call is not None}
+    assert ("policy", "poddisruptionbudgets", "delete") in calls
+    assert [call for call in calls if not rbac_allows(rules, *call)] == []
