@@ -26,6 +26,7 @@ from kvpilot.engine.core.messages import (
 )
 from kvpilot.engine.model.loader import read_hf_config, resolve_model, set_offline_defaults
 from kvpilot.engine.model_runner import ModelRunner
+from kvpilot.engine.sampling_params import SamplingParams
 from kvpilot.engine.scheduler import Scheduler
 from kvpilot.engine.sequence import Sequence
 
@@ -46,6 +47,14 @@ def check_prompt(
         num_blocks=num_blocks,
         block_size=block_size,
     )
+
+
+def check_logit_bias(params: SamplingParams, vocab_size: int) -> None:
+    """Raise ValueError unless every logit_bias token id is in the vocabulary (an id past it
+    would fail the whole batch's sampling step, not just this request)."""
+    bad = [t for t, _ in params.logit_bias if t >= vocab_size]
+    if bad:
+        raise ValueError(f"logit_bias token ids must be in [0, {vocab_size}); got {bad[0]}")
 
 
 def check_prompt_fits(
@@ -118,6 +127,7 @@ class EngineCore:
             block_size=self.block_size,
         )
         params = request.params
+        check_logit_bias(params, self.model_config.vocab_size)
         seqs = []
         for index in range(params.n):
             generator = None

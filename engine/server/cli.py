@@ -124,6 +124,15 @@ def build_parser() -> argparse.ArgumentParser:
     )
     s.add_argument("--max-stop-strings", type=int, default=limits.max_stop, help="per request")
     s.add_argument(
+        "--max-logit-bias", type=int, default=limits.max_logit_bias, help="entries per request"
+    )
+    s.add_argument(
+        "--max-tokens-limit",
+        type=int,
+        default=limits.max_tokens,
+        help="400 for a larger max_tokens; also caps an absent one (default: the context)",
+    )
+    s.add_argument(
         "--shutdown-timeout",
         type=float,
         default=30.0,
@@ -248,6 +257,8 @@ def main(argv: list[str]) -> int:
                 max_json_depth=args.max_json_depth,
                 max_sequences=args.max_sequences_per_request,
                 max_stop=args.max_stop_strings,
+                max_logit_bias=args.max_logit_bias,
+                max_tokens=args.max_tokens_limit,
             ),
         )
     except ValueError as exc:
