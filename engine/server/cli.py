@@ -85,6 +85,13 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
     g.add_argument("--kv-cache-gib", type=float, default=1.0, help="KV-cache budget on CPU")
     g.add_argument(
+        "--kv-cache-memory-bytes",
+        type=int,
+        default=None,
+        help="KV-cache budget in bytes on CPU or GPU (overrides --kv-cache-gib and the budget "
+        "--gpu-memory-utilization leaves)",
+    )
+    g.add_argument(
         "--gpu-memory-utilization",
         type=float,
         default=0.9,
@@ -183,6 +190,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
             block_size=args.block_size,
             enable_prefix_caching=args.enable_prefix_caching,
             kv_cache_gib=args.kv_cache_gib,
+            kv_cache_bytes=args.kv_cache_memory_bytes,
             gpu_memory_utilization=args.gpu_memory_utilization,
             num_blocks=args.num_gpu_blocks_override,
         ),
