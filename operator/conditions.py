@@ -14,6 +14,8 @@ from typing import Any
 READY = "Ready"
 PROGRESSING = "Progressing"
 DEGRADED = "Degraded"
+# Only on objects whose memory request is (or was) below the engine's need.
+MEMORY_SUFFICIENT = "MemorySufficient"
 CONDITION_TYPES = (READY, PROGRESSING, DEGRADED)
 _CAMEL_CASE = re.compile(r"^[A-Z][A-Za-z0-9]*$")
 

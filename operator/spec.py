@@ -391,8 +391,14 @@ class InferenceServiceSpec(KubeModel):
             raise ValueError(
                 "engine.dtype float16 needs a GPU (gpus > 0): on CPU use float32 or bfloat16"
             )
-        if self.engine.kv_cache_memory_fraction is not None and self.memory_limit is None:
-            raise ValueError("engine.kvCacheMemoryFraction needs resources.limits.memory")
+        if self.engine.kv_cache_memory_fraction is not None:
+            if self.memory_limit is None:
+                raise ValueError("engine.kvCacheMemoryFraction needs resources.limits.memory")
+            if (self.kv_cache_bytes or 0) < MIN_KV_CACHE_BYTES:
+                raise ValueError(
+                    f"engine.kvCacheMemoryFraction {self.engine.kv_cache_memory_fraction} of "
+                    f"the memory limit is below 1Mi: too small for one KV block of any model"
+                )
         if self.engine.api_key_secret is not None and any(
             var.name == API_KEY_ENV for var in self.engine.env
         ):

@@ -38,9 +38,10 @@ OWNED_KEYS = (
 class StatusCondition(KubeModel):
     """One aspect of the service's state, as Kubernetes conditions are."""
 
-    type: Literal["Ready", "Progressing", "Degraded"] = Field(
+    type: Literal["Ready", "Progressing", "Degraded", "MemorySufficient"] = Field(
         description="Ready: serving requests. Progressing: a rollout or scale is under way. "
-        "Degraded: something needs attention."
+        "Degraded: something needs attention. MemorySufficient (only when it was ever False): "
+        "resources.requests.memory covers what the engine needs."
     )
     status: Literal["True", "False", "Unknown"] = Field(description="True, False or Unknown.")
     reason: str = Field(description="CamelCase reason, e.g. Serving, CrashLoopBackOff.")
