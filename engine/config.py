@@ -18,6 +18,7 @@ LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
 ATTENTION_BACKEND_NAMES = ("torch", "cpu", "triton")
 ATTENTION_BACKENDS = ("auto", *ATTENTION_BACKEND_NAMES)
 SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2")
+BLOCK_SIZES = (8, 16, 32, 64, 128)  # tokens per KV block the kernels handle
 
 
 @dataclass(frozen=True)
@@ -133,17 +134,23 @@ class ModelConfig:
 
 @dataclass(frozen=True)
 class CacheConfig:
-    block_size: int = 16
+    block_size: int = 16  # one of BLOCK_SIZES
     enable_prefix_caching: bool = True
     kv_cache_gib: float = 1.0  # the budget on CPU
     gpu_memory_utilization: float = (
         0.9  # the fraction of GPU memory the engine may take, KV included
     )
-    num_blocks: int | None = None  # overrides both budgets (tests force tiny pools this way)
+    # An explicit KV budget in bytes on any device (CPU or GPU): overrides kv_cache_gib and the
+    # budget gpu_memory_utilization leaves (what a container's memory limit is sized against).
+    kv_cache_bytes: int | None = None
+    num_blocks: int | None = None  # overrides every budget (tests force tiny pools this way)
 
     def __post_init__(self) -> None:
-        if self.block_size not in (8, 16, 32, 64, 128):
-            raise ValueError(f"block_size must be one of 8, 16, 32, 64, 128, got {self.block_size}")
+        if self.block_size not in BLOCK_SIZES:
+            raise ValueError(
+                f"block_size must be one of {', '.join(map(str, BLOCK_SIZES))}, got "
+                f"{self.block_size}"
+            )
         if self.kv_cache_gib <= 0:
             raise ValueError(f"kv_cache_gib must be > 0, got {self.kv_cache_gib}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
@@ -152,6 +159,8 @@ class CacheConfig:
             )
         if self.num_blocks is not None and self.num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {self.num_blocks}")
+        if self.kv_cache_bytes is not None and self.kv_cache_bytes < 1:
+            raise ValueError(f"kv_cache_bytes must be >= 1, got {self.kv_cache_bytes}")
 
 
 @dataclass(frozen=True)

@@ -113,7 +113,9 @@ class ModelRunner:
         cache = self.config.cache
         if cache.num_blocks is not None:
             return cache.num_blocks
-        if self.device.type == "cuda":
+        if cache.kv_cache_bytes is not None:
+            budget = cache.kv_cache_bytes
+        elif self.device.type == "cuda":
             free, total = torch.cuda.mem_get_info(self.device)
             # Leave room for activations of one full step; the weights are already resident.
             reserve = 0.05 * total + 2**30
@@ -124,8 +126,8 @@ class ModelRunner:
         if num_blocks < 1:
             raise ValueError(
                 f"no room for the KV cache: the budget of {budget / 2**30:.2f} GiB holds no block "
-                f"of {self.bytes_per_block / 2**20:.1f} MiB (raise kv_cache_gib or "
-                f"gpu_memory_utilization)"
+                f"of {self.bytes_per_block / 2**20:.1f} MiB (raise kv_cache_bytes, "
+                f"kv_cache_gib or gpu_memory_utilization)"
             )
         return num_blocks
 

@@ -54,6 +54,21 @@ def _put_rows(logits: torch.Tensor, idx: list[int], values: torch.Tensor) -> tor
     return logits
 
 
+def apply_logit_bias(logits: torch.Tensor, rows: list[SamplerRow]) -> torch.Tensor:
+    """The logits with each row's logit_bias added: a copy when any row has one, else the same
+    tensor (the caller's logits are never changed)."""
+    idx = [i for i, r in enumerate(rows) if r.params.logit_bias]
+    if not idx:
+        return logits
+    row_ids = [i for i in idx for _ in rows[i].params.logit_bias]
+    token_ids = [t for i in idx for t, _ in rows[i].params.logit_bias]
+    biases = [b for i in idx for _, b in rows[i].params.logit_bias]
+    biased = logits.clone()
+    # Each (row, token) appears once (SamplingParams checks), so this is one add per entry.
+    biased[row_ids, token_ids] += torch.tensor(biases, dtype=logits.dtype, device=logits.device)
+    return biased
+
+
 def apply_penalties(logits: torch.Tensor, rows: list[SamplerRow]) -> torch.Tensor:
     """The logits with presence/frequency penalties applied: a copy when any row has some to
     apply, else the same tensor (the caller's logits are never changed)."""
@@ -213,7 +228,7 @@ def sample(
     if not rows:
         return SampleResult([], [])
     raw_logits = logits
-    logits = apply_penalties(logits, rows)
+    logits = apply_penalties(apply_logit_bias(logits, rows), rows)
     token_ids: list[int] = [0] * len(rows)
     greedy = [i for i, r in enumerate(rows) if r.params.is_greedy]
     if greedy:

@@ -20,6 +20,8 @@ DEGRADED = "Degraded"
 RECONCILING = "Reconciling"
 STALLED = "Stalled"
 CONDITION_TYPES = (READY, PROGRESSING, DEGRADED, RECONCILING, STALLED)
+# Only on objects whose memory request is (or was) below the engine's need.
+MEMORY_SUFFICIENT = "MemorySufficient"
 _CAMEL_CASE = re.compile(r"^[A-Z][A-Za-z0-9]*$")
 
 

@@ -44,6 +44,9 @@ METRICS_PATH = "/metrics"
 MODEL_CACHE_VOLUME = "model-cache"
 MODEL_CACHE_MOUNT = "/models"
 MODEL_FETCH_CONTAINER = "model-fetch"
+# A writable emptyDir at /tmp (HOME too): the containers' root filesystem is read-only.
+TMP_VOLUME = "tmp"
+TMP_MOUNT = "/tmp"
 NVIDIA_GPU = "nvidia.com/gpu"
 
 # Our image runs as this non-root user (see the Dockerfile); pods run with it under PSS restricted.

@@ -25,7 +25,14 @@ from kvpilot.operator.builders import (
     served_model_name,
     service_url,
 )
-from kvpilot.operator.conditions import DEGRADED, changed_conditions, find_condition
+from kvpilot.operator.conditions import (
+    DEGRADED,
+    MEMORY_SUFFICIENT,
+    Condition,
+    changed_conditions,
+    find_condition,
+    set_condition,
+)
 from kvpilot.operator.config import OperatorConfig
 from kvpilot.operator.constants import KIND
 from kvpilot.operator.drift import (
@@ -37,6 +44,7 @@ from kvpilot.operator.drift import (
     with_config_hash,
 )
 from kvpilot.operator.kube import KubeApi, KubeError
+from kvpilot.operator.memory import limit_problem, request_shortfall
 from kvpilot.operator.policies import build_network_policy, build_pod_disruption_budget
 from kvpilot.operator.spec import InferenceServiceSpec, InvalidSpecError, parse_spec, validate_name
 from kvpilot.operator.status import (
@@ -81,6 +89,24 @@ def replicas_for(spec: InferenceServiceSpec, live: Mapping[str, Any] | None) -> 
     policy = spec.autoscaling.policy
     current = None if live is None else (live.get("spec") or {}).get("replicas")
     return policy.min_replicas if current is None else policy.clamp(current)
+
+
+def check_memory_limit(spec: InferenceServiceSpec) -> None:
+    """InvalidSpec for a memory limit the engine would refuse to start under (known models)."""
+    problem = limit_problem(spec)
+    if problem is not None:
+        raise InvalidSpecError(f"spec.resources: {problem}")
+
+
+def memory_condition(spec: InferenceServiceSpec, previous: Mapping[str, Any]) -> Condition | None:
+    """MemorySufficient=False while the memory request is below the engine's need; set back to
+    True once fixed, and absent for an object that never had the problem."""
+    shortfall = request_shortfall(spec)
+    if shortfall is not None:
+        return Condition(MEMORY_SUFFICIENT, False, "MemoryRequestBelowNeed", shortfall)
+    if find_condition(previous.get("conditions") or [], MEMORY_SUFFICIENT) is None:
+        return None
+    return Condition(MEMORY_SUFFICIENT, True, "MemoryRequestCoversNeed", "requests cover the need")
 
 
 def is_controlled_by(live: Mapping[str, Any], uid: str) -> bool:
@@ -231,6 +257,7 @@ class Reconciler:
         try:
             validate_name(name)
             spec = parse_spec(body.get("spec"))
+            check_memory_limit(spec)
         except InvalidSpecError as error:
             message = str(error)
             status = build_invalid_status(previous, generation, message, self._clock())
@@ -294,6 +321,11 @@ class Reconciler:
             model=served_model_name(owner, spec),
         )
         status = build_status(previous, observed, self._clock())
+        memory = memory_condition(spec, previous)
+        if memory is not None:
+            status["conditions"] = set_condition(
+                status["conditions"], memory, generation=generation, now=self._clock()
+            )
         if spec.autoscaling is None and previous.get("autoscaling") is not None:
             status["autoscaling"] = None  # a merge patch deletes the autoscaler's stale state
             self._forget_metrics(namespace, name)
@@ -397,8 +429,10 @@ class Reconciler:
             previous.get("conditions") or [], status.get("conditions") or []
         ):
             reason = condition["reason"]
-            is_warning = (condition["type"] == DEGRADED and condition["status"] == "True") or (
-                reason == "InvalidSpec"
+            is_warning = (
+                (condition["type"] == DEGRADED and condition["status"] == "True")
+                or reason == "InvalidSpec"
+                or (condition["type"] == MEMORY_SUFFICIENT and condition["status"] == "False")
             )
             message = f"{condition['type']}={condition['status']}: {condition['message']}"
             if reason not in changed or (is_warning and not changed[reason][0]):

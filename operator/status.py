@@ -39,10 +39,13 @@ OWNED_KEYS = (
 class StatusCondition(KubeModel):
     """One aspect of the service's state, as Kubernetes conditions are."""
 
-    type: Literal["Ready", "Progressing", "Degraded", "Reconciling", "Stalled"] = Field(
+    type: Literal[
+        "Ready", "Progressing", "Degraded", "Reconciling", "Stalled", "MemorySufficient"
+    ] = Field(
         description="Ready: serving requests. Progressing: a rollout or scale is under way. "
         "Degraded: something needs attention. Reconciling and Stalled: kstatus' names of "
-        "Progressing and Degraded (for Flux, kpt, kubectl wait)."
+        "Progressing and Degraded (for Flux, kpt, kubectl wait). MemorySufficient (only when it "
+        "was ever False): resources.requests.memory covers what the engine needs."
     )
     status: Literal["True", "False", "Unknown"] = Field(description="True, False or Unknown.")
     reason: str = Field(description="CamelCase reason, e.g. Serving, CrashLoopBackOff.")

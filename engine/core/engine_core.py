@@ -24,8 +24,16 @@ from kvpilot.engine.core.messages import (
     SeqUpdate,
     StepOutputs,
 )
+from kvpilot.engine.memory_fit import (
+    RUNTIME_BYTES,
+    MemoryNeed,
+    activation_bytes,
+    check_memory_fit,
+    memory_limit,
+)
 from kvpilot.engine.model.loader import read_hf_config, resolve_model, set_offline_defaults
 from kvpilot.engine.model_runner import ModelRunner
+from kvpilot.engine.sampling_params import SamplingParams
 from kvpilot.engine.scheduler import Scheduler
 from kvpilot.engine.sequence import Sequence
 
@@ -48,6 +56,14 @@ def check_prompt(
     )
 
 
+def check_logit_bias(params: SamplingParams, vocab_size: int) -> None:
+    """Raise ValueError unless every logit_bias token id is in the vocabulary (an id past it
+    would fail the whole batch's sampling step, not just this request)."""
+    bad = [t for t, _ in params.logit_bias if t >= vocab_size]
+    if bad:
+        raise ValueError(f"logit_bias token ids must be in [0, {vocab_size}); got {bad[0]}")
+
+
 def check_prompt_fits(
     num_tokens: int, *, max_model_len: int, num_blocks: int, block_size: int
 ) -> None:
@@ -66,6 +82,27 @@ def check_prompt_fits(
         )
 
 
+def cpu_memory_need(config: EngineConfig, model: ModelConfig) -> MemoryNeed:
+    """What a CPU engine with this config holds in RAM at its peak, both processes together."""
+    itemsize = torch.empty((), dtype=config.resolved_dtype).element_size()
+    cache = config.cache
+    if cache.num_blocks is not None:
+        kv = cache.num_blocks * cache.block_size * model.kv_bytes_per_token * itemsize
+    elif cache.kv_cache_bytes is not None:
+        kv = cache.kv_cache_bytes
+    else:
+        kv = int(cache.kv_cache_gib * 2**30)
+    working = RUNTIME_BYTES + activation_bytes(
+        max_num_batched_tokens=config.scheduler.max_num_batched_tokens,
+        max_num_seqs=config.scheduler.max_num_seqs,
+        hidden_size=model.hidden_size,
+        intermediate_size=model.intermediate_size,
+        vocab_size=model.vocab_size,
+        itemsize=itemsize,
+    )
+    return MemoryNeed(weights=model.num_params * itemsize, kv_cache=kv, working=working)
+
+
 class EngineCore:
     def __init__(self, config: EngineConfig) -> None:
         set_offline_defaults()
@@ -75,6 +112,9 @@ class EngineCore:
         source = resolve_model(config.model, config.load_format)
         self.model_config = ModelConfig.from_hf_config(read_hf_config(source.hf_dir))
         self.max_model_len = config.max_model_len or self.model_config.max_position_embeddings
+        if config.resolved_device.type == "cpu":
+            # Before the weights and the KV cache are allocated: a clear error, not an OOM kill.
+            check_memory_fit(cpu_memory_need(config, self.model_config), memory_limit())
         self.runner = ModelRunner(config, self.model_config, source, self.max_model_len)
         self.block_size = config.cache.block_size
         self.num_blocks = self.runner.num_blocks
@@ -118,6 +158,7 @@ class EngineCore:
             block_size=self.block_size,
         )
         params = request.params
+        check_logit_bias(params, self.model_config.vocab_size)
         seqs = []
         for index in range(params.n):
             generator = None

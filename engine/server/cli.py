@@ -85,6 +85,13 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
     g.add_argument("--kv-cache-gib", type=float, default=1.0, help="KV-cache budget on CPU")
     g.add_argument(
+        "--kv-cache-memory-bytes",
+        type=int,
+        default=None,
+        help="KV-cache budget in bytes on CPU or GPU (overrides --kv-cache-gib and the budget "
+        "--gpu-memory-utilization leaves)",
+    )
+    g.add_argument(
         "--gpu-memory-utilization",
         type=float,
         default=0.9,
@@ -123,6 +130,15 @@ def build_parser() -> argparse.ArgumentParser:
         help="400 when prompts x n exceeds it",
     )
     s.add_argument("--max-stop-strings", type=int, default=limits.max_stop, help="per request")
+    s.add_argument(
+        "--max-logit-bias", type=int, default=limits.max_logit_bias, help="entries per request"
+    )
+    s.add_argument(
+        "--max-tokens-limit",
+        type=int,
+        default=limits.max_tokens,
+        help="400 for a larger max_tokens; also caps an absent one (default: the context)",
+    )
     s.add_argument(
         "--shutdown-timeout",
         type=float,
@@ -174,6 +190,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
             block_size=args.block_size,
             enable_prefix_caching=args.enable_prefix_caching,
             kv_cache_gib=args.kv_cache_gib,
+            kv_cache_bytes=args.kv_cache_memory_bytes,
             gpu_memory_utilization=args.gpu_memory_utilization,
             num_blocks=args.num_gpu_blocks_override,
         ),
@@ -248,6 +265,8 @@ def main(argv: list[str]) -> int:
                 max_json_depth=args.max_json_depth,
                 max_sequences=args.max_sequences_per_request,
                 max_stop=args.max_stop_strings,
+                max_logit_bias=args.max_logit_bias,
+                max_tokens=args.max_tokens_limit,
             ),
         )
     except ValueError as exc:

@@ -24,11 +24,19 @@ from typing import Any, Literal
 
 from kvpilot.engine.core.process import die_with_parent
 from kvpilot.engine.server import errors
-from kvpilot.engine.server.limits import RequestLimits, check_fan_out, check_stop
+from kvpilot.engine.server.limits import (
+    RequestLimits,
+    check_fan_out,
+    check_logit_bias,
+    check_max_tokens,
+    check_stop,
+)
 from kvpilot.engine.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     parse_request,
+    requested_max_tokens,
+    sequences_per_prompt,
 )
 
 BIG_BODY_BYTES = 1 << 20
@@ -60,6 +68,7 @@ class Prompt:
 class Preprocessed:
     request: CompletionRequest | ChatCompletionRequest
     prompts: list[Prompt]
+    logit_bias: tuple[tuple[int, float], ...] = ()  # checked against the vocabulary
 
 
 def max_chars_per_token(tokenizer: Any) -> int:
@@ -81,11 +90,11 @@ def preprocess(
     depth = limits.requests.max_json_depth
     if kind == "chat":
         chat = parse_request(ChatCompletionRequest, body, depth)
-        _check_request(chat, 1, limits)
-        return Preprocessed(chat, [chat_prompt(chat, tokenizer, limits)])
+        bias = _check_request(chat, 1, limits)
+        return Preprocessed(chat, [chat_prompt(chat, tokenizer, limits)], bias)
     request = parse_request(CompletionRequest, body, depth)
-    _check_request(request, len(prompt_items(request)), limits)
-    return Preprocessed(request, completion_prompts(request, tokenizer, limits))
+    bias = _check_request(request, len(prompt_items(request)), limits)
+    return Preprocessed(request, completion_prompts(request, tokenizer, limits), bias)
 
 
 def prompt_items(request: CompletionRequest) -> list[str | list[int]]:
@@ -100,11 +109,14 @@ def prompt_items(request: CompletionRequest) -> list[str | list[int]]:
 
 def _check_request(
     request: CompletionRequest | ChatCompletionRequest, prompts: int, limits: PromptLimits
-) -> None:
-    """Before any tokenizing: the model asked for and the request's own limits."""
+) -> tuple[tuple[int, float], ...]:
+    """Before any tokenizing: the model asked for and the request's own limits. Returns the
+    logit_bias as (token id, bias) pairs."""
     _check_model(request.model, limits)
     check_stop(request.stop, limits.requests)
-    check_fan_out(prompts, request.n, limits.requests)
+    check_fan_out(prompts, sequences_per_prompt(request), limits.requests)
+    check_max_tokens(requested_max_tokens(request), limits.requests)
+    return check_logit_bias(request.logit_bias, limits.vocab_size, limits.requests)
 
 
 def _check_model(requested: str | None, limits: PromptLimits) -> None:

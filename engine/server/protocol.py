@@ -2,7 +2,7 @@
 
 Strict mode on purpose: OpenAI answers `"temperature": "0.5"` or `"n": true` with a 400, and so do
 we (pydantic's lax mode would coerce them). Unknown fields are ignored, as OpenAI does; known OpenAI
-fields we cannot honour (tools, logit_bias, suffix, ...) are a 400 rather than silently dropped.
+fields we cannot honour (tools, suffix, ...) are a 400 rather than silently dropped.
 """
 
 from __future__ import annotations
@@ -52,8 +52,9 @@ class _SamplingRequest(_Strict):
     user: str | None = None
     # kvpilot/vLLM extension: requests with different salts never share prefix-cache blocks.
     cache_salt: Annotated[str, Field(min_length=1)] | None = None
+    # {"token id": bias}; the keys are checked against the vocabulary while preprocessing.
+    logit_bias: dict[str, Annotated[float, Field(ge=-100.0, le=100.0)]] | None = None
     # OpenAI fields we do not implement: accepted only at their neutral value.
-    logit_bias: dict[str, float] | None = None
     repetition_penalty: float | None = None
 
     @property
@@ -154,8 +155,6 @@ def _is_type_tag(part: str) -> bool:
 
 def check_unsupported(request: _SamplingRequest) -> None:
     """Reject OpenAI features we do not implement instead of silently ignoring them."""
-    if request.logit_bias:
-        raise bad_request("logit_bias is not supported.", param="logit_bias")
     if request.repetition_penalty not in (None, 1.0):
         raise bad_request(
             "repetition_penalty is not supported; use presence_penalty or frequency_penalty.",
@@ -205,7 +204,18 @@ def num_logprobs(request: _SamplingRequest) -> int | None:
     return request.logprobs
 
 
-def to_sampling_params(request: _SamplingRequest, max_tokens: int) -> SamplingParams:
+def sequences_per_prompt(request: _SamplingRequest) -> int:
+    """Sequences the engine generates per prompt: n, or best_of where that is larger (best_of
+    is accepted only equal to n today, so the two agree)."""
+    best_of = request.best_of if isinstance(request, CompletionRequest) else None
+    return max(request.n, best_of or 0)
+
+
+def to_sampling_params(
+    request: _SamplingRequest,
+    max_tokens: int,
+    logit_bias: tuple[tuple[int, float], ...] = (),
+) -> SamplingParams:
     """Map validated request fields onto SamplingParams (OpenAI defaults for absent fields)."""
     stop = [request.stop] if isinstance(request.stop, str) else (request.stop or [])
     try:
@@ -224,6 +234,7 @@ def to_sampling_params(request: _SamplingRequest, max_tokens: int) -> SamplingPa
             presence_penalty=request.presence_penalty,
             frequency_penalty=request.frequency_penalty,
             include_stop_str_in_output=request.include_stop_str_in_output,
+            logit_bias=logit_bias,
         )
     except ValueError as exc:
         # SamplingParams names the field first in its message.

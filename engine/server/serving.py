@@ -37,9 +37,16 @@ from kvpilot.engine.server.state import InFlight, ServerState
 
 
 def resolve_max_tokens(
-    requested: int | None, prompt_len: int, max_model_len: int, *, what: str, param: str
+    requested: int | None,
+    prompt_len: int,
+    max_model_len: int,
+    *,
+    what: str,
+    param: str,
+    limit: int | None = None,
 ) -> int:
-    """max_tokens to use, or a 400 with OpenAI's context-length message and the numbers."""
+    """max_tokens to use, or a 400 with OpenAI's context-length message and the numbers. Without
+    a request's own max_tokens: what the context leaves, at most `limit` (the server's cap)."""
     if prompt_len >= max_model_len:
         raise errors.bad_request(
             f"This model's maximum context length is {max_model_len} tokens. However, your "
@@ -49,7 +56,7 @@ def resolve_max_tokens(
             code="context_length_exceeded",
         )
     if requested is None:
-        return max_model_len - prompt_len
+        return min(max_model_len - prompt_len, limit or max_model_len)
     if prompt_len + requested > max_model_len:
         raise errors.bad_request(
             f"This model's maximum context length is {max_model_len} tokens. However, you "
@@ -129,6 +136,7 @@ async def start_generation(
     prompts: list[Prompt],
     request_id: str,
     arrival_time: float,
+    logit_bias: tuple[tuple[int, float], ...] = (),
 ) -> Generation:
     info = state.engine.info
     assert info is not None
@@ -143,7 +151,9 @@ async def start_generation(
                 info.max_model_len,
                 what=what,
                 param=param,
+                limit=state.settings.limits.max_tokens,
             ),
+            logit_bias,
         )
         for p in prompts
     ]
@@ -182,7 +192,7 @@ async def create_completion(state: ServerState, http: Request) -> Response:
     request, prompts = pre.request, pre.prompts
     assert isinstance(request, CompletionRequest)
     header = render.ResponseHeader(f"cmpl-{uuid.uuid4().hex}", int(time.time()), info.model_name)
-    generation = await start_generation(state, request, prompts, header.id, arrival)
+    generation = await start_generation(state, request, prompts, header.id, arrival, pre.logit_bias)
     if request.stream:
         return SSEResponse(
             _completion_events(generation, request, prompts, header), on_close=generation.close
@@ -264,7 +274,7 @@ async def create_chat_completion(state: ServerState, http: Request) -> Response:
     header = render.ResponseHeader(
         f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), info.model_name
     )
-    generation = await start_generation(state, request, prompts, header.id, arrival)
+    generation = await start_generation(state, request, prompts, header.id, arrival, pre.logit_bias)
     if request.stream:
         return SSEResponse(
             _chat_events(generation, request, prompts, header), on_close=generation.close
