@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from kvpilot.engine.structured.spec import StructuredSpec
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -23,6 +25,8 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     include_stop_str_in_output: bool = False
+    # Grammar-constrained decoding (JSON schema, regex, choice, EBNF); None: free text.
+    structured: StructuredSpec | None = None
     extra: dict[str, object] = field(default_factory=dict, compare=False, hash=False)
 
     def __post_init__(self) -> None:
