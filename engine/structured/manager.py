@@ -77,8 +77,7 @@ class StructuredOutputs:
         self._bitmask: torch.Tensor | None = None
 
     def _xgrammar(self) -> GrammarBackend:
-        from kvpilot.engine.llm_engine import eos_token_ids
-        from kvpilot.engine.model.loader import load_tokenizer
+        from kvpilot.engine.model.loader import eos_token_ids, load_tokenizer
 
         tokenizer = load_tokenizer(self._hf_dir)
         stops = eos_token_ids(self._stop_token_ids, tokenizer)

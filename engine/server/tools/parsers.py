@@ -137,7 +137,7 @@ class HermesParser:
             if end is None:
                 break
             at = text.find(self.OPEN, end)
-        return ParsedTools(text[:first], calls)
+        return ParsedTools(text[:first] or None, calls)
 
 
 class Llama3JsonParser:
