@@ -189,6 +189,8 @@ class EngineConfig:
     served_model_name: str | None = None
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    # Grammar masks of a step filled on a thread while its forward runs (False: after it).
+    overlap_grammar_masks: bool = True
 
     def __post_init__(self) -> None:
         if self.load_format not in LOAD_FORMATS:

@@ -23,6 +23,7 @@ from kvpilot.engine.model.loader import (
 )
 from kvpilot.engine.sampler import SampleResult, SamplerRow, sample
 from kvpilot.engine.scheduler import ScheduledSequence
+from kvpilot.engine.structured.manager import StructuredOutputs
 
 log = logging.getLogger("kvpilot")
 
@@ -180,10 +181,13 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(
-        self, scheduled: list[ScheduledSequence]
+        self, scheduled: list[ScheduledSequence], structured: StructuredOutputs | None = None
     ) -> tuple[list[ScheduledSequence], SampleResult]:
-        """Runs one step. Returns the sequences that sampled, in order, and what they sampled."""
+        """Runs one step. Returns the sequences that sampled, in order, and what they sampled.
+        Constrained sequences' token masks are filled by `structured` while the forward runs."""
         batch = self.prepare(scheduled)
+        grammars = [item.seq.grammar for item in batch.sampling]
+        masks = structured.start_masks(grammars) if structured is not None else None
         hidden = self.model(batch.input_ids, batch.ctx)
         if not batch.sampling:
             return [], SampleResult([], [])
@@ -192,4 +196,8 @@ class ModelRunner:
             SamplerRow(item.seq.params, item.seq.output_token_ids, item.seq.generator)
             for item in batch.sampling
         ]
-        return batch.sampling, sample(logits, rows, self.default_generator)
+        if masks is None:
+            return batch.sampling, sample(logits, rows, self.default_generator)
+        constrained = tuple(i for i, g in enumerate(grammars) if g is not None)
+        bitmask = masks.result().to(logits.device, non_blocking=True)
+        return batch.sampling, sample(logits, rows, self.default_generator, bitmask, constrained)

@@ -1,6 +1,9 @@
 """Turns one row of logits per sampling sequence into a token (and its logprobs), for the whole
 batch at once.
 
+Rows under a grammar constraint come with a token bitmask, applied first: their logprobs are those
+of the masked distribution (as vLLM reports them), so a forbidden token has logprob -inf.
+
 Randomness comes from each sequence's own torch.Generator when it has a seed, so a seeded request
 samples the same tokens whatever else shares its batch. Logprobs are those of the model's raw
 distribution (before temperature, penalties and truncation), as vLLM and OpenAI report them.
@@ -19,6 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from kvpilot.engine.sampling_params import SamplingParams
+from kvpilot.engine.structured.bitmask import apply_bitmask
 
 
 @dataclass(frozen=True)
@@ -222,11 +226,19 @@ def _logprobs(
 
 
 def sample(
-    logits: torch.Tensor, rows: list[SamplerRow], default_generator: torch.Generator
+    logits: torch.Tensor,
+    rows: list[SamplerRow],
+    default_generator: torch.Generator,
+    bitmask: torch.Tensor | None = None,
+    constrained: tuple[int, ...] = (),
 ) -> SampleResult:
-    """logits: [S, V] float32, one row per sequence that samples this step."""
+    """logits: [S, V] float32, one row per sequence that samples this step. bitmask: [S, V / 32]
+    packed allowed tokens, read for the rows in `constrained` (their logits are masked in place)."""
     if not rows:
         return SampleResult([], [])
+    if bitmask is not None and constrained:
+        idx = list(constrained)
+        apply_bitmask(logits, bitmask[idx], idx)
     raw_logits = logits
     logits = apply_penalties(apply_logit_bias(logits, rows), rows)
     token_ids: list[int] = [0] * len(rows)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from kvpilot.engine.structured.spec import StructuredSpec
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -26,6 +28,8 @@ class SamplingParams:
     # (token id, bias) added to that token's logit before any other sampling step (OpenAI's
     # logit_bias: -100 bans a token, +100 all but forces it); the reported logprobs stay raw.
     logit_bias: tuple[tuple[int, float], ...] = ()
+    # Grammar-constrained decoding (JSON schema, regex, choice, EBNF); None: free text.
+    structured: StructuredSpec | None = None
     extra: dict[str, object] = field(default_factory=dict, compare=False, hash=False)
 
     def __post_init__(self) -> None:

@@ -36,6 +36,7 @@ from kvpilot.engine.model_runner import ModelRunner
 from kvpilot.engine.sampling_params import SamplingParams
 from kvpilot.engine.scheduler import Scheduler
 from kvpilot.engine.sequence import Sequence
+from kvpilot.engine.structured.manager import SequenceGrammar, StructuredOutputs
 
 log = logging.getLogger("kvpilot")
 
@@ -126,6 +127,12 @@ class EngineCore:
         # hanging.
         self.max_seq_len = min(self.max_model_len, self.num_blocks * self.block_size)
         self.requests: dict[str, list[Sequence]] = {}
+        self.structured = StructuredOutputs(
+            source.hf_dir,
+            self.model_config.vocab_size,
+            tuple(self.model_config.eos_token_ids),
+            overlap=config.overlap_grammar_masks,
+        )
         self.num_prompt_tokens = 0
         self.num_generation_tokens = 0
         self.description = ModelDescription(
@@ -159,6 +166,9 @@ class EngineCore:
         )
         params = request.params
         check_logit_bias(params, self.model_config.vocab_size)
+        grammars: list[SequenceGrammar | None] = [None] * params.n
+        if params.structured is not None:
+            grammars = list(self.structured.grammars_for(params.structured, params.n))
         seqs = []
         for index in range(params.n):
             generator = None
@@ -175,6 +185,7 @@ class EngineCore:
                     eos_token_ids=request.eos_token_ids,
                     cache_salt=request.cache_salt,
                     generator=generator,
+                    grammar=grammars[index],
                 )
             )
         self.requests[request.request_id] = seqs
@@ -216,7 +227,7 @@ class EngineCore:
             for item in plan.scheduled
             if item.seq.index == 0 and item.seq.num_output_tokens == 0
         ]
-        sampled, result = self.runner.execute(plan.scheduled)
+        sampled, result = self.runner.execute(plan.scheduled, self.structured)
         for item in plan.scheduled:
             item.seq.num_computed_tokens += item.num_new_tokens
             self.block_manager.cache_full_blocks(item.seq)
@@ -258,9 +269,14 @@ class EngineCore:
     def _append_token(self, seq: Sequence, token: int) -> None:
         seq.token_ids.append(token)
         params = seq.params
+        if seq.grammar is not None:
+            seq.grammar.accept(token)
         is_eos = token in seq.eos_token_ids and not params.ignore_eos
         if is_eos or token in params.stop_token_ids:
             seq.finish_reason, seq.stop_reason = "stop", (None if is_eos else token)
+        elif seq.grammar is not None and (seq.grammar.is_terminated or seq.grammar.is_broken):
+            # Its mask allowed only a stop token (ignore_eos cannot keep a finished grammar going).
+            seq.finish_reason = "stop"
         elif (
             params.max_tokens is not None and seq.num_output_tokens >= params.max_tokens
         ) or seq.num_tokens >= self.max_seq_len:

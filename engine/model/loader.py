@@ -215,6 +215,14 @@ def load_tokenizer(hf_dir: Path) -> Any:
         raise ModelFileError(f"{hf_dir}: no usable tokenizer ({exc})") from exc
 
 
+def eos_token_ids(model_eos: tuple[int, ...], tokenizer: Any) -> tuple[int, ...]:
+    """The model config's EOS ids and the tokenizer's, if it names one."""
+    ids = set(model_eos)
+    if tokenizer is not None and tokenizer.eos_token_id is not None:
+        ids.add(tokenizer.eos_token_id)
+    return tuple(sorted(ids))
+
+
 def model_size_gib(model: torch.nn.Module) -> float:
     seen: set[int] = set()
     total = 0

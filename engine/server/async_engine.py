@@ -47,7 +47,7 @@ from kvpilot.engine.outputs import RequestOutput
 from kvpilot.engine.sampling_params import SamplingParams
 from kvpilot.engine.server.limits import RequestLimits
 from kvpilot.engine.server.metrics import EngineCounters, ServerMetrics, finished_reason
-from kvpilot.engine.server.preprocess import PromptLimits, max_chars_per_token
+from kvpilot.engine.server.preprocess import ChatOptions, PromptLimits, max_chars_per_token
 
 logger = logging.getLogger("kvpilot.server")
 
@@ -154,9 +154,14 @@ class ModelInfo:
     hf_dir: str = ""  # the tokenizer's files
     max_chars_per_token: int | None = None  # see preprocess.py; None without a tokenizer
 
-    def limits(self, requests: RequestLimits) -> PromptLimits:
+    def limits(self, requests: RequestLimits, chat: ChatOptions | None = None) -> PromptLimits:
         return PromptLimits(
-            self.model_name, self.max_model_len, self.vocab_size, self.max_chars_per_token, requests
+            self.model_name,
+            self.max_model_len,
+            self.vocab_size,
+            self.max_chars_per_token,
+            requests,
+            chat or ChatOptions(),
         )
 
     def check_prompt_fits(self, num_tokens: int) -> None:

@@ -17,7 +17,7 @@ COMPLETIONS = "/v1/completions"
 USER = [{"role": "user", "content": "hi"}]
 LONG = "word " * 2100  # over the test server's 2048-token context
 IMAGE = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]
-TOOL = {"type": "function", "function": {"name": "f"}}
+TOOL = {"type": "function", "function": {"name": "not a valid name"}}
 
 
 def chat(**fields: Any) -> dict[str, Any]:
@@ -69,7 +69,7 @@ CASES: list[tuple[str, str, str, Any, int, str | None]] = [
     ("logit-bias-negative-id", "POST", CHAT, chat(logit_bias={"-1": 5}), 400, "logit_bias"),
     ("logit-bias-same-id-twice", "POST", CHAT, chat(logit_bias={"1": 5, "01": 3}), 400,
      "logit_bias"),
-    ("json-mode", "POST", CHAT, chat(response_format={"type": "json_object"}), 400,
+    ("json-schema-missing", "POST", CHAT, chat(response_format={"type": "json_schema"}), 400,
      "response_format"),
     ("empty-cache-salt", "POST", CHAT, chat(cache_salt=""), 400, "cache_salt"),
     ("unknown-model", "POST", CHAT, chat(model="gpt-17"), 404, "model"),
