@@ -26,6 +26,7 @@ from kvpilot.engine.core.messages import (
 )
 from kvpilot.engine.model.loader import read_hf_config, resolve_model, set_offline_defaults
 from kvpilot.engine.model_runner import ModelRunner
+from kvpilot.engine.parallel.workers import TPWorkers
 from kvpilot.engine.scheduler import Scheduler
 from kvpilot.engine.sequence import Sequence
 
@@ -67,7 +68,7 @@ def check_prompt_fits(
 
 
 class EngineCore:
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, log_level: int = logging.INFO) -> None:
         set_offline_defaults()
         self.config = config
         started = time.monotonic()
@@ -75,7 +76,15 @@ class EngineCore:
         source = resolve_model(config.model, config.load_format)
         self.model_config = ModelConfig.from_hf_config(read_hf_config(source.hf_dir))
         self.max_model_len = config.max_model_len or self.model_config.max_position_embeddings
-        self.runner = ModelRunner(config, self.model_config, source, self.max_model_len)
+        self.workers: TPWorkers | None = None
+        if config.tensor_parallel_size == 1:
+            self.runner = ModelRunner(config, self.model_config, source, self.max_model_len)
+        else:
+            from kvpilot.engine.parallel.launch import start_tensor_parallel
+
+            self.runner, self.workers = start_tensor_parallel(
+                config, self.model_config, source, self.max_model_len, log_level
+            )
         self.block_size = config.cache.block_size
         self.num_blocks = self.runner.num_blocks
         self.block_manager = BlockManager(
@@ -97,6 +106,7 @@ class EngineCore:
             num_blocks=self.num_blocks,
             enable_prefix_caching=config.cache.enable_prefix_caching,
             eos_token_ids=tuple(self.model_config.eos_token_ids),
+            tensor_parallel_size=config.tensor_parallel_size,
         )
         log.info(
             "engine core ready in %.1f s: %s",
@@ -224,6 +234,21 @@ class EngineCore:
             params.max_tokens is not None and seq.num_output_tokens >= params.max_tokens
         ) or seq.num_tokens >= self.max_seq_len:
             seq.finish_reason = "length"
+
+    def check_workers(self) -> None:
+        """Raises WorkerDied when a tensor-parallel rank is gone (called while idle: a step finds
+        out by itself)."""
+        if self.workers is not None:
+            self.workers.check_alive()
+
+    def shutdown(self, timeout_s: float = 10.0) -> None:
+        """Stops the other tensor-parallel ranks and leaves their group (nothing to do alone)."""
+        if self.workers is not None:
+            from kvpilot.engine.parallel.group import leave_group
+
+            workers, self.workers = self.workers, None
+            workers.stop(timeout_s)
+            leave_group()
 
     # ---- observability -------------------------------------------------------------------------
     def stats(self) -> EngineStats:
