@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -231,12 +230,3 @@ class EngineConfig:
         if device.type == "cpu" and dtype == torch.float16:
             raise ValueError("dtype float16 is not supported on CPU: use float32 or bfloat16")
         return dtype
-
-
-def num_blocks_for_budget(
-    budget_bytes: int, model: ModelConfig, block_size: int, dtype: torch.dtype
-) -> int:
-    """How many KV blocks fit in a byte budget."""
-    itemsize = torch.empty((), dtype=dtype).element_size()
-    per_block = model.kv_bytes_per_token * itemsize * block_size
-    return max(0, math.floor(budget_bytes / per_block))

@@ -11,7 +11,7 @@ from typing import Protocol
 import torch
 
 from kvpilot.engine.attention import AttentionMetadata, get_attention_backend
-from kvpilot.engine.config import EngineConfig, ModelConfig, num_blocks_for_budget
+from kvpilot.engine.config import EngineConfig, ModelConfig
 from kvpilot.engine.model.cpu_linear import pack_linears, packing_available
 from kvpilot.engine.model.layer_ops import LayerOps
 from kvpilot.engine.model.llama import ForwardContext, LlamaForCausalLM
