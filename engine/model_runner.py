@@ -38,7 +38,11 @@ class PreparedBatch:
 
 
 class StepSink(Protocol):
+    """The other tensor-parallel ranks, as rank 0's runner sees them (parallel.workers)."""
+
     def send(self, step: StepInput) -> None: ...
+
+    def blame(self, error: BaseException) -> None: ...
 
 
 def layer_ops_for(backend: str) -> LayerOps:
@@ -185,9 +189,15 @@ class ModelRunner:
     ) -> tuple[list[ScheduledSequence], SampleResult]:
         """Runs one step. Returns the sequences that sampled, in order, and what they sampled."""
         step = plan_step(scheduled, self.block_size)
-        if self.workers is not None:
+        if self.workers is None:
+            logits = self.forward_step(step)
+        else:
             self.workers.send(step)
-        logits = self.forward_step(step)
+            try:
+                logits = self.forward_step(step)
+            except RuntimeError as exc:  # a collective failed: name the rank that died, if one did
+                self.workers.blame(exc)
+                raise
         sampling = [item for item in scheduled if item.will_sample]
         if logits is None:
             return [], SampleResult([], [])

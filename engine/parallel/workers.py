@@ -122,6 +122,19 @@ class TPWorkers:
             if proc.poll() is not None:
                 raise WorkerDied(self._exit_message(rank))
 
+    def blame(self, error: BaseException, grace_s: float = 2.0) -> None:
+        """After a failed collective: raise WorkerDied naming the rank that died (from `error`),
+        if one exits within grace_s; return otherwise (the caller re-raises `error`)."""
+        deadline = time.monotonic() + grace_s
+        while True:
+            try:
+                self.check_alive()
+            except WorkerDied as died:
+                raise died from error
+            if time.monotonic() >= deadline:
+                return
+            time.sleep(0.05)
+
     def send(self, step: StepInput) -> None:
         self._send(self._encoder.encode(step))
 
