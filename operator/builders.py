@@ -33,6 +33,7 @@ from kvpilot.operator.constants import (
     PART_OF,
     PRESTOP_SLEEP_SECONDS,
     READY_PATH,
+    SHM_VOLUME,
     TERMINATION_MARGIN_SECONDS,
 )
 from kvpilot.operator.modeluri import HfModel, ModelSource, PvcModel
@@ -126,6 +127,8 @@ def build_engine_args(spec: InferenceServiceSpec, served_name: str) -> list[str]
             args += [flag, str(value)]
     if not engine.enable_prefix_caching:
         args.append("--no-enable-prefix-caching")
+    if spec.effective_tensor_parallel_size > 1:
+        args += ["--tensor-parallel-size", str(spec.effective_tensor_parallel_size)]
     args += ["--shutdown-timeout", str(spec.drain_seconds)]
     return args + list(engine.extra_args)
 
@@ -270,7 +273,8 @@ def build_engine_container(
                 "name": MODEL_CACHE_VOLUME,
                 "mountPath": MODEL_CACHE_MOUNT,
                 "readOnly": is_pvc_model,
-            }
+            },
+            *([{"name": SHM_VOLUME, "mountPath": "/dev/shm"}] if needs_shm(spec) else []),
         ],
         **build_probes(spec),
         # The endpoints controller needs a moment to drop the pod from the Service; only then
@@ -283,6 +287,11 @@ def build_engine_container(
     if spec.engine.image_pull_policy is not None:
         container["imagePullPolicy"] = spec.engine.image_pull_policy
     return container
+
+
+def needs_shm(spec: InferenceServiceSpec) -> bool:
+    """Tensor-parallel ranks (processes of one pod) want a memory-backed /dev/shm."""
+    return spec.effective_tensor_parallel_size > 1
 
 
 def termination_grace_seconds(spec: InferenceServiceSpec) -> int:
@@ -301,7 +310,12 @@ def build_pod_template(owner: Owner, spec: InferenceServiceSpec, image: str) -> 
     }
     pod_spec: dict[str, Any] = {
         "containers": [build_engine_container(spec, image, served_name)],
-        "volumes": [build_model_cache_volume(spec, source)],
+        "volumes": [
+            build_model_cache_volume(spec, source),
+            # NCCL moves data between the ranks' processes through shared memory; a container's
+            # default /dev/shm is 64 MiB.
+            *([{"name": SHM_VOLUME, "emptyDir": {"medium": "Memory"}}] if needs_shm(spec) else []),
+        ],
         "terminationGracePeriodSeconds": termination_grace_seconds(spec),
         # Hundreds of Services in a namespace would otherwise become env vars of every engine.
         "enableServiceLinks": False,
