@@ -20,6 +20,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import replace
 
 import msgspec
 
@@ -67,19 +68,12 @@ class TPWorkers:
             raise
 
     @classmethod
-    def start(
-        cls,
-        args: WorkerArgs,
-        size: int,
-    ) -> TPWorkers:
-        """Starts ranks 1..size-1 with `args` (whose rank is ignored)."""
+    def start(cls, args: WorkerArgs, size: int) -> TPWorkers:
+        """Starts ranks 1..size-1 with `args` (their rank and rendezvous file filled in)."""
         workdir = tempfile.mkdtemp(prefix="kvpilot-tp-")
         init_file = os.path.join(workdir, "rendezvous")
-        per_rank = [
-            WorkerArgs(**{**args.__dict__, "rank": rank, "init_file": init_file})
-            for rank in range(1, size)
-        ]
-        return cls(per_rank, workdir)
+        ranks = [replace(args, rank=rank, init_file=init_file) for rank in range(1, size)]
+        return cls(ranks, workdir)
 
     @property
     def init_file(self) -> str:

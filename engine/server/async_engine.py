@@ -379,6 +379,7 @@ class AsyncEngine:
                 num_gpu_blocks=model.num_blocks,
                 enable_prefix_caching=model.enable_prefix_caching,
                 vllm_names=self._vllm_metrics,
+                tensor_parallel_size=model.tensor_parallel_size,
             )
             self.metrics.bind_engine_state(
                 lambda: self.num_waiting, lambda: self.num_running, lambda: self.kv_cache_usage

@@ -23,50 +23,23 @@ from kvpilot.engine.parallel.group import TPGroup
 from kvpilot.engine.parallel.sharding import Shard, check_tensor_parallel_size
 
 from .reference import save_tiny_hf_model
+from .test_parity_tiny_models import llama_config, qwen2_config
 
 LOGPROB_ATOL = 1e-4
 MAX_TOKENS = 12
 
 
 def llama(heads: int, kv_heads: int, *, tied: bool = False, vocab: int = 512) -> object:
-    from transformers import LlamaConfig
-
-    return LlamaConfig(
-        vocab_size=vocab,
-        hidden_size=96,
-        intermediate_size=192,
-        num_hidden_layers=2,
-        num_attention_heads=heads,
-        num_key_value_heads=kv_heads,
-        head_dim=96 // heads,
-        max_position_embeddings=512,
-        initializer_range=0.15,  # peaky logits: greedy has no near-ties to flip
-        tie_word_embeddings=tied,
-    )
-
-
-def qwen2_bias() -> object:
-    from transformers import Qwen2Config
-
-    return Qwen2Config(
-        vocab_size=512,
-        hidden_size=96,
-        intermediate_size=192,
-        num_hidden_layers=2,
-        num_attention_heads=6,
-        num_key_value_heads=2,
-        max_position_embeddings=512,
-        initializer_range=0.15,
-        tie_word_embeddings=False,
-        use_sliding_window=False,
-    )
+    config = llama_config(heads, kv_heads, tied=tied)
+    config.vocab_size = vocab
+    return config
 
 
 SHAPES = {
     "llama-kv-split": lambda: llama(4, 4),  # 2 KV heads per rank
     "llama-kv-replicated": lambda: llama(4, 1),  # 1 KV head, held by both ranks
     "llama-tied-odd-vocab": lambda: llama(8, 2, tied=True, vocab=511),  # a padded vocab row
-    "qwen2-bias-untied": qwen2_bias,
+    "qwen2-bias-untied": qwen2_config,
 }
 
 

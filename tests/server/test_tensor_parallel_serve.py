@@ -17,7 +17,7 @@ import pytest
 
 from tests.engine.reference import save_tiny_hf_model
 
-from .serve_process import child_pids, is_running, launch_serve
+from .serve_process import child_pids, health_until_exit, is_running, launch_serve
 
 DISTRIBUTED_TIMEOUT_S = 60  # the bound on a hang; a dead rank must end things much sooner
 ENDS_WITHIN_S = 30
@@ -61,6 +61,10 @@ def test_a_killed_rank_ends_the_server_with_an_error(tiny_model: Path) -> None:
         (worker,) = worker_pids(core)
         body = {"prompt": [1, 2, 3], "max_tokens": 4000, "ignore_eos": True, "stream": True}
         with httpx.Client(timeout=DISTRIBUTED_TIMEOUT_S) as http:
+            metrics = http.get(f"{serve.url}/metrics").text
+            # The KV pool counts the whole model: 300 blocks, each on both ranks.
+            assert 'parallel_config_info{model_name="tiny",tensor_parallel_size="2"} 1.0' in metrics
+            assert 'num_gpu_blocks="300"' in metrics
             with http.stream("POST", f"{serve.url}/v1/completions", json=body) as response:
                 lines = (line for line in response.iter_lines() if line.startswith("data: "))
                 for _ in range(3):
@@ -71,13 +75,7 @@ def test_a_killed_rank_ends_the_server_with_an_error(tiny_model: Path) -> None:
             assert rest[-1] == "data: [DONE]"
             error = json.loads(rest[-2][len("data: ") :])["error"]
             assert error["code"] == "internal_error", error
-            healths = []
-            while serve.proc.poll() is None:
-                try:
-                    healths.append(http.get(f"{serve.url}/health", timeout=1).status_code)
-                except httpx.TransportError:
-                    break
-                time.sleep(0.02)
+            healths = health_until_exit(serve, http)
         assert serve.proc.wait(timeout=ENDS_WITHIN_S) == 1, "".join(serve.log)
         assert time.monotonic() - killed < ENDS_WITHIN_S
         assert 503 in healths and 200 not in healths, healths
