@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -187,6 +186,10 @@ class EngineConfig:
     max_model_len: int | None = None  # defaults to the model's max_position_embeddings
     seed: int = 0
     served_model_name: str | None = None
+    # Ranks the model is split over (one process each; one GPU each on CUDA).
+    tensor_parallel_size: int = 1
+    # How long a collective may wait for the other ranks before the engine fails (a dead rank).
+    distributed_timeout_s: float = 120.0
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     # Grammar masks of a step filled on a thread while its forward runs (False: after it).
@@ -204,12 +207,24 @@ class EngineConfig:
             )
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
+        if self.distributed_timeout_s <= 0:
+            raise ValueError(f"distributed_timeout_s must be > 0, got {self.distributed_timeout_s}")
 
     @property
     def resolved_device(self) -> torch.device:
         if self.device == "auto":
             return torch.device("cuda" if torch.cuda.is_available() else "cpu")
         return torch.device(self.device)
+
+    def rank_device(self, rank: int) -> torch.device:
+        """The device of tensor-parallel rank `rank`: cuda:rank on GPUs (counting from the
+        configured index), the CPU otherwise."""
+        device = self.resolved_device
+        if device.type != "cuda" or self.tensor_parallel_size == 1:
+            return device
+        return torch.device("cuda", (device.index or 0) + rank)
 
     @property
     def resolved_attention_backend(self) -> str:
@@ -226,12 +241,3 @@ class EngineConfig:
         if device.type == "cpu" and dtype == torch.float16:
             raise ValueError("dtype float16 is not supported on CPU: use float32 or bfloat16")
         return dtype
-
-
-def num_blocks_for_budget(
-    budget_bytes: int, model: ModelConfig, block_size: int, dtype: torch.dtype
-) -> int:
-    """How many KV blocks fit in a byte budget."""
-    itemsize = torch.empty((), dtype=dtype).element_size()
-    per_block = model.kv_bytes_per_token * itemsize * block_size
-    return max(0, math.floor(budget_bytes / per_block))

@@ -112,3 +112,7 @@ class LLMEngine:
 
     def stats(self) -> EngineStats:
         return self.core.stats()
+
+    def shutdown(self) -> None:
+        """Stops the tensor-parallel worker processes, if any (they also die with this one)."""
+        self.core.shutdown()

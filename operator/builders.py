@@ -33,6 +33,7 @@ from kvpilot.operator.constants import (
     PART_OF,
     PRESTOP_SLEEP_SECONDS,
     READY_PATH,
+    SHM_VOLUME,
     TERMINATION_MARGIN_SECONDS,
     TMP_MOUNT,
     TMP_VOLUME,
@@ -136,6 +137,8 @@ def build_engine_args(spec: InferenceServiceSpec, served_name: str) -> list[str]
             args += [flag, str(value)]
     if not engine.enable_prefix_caching:
         args.append("--no-enable-prefix-caching")
+    if spec.effective_tensor_parallel_size > 1:
+        args += ["--tensor-parallel-size", str(spec.effective_tensor_parallel_size)]
     args += ["--shutdown-timeout", str(spec.drain_seconds)]
     return args + list(engine.extra_args)
 
@@ -317,6 +320,7 @@ def build_engine_container(
                 "readOnly": is_pvc_model,
             },
             _tmp_volume_mount(),
+            *([{"name": SHM_VOLUME, "mountPath": "/dev/shm"}] if needs_shm(spec) else []),
         ],
         **build_probes(spec),
         # The endpoints controller needs a moment to drop the pod from the Service; only then
@@ -329,6 +333,11 @@ def build_engine_container(
     if spec.engine.image_pull_policy is not None:
         container["imagePullPolicy"] = spec.engine.image_pull_policy
     return container
+
+
+def needs_shm(spec: InferenceServiceSpec) -> bool:
+    """Tensor-parallel ranks (processes of one pod) want a memory-backed /dev/shm."""
+    return spec.effective_tensor_parallel_size > 1
 
 
 def termination_grace_seconds(spec: InferenceServiceSpec) -> int:
@@ -368,7 +377,13 @@ def build_pod_template(owner: Owner, spec: InferenceServiceSpec, image: str) -> 
     }
     pod_spec: dict[str, Any] = {
         "containers": [build_engine_container(spec, image, served_name)],
-        "volumes": [build_model_cache_volume(spec, source), {"name": TMP_VOLUME, "emptyDir": {}}],
+        "volumes": [
+            build_model_cache_volume(spec, source),
+            {"name": TMP_VOLUME, "emptyDir": {}},
+            # NCCL moves data between the ranks' processes through shared memory; a container's
+            # default /dev/shm is 64 MiB.
+            *([{"name": SHM_VOLUME, "emptyDir": {"medium": "Memory"}}] if needs_shm(spec) else []),
+        ],
         "terminationGracePeriodSeconds": termination_grace_seconds(spec),
         # Hundreds of Services in a namespace would otherwise become env vars of every engine.
         "enableServiceLinks": False,

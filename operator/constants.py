@@ -42,6 +42,7 @@ METRICS_PATH = "/metrics"
 
 # The model-cache volume: hf:// downloads land here, pvc:// claims are mounted here.
 MODEL_CACHE_VOLUME = "model-cache"
+SHM_VOLUME = "dshm"  # a memory-backed /dev/shm for tensor-parallel ranks
 MODEL_CACHE_MOUNT = "/models"
 MODEL_FETCH_CONTAINER = "model-fetch"
 # A writable emptyDir at /tmp (HOME too): the containers' root filesystem is read-only.

@@ -319,6 +319,7 @@ class Reconciler:
             selector=label_selector(name),
             url=service_url(owner),
             model=served_model_name(owner, spec),
+            tensor_parallel_size=spec.effective_tensor_parallel_size,
         )
         status = build_status(previous, observed, self._clock())
         memory = memory_condition(spec, previous)

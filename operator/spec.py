@@ -217,6 +217,14 @@ class EngineSpec(KubeModel):
             "KEY`; it reaches the engine as $KVPILOT_API_KEY, never as an argument."
         ),
     )
+    tensor_parallel_size: int | None = Field(
+        default=None,
+        ge=1,
+        le=64,
+        description="Split the model over this many GPUs of one pod (--tensor-parallel-size). "
+        "Default: spec.gpus when above 1. It must divide the model's attention heads and not "
+        "exceed spec.gpus.",
+    )
     extra_args: list[str] = Field(
         default_factory=list,
         description="More `kvpilot serve` arguments, appended as written.",
@@ -328,6 +336,13 @@ class InferenceServiceSpec(KubeModel):
                     "'memory' in self.resources.limits)",
                     "message": "engine.kvCacheMemoryFraction needs resources.limits.memory",
                 },
+                {
+                    "rule": "!has(self.engine) || !has(self.engine.tensorParallelSize) || "
+                    "!has(self.gpus) || self.gpus == 0 || "
+                    "self.engine.tensorParallelSize <= self.gpus",
+                    "message": "spec.engine.tensorParallelSize cannot exceed spec.gpus: each "
+                    "rank needs a GPU of its own",
+                },
             ]
         }
     )
@@ -429,6 +444,7 @@ class InferenceServiceSpec(KubeModel):
             raise ValueError(
                 f"engine.env may not set {API_KEY_ENV} together with engine.apiKeySecret"
             )
+        check_tensor_parallel_size(self)
         reserved = sorted(set(self.pod_labels) & set(RESERVED_LABELS))
         if reserved:
             raise ValueError(
@@ -459,9 +475,53 @@ class InferenceServiceSpec(KubeModel):
         return None
 
     @property
+    def effective_tensor_parallel_size(self) -> int:
+        """engine.tensorParallelSize, else every GPU of the pod (1 without GPUs)."""
+        size = self.engine.tensor_parallel_size
+        return size if size is not None else max(1, self.gpus)
+
+    @property
     def effective_replicas(self) -> int:
         """The replica count of a fixed-size service (1 when neither field is set)."""
         return 1 if self.replicas is None else self.replicas
+
+
+# (attention heads, KV heads, MLP width) of the models the operator knows without reading them.
+BUILTIN_MODEL_SHAPES = {"builtin://smollm2-135m-instruct": (9, 3, 1536)}
+
+
+def tensor_parallel_sizes(num_heads: int, num_kv_heads: int, intermediate: int) -> list[int]:
+    """The sizes the engine can split such a model over: dividing the heads and the MLP, with
+    the KV heads split evenly or replicated evenly."""
+    return [
+        n
+        for n in range(1, num_heads + 1)
+        if not num_heads % n
+        and not intermediate % n
+        and (not num_kv_heads % n if n <= num_kv_heads else not n % num_kv_heads)
+    ]
+
+
+def check_tensor_parallel_size(spec: InferenceServiceSpec) -> None:
+    """ValueError, with the numbers, for a tensor-parallel size the pod or a known model cannot
+    take (the engine checks every model again, before it starts any rank)."""
+    given, size = spec.engine.tensor_parallel_size, spec.effective_tensor_parallel_size
+    if given is not None and spec.gpus and given > spec.gpus:
+        raise ValueError(
+            f"engine.tensorParallelSize {given} exceeds gpus {spec.gpus}: each rank needs a GPU "
+            "of its own"
+        )
+    shape = BUILTIN_MODEL_SHAPES.get(spec.model.uri)
+    if shape is None:
+        return
+    allowed = tensor_parallel_sizes(*shape)
+    if size not in allowed:
+        source = "engine.tensorParallelSize" if given is not None else "gpus (the default size)"
+        raise ValueError(
+            f"tensor-parallel size {size} from {source} does not split {spec.model.uri} "
+            f"({shape[0]} attention heads, {shape[1]} KV heads): it takes {allowed}; set "
+            "engine.tensorParallelSize"
+        )
 
 
 def validate_name(name: str) -> None:

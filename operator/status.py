@@ -33,6 +33,7 @@ OWNED_KEYS = (
     "selector",
     "url",
     "model",
+    "tensorParallelSize",
 )
 
 
@@ -87,6 +88,9 @@ class InferenceServiceStatus(KubeModel):
     )
     url: str | None = Field(default=None, description="In-cluster OpenAI base URL.")
     model: str | None = Field(default=None, description="Model name to use in requests.")
+    tensor_parallel_size: int | None = Field(
+        default=None, description="Ranks (GPUs) each engine pod splits the model over."
+    )
     autoscaling: FreeForm | None = Field(
         default=None, description="The autoscaler's state and recent decisions."
     )
@@ -103,6 +107,7 @@ class Observed:
     selector: str
     url: str
     model: str
+    tensor_parallel_size: int = 1
 
 
 def build_invalid_status(
@@ -210,6 +215,7 @@ def build_status(
         "selector": observed.selector,
         "url": observed.url,
         "model": observed.model,
+        "tensorParallelSize": observed.tensor_parallel_size,
     }
 
 

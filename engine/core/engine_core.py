@@ -33,6 +33,7 @@ from kvpilot.engine.memory_fit import (
 )
 from kvpilot.engine.model.loader import read_hf_config, resolve_model, set_offline_defaults
 from kvpilot.engine.model_runner import ModelRunner
+from kvpilot.engine.parallel.workers import TPWorkers
 from kvpilot.engine.sampling_params import SamplingParams
 from kvpilot.engine.scheduler import Scheduler
 from kvpilot.engine.sequence import Sequence
@@ -105,7 +106,7 @@ def cpu_memory_need(config: EngineConfig, model: ModelConfig) -> MemoryNeed:
 
 
 class EngineCore:
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, log_level: int = logging.INFO) -> None:
         set_offline_defaults()
         self.config = config
         started = time.monotonic()
@@ -116,7 +117,15 @@ class EngineCore:
         if config.resolved_device.type == "cpu":
             # Before the weights and the KV cache are allocated: a clear error, not an OOM kill.
             check_memory_fit(cpu_memory_need(config, self.model_config), memory_limit())
-        self.runner = ModelRunner(config, self.model_config, source, self.max_model_len)
+        self.workers: TPWorkers | None = None
+        if config.tensor_parallel_size == 1:
+            self.runner = ModelRunner(config, self.model_config, source, self.max_model_len)
+        else:
+            from kvpilot.engine.parallel.launch import start_tensor_parallel
+
+            self.runner, self.workers = start_tensor_parallel(
+                config, self.model_config, source, self.max_model_len, log_level
+            )
         self.block_size = config.cache.block_size
         self.num_blocks = self.runner.num_blocks
         self.block_manager = BlockManager(
@@ -144,6 +153,7 @@ class EngineCore:
             num_blocks=self.num_blocks,
             enable_prefix_caching=config.cache.enable_prefix_caching,
             eos_token_ids=tuple(self.model_config.eos_token_ids),
+            tensor_parallel_size=config.tensor_parallel_size,
         )
         log.info(
             "engine core ready in %.1f s: %s",
@@ -281,6 +291,21 @@ class EngineCore:
             params.max_tokens is not None and seq.num_output_tokens >= params.max_tokens
         ) or seq.num_tokens >= self.max_seq_len:
             seq.finish_reason = "length"
+
+    def check_workers(self) -> None:
+        """Raises WorkerDied when a tensor-parallel rank is gone (called while idle: a step finds
+        out by itself)."""
+        if self.workers is not None:
+            self.workers.check_alive()
+
+    def shutdown(self, timeout_s: float = 10.0) -> None:
+        """Stops the other tensor-parallel ranks and leaves their group (nothing to do alone)."""
+        if self.workers is not None:
+            from kvpilot.engine.parallel.group import leave_group
+
+            workers, self.workers = self.workers, None
+            workers.stop(timeout_s)
+            leave_group()
 
     # ---- observability -------------------------------------------------------------------------
     def stats(self) -> EngineStats:

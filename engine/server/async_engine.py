@@ -386,6 +386,7 @@ class AsyncEngine:
                 enable_prefix_caching=model.enable_prefix_caching,
                 max_model_len=model.max_model_len,
                 vllm_names=self._vllm_metrics,
+                tensor_parallel_size=model.tensor_parallel_size,
             )
             self.metrics.bind_engine_state(
                 lambda: self.num_waiting, lambda: self.num_running, lambda: self.kv_cache_usage

@@ -103,6 +103,19 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="exact number of KV blocks (overrides both budgets)",
     )
+    g.add_argument(
+        "--tensor-parallel-size",
+        "-tp",
+        type=int,
+        default=1,
+        help="split the model over this many ranks (processes; one GPU each on CUDA)",
+    )
+    g.add_argument(
+        "--distributed-timeout",
+        type=float,
+        default=120.0,
+        help="seconds a tensor-parallel collective waits for the other ranks before failing",
+    )
     g.add_argument("--max-num-seqs", type=int, default=128)
     g.add_argument("--max-num-batched-tokens", type=int, default=2048)
     s = p.add_argument_group("server")
@@ -186,6 +199,8 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         max_model_len=args.max_model_len,
         seed=args.seed,
         served_model_name=args.served_model_name,
+        tensor_parallel_size=args.tensor_parallel_size,
+        distributed_timeout_s=args.distributed_timeout,
         cache=CacheConfig(
             block_size=args.block_size,
             enable_prefix_caching=args.enable_prefix_caching,
@@ -197,6 +212,20 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         scheduler=SchedulerConfig(
             max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs
         ),
+    )
+
+
+def check_parallelism(config: EngineConfig) -> None:
+    """ValueError, with the numbers, for a tensor-parallel size this model or machine cannot
+    take: checked here so that no process starts for it."""
+    if config.tensor_parallel_size == 1:
+        return
+    from kvpilot.engine.model.loader import peek_model_config
+    from kvpilot.engine.parallel.launch import visible_gpus
+    from kvpilot.engine.parallel.sharding import check_tensor_parallel_size
+
+    check_tensor_parallel_size(
+        peek_model_config(config.model), config.tensor_parallel_size, num_gpus=visible_gpus(config)
     )
 
 
@@ -256,6 +285,7 @@ def main(argv: list[str]) -> int:
     logging.basicConfig(level=args.log_level.upper(), format=LOG_FORMAT, stream=sys.stderr)
     try:
         config = engine_config(args)
+        check_parallelism(config)
         settings = ServerSettings(
             max_queue=args.max_queue,
             retry_after_s=args.retry_after,

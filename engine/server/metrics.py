@@ -107,6 +107,7 @@ class ServerMetrics:
         enable_prefix_caching: bool,
         max_model_len: int,
         vllm_names: bool = True,
+        tensor_parallel_size: int = 1,
     ) -> None:
         self.registry = registry
         self.model_name = model_name
@@ -253,6 +254,13 @@ class ServerMetrics:
 
         # kvpilot's own server-level metrics (no vLLM equivalent).
         own = {"registry": registry}
+        Gauge(
+            f"{KVPILOT}:parallel_config_info",
+            "How the model is split; the value is always 1. KV-cache blocks and usage count the "
+            "whole model (one block is one block on every rank).",
+            ["model_name", "tensor_parallel_size"],
+            **own,
+        ).labels(model_name, str(tensor_parallel_size)).set(1)
         self.engine_step_duration = Histogram(
             f"{KVPILOT}:engine_step_duration_seconds",
             "Wall time of one engine-core step (scheduling, forward, sampling).",

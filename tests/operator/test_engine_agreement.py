@@ -20,6 +20,8 @@ import pytest
 from kubernetes.utils import parse_quantity
 
 from kvpilot.engine.config import BLOCK_SIZES, DTYPES
+from kvpilot.engine.model.loader import peek_model_config
+from kvpilot.engine.parallel.sharding import check_tensor_parallel_size
 from kvpilot.engine.server.cli import build_parser, engine_config
 from kvpilot.operator import crdgen
 from kvpilot.operator.builders import build_engine_args
@@ -44,6 +46,7 @@ ENGINE_SETTINGS: dict[str, list[Any]] = {
     "gpuMemoryUtilization": FLOATS,
     "kvCacheBytes": QUANTITIES,
     "kvCacheMemoryFraction": FLOATS,
+    "tensorParallelSize": [-1, 0, 1, 2, 3, 4, 9, 64, 65],
 }
 # Settings of the container, not of the engine's configuration (their own tests cover them).
 CONTAINER_SETTINGS = {
@@ -113,6 +116,12 @@ def engine_accepts(spec: dict[str, Any], on_gpu: bool) -> tuple[bool, str]:
     try:
         config = engine_config(parsed)
         config.resolved_dtype  # noqa: B018 - float16 on CPU raises here
+        if config.tensor_parallel_size > 1:  # what `kvpilot serve` checks before any process
+            check_tensor_parallel_size(
+                peek_model_config(config.model),
+                config.tensor_parallel_size,
+                num_gpus=spec.get("gpus", 0) if on_gpu else None,
+            )
     except ValueError as error:
         return False, f"config: {error}"
     return True, ""
@@ -125,6 +134,7 @@ FLAGS = {
     "maxNumBatchedTokens": "--max-num-batched-tokens",
     "dtype": "--dtype",
     "gpuMemoryUtilization": "--gpu-memory-utilization",
+    "tensorParallelSize": "--tensor-parallel-size",
 }
 
 
