@@ -14,20 +14,11 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import FileResponse, JSONResponse, Response, StreamingResponse
 
 from kvpilot.engine.server import errors
-from kvpilot.engine.server.kv_events import KvEventHub, encode_lines
+from kvpilot.engine.server.kv_events import TOKENIZER_FILES, KvEventHub, encode_lines
 from kvpilot.engine.server.serving import create_chat_completion, create_completion
 from kvpilot.engine.server.state import ServerState
 
 logger = logging.getLogger("kvpilot.server")
-
-# What a router fetches to tokenize like this server (those the model has).
-TOKENIZER_FILES = (
-    "tokenizer.json",
-    "tokenizer_config.json",
-    "special_tokens_map.json",
-    "chat_template.jinja",
-    "tokenizer.model",
-)
 
 
 def error_response(error: errors.APIError) -> JSONResponse:

@@ -19,6 +19,14 @@ import msgspec
 from kvpilot.engine.block_events import KvDelta, KvHeartbeat, KvMessage, KvSnapshot, KvUpdate, Load
 from kvpilot.engine.block_hash import HASH_SCHEME
 
+# What a router fetches (GET /kvpilot/v1/tokenizer/{file}) to tokenize as this server does.
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "chat_template.jinja",
+    "tokenizer.model",
+)
 _LOG_LENGTH = 4096
 HEARTBEAT_S = 0.5
 

@@ -22,7 +22,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from kvpilot.engine.core.process import die_with_parent
 from kvpilot.engine.server import errors
 from kvpilot.engine.server.limits import RequestLimits, check_fan_out, check_stop
 from kvpilot.engine.server.protocol import (
@@ -193,6 +192,9 @@ _worker: dict[str, Any] = {}
 
 def init_worker(hf_dir: str | None, limits: PromptLimits, parent_pid: int) -> None:
     """ProcessPoolExecutor initializer: load the tokenizer once."""
+    # Imported here: the router reuses this module's preprocessing and must not pay for torch.
+    from kvpilot.engine.core.process import die_with_parent
+
     # The pool's queues hold both ends of their pipes, so a killed server would leave this
     # process waiting forever: the kernel ends it with its parent instead.
     die_with_parent(parent_pid)
