@@ -26,6 +26,13 @@ def parse_args(argv: list[str]) -> RouterConfig:
         dest="namespaces",
         help="namespace to serve (repeatable; default: $KVPILOT_NAMESPACES, comma-separated)",
     )
+    parser.add_argument(
+        "--static",
+        action="append",
+        default=[],
+        metavar="MODEL=URL[,URL...]",
+        help="serve MODEL from these engine URLs, without Kubernetes (development, benchmarks)",
+    )
     parser.add_argument("--host", default="0.0.0.0")
     parser.add_argument("--port", type=int, default=8080, help="0 picks a free port")
     parser.add_argument("--load-factor", type=float, default=RoutingConfig.load_factor)
@@ -43,8 +50,14 @@ def parse_args(argv: list[str]) -> RouterConfig:
     namespaces = args.namespaces or [
         n for n in os.environ.get("KVPILOT_NAMESPACES", "").split(",") if n
     ]
-    if not namespaces:
-        parser.error("give at least one --namespace (or set $KVPILOT_NAMESPACES)")
+    static = []
+    for item in args.static:
+        model, _, urls = item.partition("=")
+        if not model or not urls:
+            parser.error(f"--static {item!r}: expected MODEL=URL[,URL...]")
+        static.append((model, tuple(u.rstrip("/") for u in urls.split(","))))
+    if not namespaces and not static:
+        parser.error("give at least one --namespace (or set $KVPILOT_NAMESPACES), or --static")
     key = None
     if args.engine_api_key_file:
         with open(args.engine_api_key_file) as f:
@@ -68,6 +81,7 @@ def parse_args(argv: list[str]) -> RouterConfig:
         dead_after_s=args.dead_after,
         engine_api_key=key,
         router_name=os.environ.get("POD_NAME", "kvpilot-router"),
+        static_models=tuple(static),
     )
 
 
@@ -81,7 +95,7 @@ def main(argv: list[str]) -> int:
     from kvpilot.router.kube import kube_access
     from kvpilot.router.runtime import RouterRuntime
 
-    runtime = RouterRuntime(config, kube_access())
+    runtime = RouterRuntime(config, None if config.static_models else kube_access())
     uvicorn.run(
         create_app(runtime),
         host=config.host,

@@ -58,10 +58,12 @@ class RouterConfig:
     engine_api_key: str | None = None
     # Who asks the operator to wake a model (recorded on the InferenceService).
     router_name: str = "kvpilot-router"
+    # Without Kubernetes (development, benchmarks): model -> replica URLs, fixed.
+    static_models: tuple[tuple[str, tuple[str, ...]], ...] = ()
 
     def __post_init__(self) -> None:
-        if not self.namespaces:
-            raise ValueError("the router needs at least one namespace to watch")
+        if not self.namespaces and not self.static_models:
+            raise ValueError("the router needs a namespace to watch (or static models)")
         if self.dead_after_s <= 0:
             raise ValueError("dead_after_s must be > 0")
         if self.max_attempts < 1:

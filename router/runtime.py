@@ -7,10 +7,19 @@ import asyncio
 import contextlib
 import functools
 import logging
+from typing import Any
+from urllib.parse import urlsplit
 
 import httpx
 from prometheus_client import CollectorRegistry
 
+from kvpilot.operator.constants import (
+    ENGINE_APP_NAME,
+    ENGINE_CONTAINER,
+    ENGINE_PORT_NAME,
+    LABEL_INSTANCE,
+    LABEL_NAME,
+)
 from kvpilot.router.cluster import ENGINE_POD_SELECTOR
 from kvpilot.router.config import RouterConfig
 from kvpilot.router.kube import KubeAccess, list_and_watch, pods_path, services_path
@@ -22,7 +31,7 @@ log = logging.getLogger("kvpilot.router")
 
 
 class RouterRuntime:
-    def __init__(self, config: RouterConfig, kube: KubeAccess) -> None:
+    def __init__(self, config: RouterConfig, kube: KubeAccess | None) -> None:
         self.config = config
         self.kube_access = kube
         self.metrics = RouterMetrics(CollectorRegistry())
@@ -32,7 +41,7 @@ class RouterRuntime:
             timeout=httpx.Timeout(10.0, read=None),
             limits=httpx.Limits(max_connections=None, max_keepalive_connections=256),
         )
-        self.kube = kube.client()
+        self.kube = kube.client() if kube is not None else None
         self.registry = Registry(config, self.engines, self.metrics)
         self.proxy = Proxy(config, self.registry, self.engines, self.kube, self.metrics)
         self._listed: set[tuple[str, str]] = set()
@@ -40,9 +49,17 @@ class RouterRuntime:
 
     @property
     def is_synced(self) -> bool:
-        return len(self._listed) == 2 * len(self.config.namespaces)
+        return bool(self.config.static_models) or len(self._listed) == 2 * len(
+            self.config.namespaces
+        )
 
     async def start(self) -> None:
+        if self.config.static_models:
+            services, pods = static_objects(self.config.static_models)
+            self.registry.services_listed(STATIC_NAMESPACE, services)
+            self.registry.pods_listed(STATIC_NAMESPACE, pods)
+            return
+        assert self.kube is not None, "watching namespaces needs Kubernetes access"
         for namespace in self.config.namespaces:
             self._watches.append(
                 asyncio.create_task(
@@ -83,4 +100,42 @@ class RouterRuntime:
                 await task
         self.registry.close()
         await self.engines.aclose()
-        await self.kube.aclose()
+        if self.kube is not None:
+            await self.kube.aclose()
+
+
+STATIC_NAMESPACE = "static"
+
+
+def static_objects(
+    models: tuple[tuple[str, tuple[str, ...]], ...],
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """InferenceServices and Ready engine pods, as the API would list them, for fixed URLs."""
+    services, pods = [], []
+    for model, urls in models:
+        meta = {"name": model, "namespace": STATIC_NAMESPACE}
+        services.append({"metadata": meta, "spec": {"model": {"servedName": model}}})
+        for i, url in enumerate(urls):
+            parsed = urlsplit(url)
+            pods.append(
+                {
+                    "metadata": {
+                        "name": f"{model}-{i}",
+                        "namespace": STATIC_NAMESPACE,
+                        "labels": {LABEL_NAME: ENGINE_APP_NAME, LABEL_INSTANCE: model},
+                    },
+                    "spec": {
+                        "containers": [
+                            {
+                                "name": ENGINE_CONTAINER,
+                                "ports": [{"name": ENGINE_PORT_NAME, "containerPort": parsed.port}],
+                            }
+                        ]
+                    },
+                    "status": {
+                        "podIP": parsed.hostname,
+                        "conditions": [{"type": "Ready", "status": "True"}],
+                    },
+                }
+            )
+    return services, pods
