@@ -27,6 +27,9 @@ def parse_args(argv: list[str]) -> RouterConfig:
         help="namespace to serve (repeatable; default: $KVPILOT_NAMESPACES, comma-separated)",
     )
     parser.add_argument(
+        "--all-namespaces", action="store_true", help="serve the whole cluster's InferenceServices"
+    )
+    parser.add_argument(
         "--static",
         action="append",
         default=[],
@@ -50,6 +53,8 @@ def parse_args(argv: list[str]) -> RouterConfig:
     namespaces = args.namespaces or [
         n for n in os.environ.get("KVPILOT_NAMESPACES", "").split(",") if n
     ]
+    if args.all_namespaces:
+        namespaces = [""]  # the API's paths without a namespace
     static = []
     for item in args.static:
         model, _, urls = item.partition("=")
@@ -57,7 +62,9 @@ def parse_args(argv: list[str]) -> RouterConfig:
             parser.error(f"--static {item!r}: expected MODEL=URL[,URL...]")
         static.append((model, tuple(u.rstrip("/") for u in urls.split(","))))
     if not namespaces and not static:
-        parser.error("give at least one --namespace (or set $KVPILOT_NAMESPACES), or --static")
+        parser.error(
+            "give --namespace (repeatable, or $KVPILOT_NAMESPACES), --all-namespaces or --static"
+        )
     key = None
     if args.engine_api_key_file:
         with open(args.engine_api_key_file) as f:

@@ -69,11 +69,14 @@ def kube_access() -> KubeAccess:
 
 
 def services_path(namespace: str) -> str:
-    return f"/apis/{GROUP}/{VERSION}/namespaces/{namespace}/{PLURAL}"
+    """ "" for every namespace."""
+    scope = f"/namespaces/{namespace}" if namespace else ""
+    return f"/apis/{GROUP}/{VERSION}{scope}/{PLURAL}"
 
 
 def pods_path(namespace: str) -> str:
-    return f"/api/v1/namespaces/{namespace}/pods"
+    scope = f"/namespaces/{namespace}" if namespace else ""
+    return f"/api/v1{scope}/pods"
 
 
 async def list_and_watch(
@@ -121,7 +124,7 @@ async def request_wake(
     now = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="milliseconds")
     body = {"metadata": {"annotations": {WAKE_ANNOTATION: f"{now} {router_name}"}}}
     response = await client.patch(
-        f"{services_path(namespace)}/{name}",
+        f"{services_path(namespace)}/{name}",  # namespace is the service's own, never ""
         content=json.dumps(body),
         headers={"Content-Type": "application/merge-patch+json"},
     )

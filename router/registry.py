@@ -53,10 +53,11 @@ class Registry:
 
     # ---- watch callbacks ----
     def services_listed(self, namespace: str, items: list[dict[str, Any]]) -> None:
-        self.services = {k: v for k, v in self.services.items() if k[0] != namespace}
+        """A full listing of one namespace ("": of all) replaces what was known of it."""
+        self.services = {k: v for k, v in self.services.items() if namespace and k[0] != namespace}
         for obj in items:
             info = service_info(obj)
-            self.services[(namespace, info.name)] = info
+            self.services[(info.namespace, info.name)] = info
         self.sync()
 
     def service_event(self, kind: str, obj: dict[str, Any]) -> None:
@@ -69,11 +70,13 @@ class Registry:
         self.sync()
 
     def pods_listed(self, namespace: str, items: list[dict[str, Any]]) -> None:
-        self.endpoints = {k: v for k, v in self.endpoints.items() if k[0] != namespace}
+        self.endpoints = {
+            k: v for k, v in self.endpoints.items() if namespace and k[0] != namespace
+        }
         for pod in items:
             found = endpoint(pod)
             if found is not None:
-                self.endpoints[(namespace, found.pod)] = found
+                self.endpoints[(found.namespace, found.pod)] = found
         self.sync()
 
     def pod_event(self, kind: str, pod: dict[str, Any]) -> None:
