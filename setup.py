@@ -1,11 +1,17 @@
-"""Maps the engine/, operator/ and cli/ folders to the import packages kvpilot.engine,
-kvpilot.operator and kvpilot.cli (the `kvpilot` command, which dispatches to the other two)."""
+"""Maps the engine/, operator/, router/ and cli/ folders to the import packages kvpilot.engine,
+kvpilot.operator, kvpilot.router and kvpilot.cli (the `kvpilot` command, which dispatches to the
+others)."""
 
 from __future__ import annotations
 
 from setuptools import find_namespace_packages, setup
 
-PACKAGE_FOLDERS = {"kvpilot.engine": "engine", "kvpilot.operator": "operator", "kvpilot.cli": "cli"}
+PACKAGE_FOLDERS = {
+    "kvpilot.engine": "engine",
+    "kvpilot.operator": "operator",
+    "kvpilot.router": "router",
+    "kvpilot.cli": "cli",
+}
 
 
 def mapped_packages(prefix: str, folder: str) -> list[str]:

@@ -1,5 +1,5 @@
 """The `kvpilot` command: `generate` (offline demo), `serve` (the engine's HTTP server),
-`operator` (the Kubernetes operator).
+`operator` (the Kubernetes operator), `router` (one endpoint for every InferenceService).
 
 It lives beside the engine and the operator, not in either: each command imports only its own
 side, so the engine never learns that the operator exists, the operator never pays for torch, and
@@ -10,12 +10,13 @@ from __future__ import annotations
 
 import sys
 
-USAGE = """usage: kvpilot {generate,serve,operator} [options]
+USAGE = """usage: kvpilot {generate,serve,operator,router} [options]
 
   generate   run the engine offline on a few chat prompts (default model: bundled
   SmolLM2-135M-Instruct)
   serve      serve an OpenAI-compatible API on one model
   operator   run the Kubernetes operator (kopf)
+  router     route OpenAI requests to InferenceServices (prefix-cache aware, scale from zero)
 
 `kvpilot COMMAND --help` for the options of each command."""
 
@@ -33,6 +34,8 @@ def main(argv: list[str] | None = None) -> int:
         from kvpilot.engine.server.cli import main as run
     elif command == "operator":
         from kvpilot.operator.cli import main as run
+    elif command == "router":
+        from kvpilot.router.cli import main as run
     else:
         print(f"kvpilot: unknown command {command!r}\n\n{USAGE}", file=sys.stderr)
         return 2

@@ -9,6 +9,8 @@ Invariants:
   request's cache_salt; a lookup hit is confirmed by comparing that stored key, not just the hash.
 - A prefix lookup never covers a sequence's last token: one token must always be computed, to sample
   from.
+- Every change to the set of cached hashes (`cached`'s keys) is recorded for drain_kv_events(), so
+  a mirror that applies the drained deltas in order holds exactly that set (block_events.py).
 """
 
 from __future__ import annotations
@@ -16,6 +18,8 @@ from __future__ import annotations
 from collections import OrderedDict
 from dataclasses import dataclass
 
+from kvpilot.engine.block_events import KvDelta
+from kvpilot.engine.block_hash import hash_block as hash_block_key
 from kvpilot.engine.sequence import Sequence
 
 BlockKey = tuple[int | None, tuple[int, ...], str | None]  # (parent hash, token ids, cache salt)
@@ -30,7 +34,7 @@ class Block:
 
 
 def hash_block(key: BlockKey) -> int:
-    return hash(key)
+    return hash_block_key(*key)
 
 
 class BlockManager:
@@ -46,6 +50,8 @@ class BlockManager:
         self.cached: dict[int, int] = {}  # block hash -> block id
         self.num_queried_tokens = 0
         self.num_hit_tokens = 0
+        # block hash -> cached (True) or not (False) since the last drain; the last change wins.
+        self._kv_changes: dict[int, bool] = {}
 
     # ---- queries -------------------------------------------------------------------------------
     @property
@@ -111,6 +117,7 @@ class BlockManager:
             block.block_hash = block_hash
             block.key = self.block_key(seq, index)
             self.cached[block_hash] = block.block_id
+            self._kv_changes[block_hash] = True
 
     # ---- allocation ----------------------------------------------------------------------------
     def can_allocate(
@@ -152,6 +159,17 @@ class BlockManager:
             if self.blocks[block_id].ref_count == 0:
                 self._forget(self.blocks[block_id])
                 del self.cached[block_hash]
+                self._kv_changes[block_hash] = False
+
+    def drain_kv_events(self) -> KvDelta | None:
+        """The changes to the cached hash set since the last drain (None when there are none)."""
+        if not self._kv_changes:
+            return None
+        changes, self._kv_changes = self._kv_changes, {}
+        return KvDelta(
+            stored=[h for h, is_cached in changes.items() if is_cached],
+            removed=[h for h, is_cached in changes.items() if not is_cached],
+        )
 
     # ---- internals -----------------------------------------------------------------------------
     def _num_fresh_blocks(self, seq: Sequence, num_new_tokens: int, num_cached_blocks: int) -> int:
@@ -173,6 +191,7 @@ class BlockManager:
         if block.block_hash is not None:  # evict: its content is about to be overwritten
             if self.cached.get(block.block_hash) == block_id:
                 del self.cached[block.block_hash]
+                self._kv_changes[block.block_hash] = False
             self._forget(block)
         block.ref_count = 1
         return block_id

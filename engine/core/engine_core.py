@@ -230,7 +230,7 @@ class EngineCore:
         started = time.monotonic()
         plan = self.scheduler.schedule()
         if plan.is_empty:
-            return StepOutputs([], self.stats(), num_commands_applied)
+            return self.idle_outputs(num_commands_applied)
         # Every prefill chunk before a request's first token: the API side keeps the first time.
         first_scheduled = [
             item.seq.request_id
@@ -274,6 +274,13 @@ class EngineCore:
             scheduled_time=started,
             token_time=now,
             step_duration=now - started,
+            kv_events=self.block_manager.drain_kv_events(),
+        )
+
+    def idle_outputs(self, num_commands_applied: int) -> StepOutputs:
+        """What the API side learns when no step ran: the stats, and any cache change (a reset)."""
+        return StepOutputs(
+            [], self.stats(), num_commands_applied, kv_events=self.block_manager.drain_kv_events()
         )
 
     def _append_token(self, seq: Sequence, token: int) -> None:

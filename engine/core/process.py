@@ -170,12 +170,12 @@ def _step_loop(
         if core.has_unfinished_requests():
             outputs = core.step(num_applied)
             # A step that scheduled nothing changed nothing the API side could see.
-            if outputs.step_duration is not None or applied_any:
+            if outputs.step_duration is not None or applied_any or outputs.kv_events is not None:
                 outbox.put(outputs)
         elif applied_any:
             # Aborts (or refused adds) emptied the core: say so, or the API side would count them
             # as waiting until the next request.
-            outbox.put(StepOutputs([], core.stats(), num_applied))
+            outbox.put(core.idle_outputs(num_applied))
 
 
 def _apply(

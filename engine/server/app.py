@@ -5,14 +5,16 @@ from __future__ import annotations
 import hmac
 import logging
 import time
+from pathlib import Path
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.responses import JSONResponse, Response
+from starlette.responses import FileResponse, JSONResponse, Response, StreamingResponse
 
 from kvpilot.engine.server import errors
+from kvpilot.engine.server.kv_events import TOKENIZER_FILES, KvEventHub, encode_lines
 from kvpilot.engine.server.request_id import HEADER, RequestIdMiddleware, request_id_of
 from kvpilot.engine.server.serving import create_chat_completion, create_completion
 from kvpilot.engine.server.state import ServerState
@@ -88,6 +90,29 @@ def create_app(state: ServerState) -> FastAPI:
         registry = state.engine.registry
         body = generate_latest(registry) if registry is not None else b""
         return Response(body, media_type=CONTENT_TYPE_LATEST)
+
+    def kv_event_hub() -> KvEventHub:
+        hub = state.engine.kv_events
+        if hub is None:
+            raise errors.unavailable("The model is still loading.", code="loading")
+        return hub
+
+    @app.get("/kvpilot/v1/kv-events")
+    async def kv_events(request: Request) -> Response:
+        """The prefix cache's block hashes and the load, for routers (block_events.py)."""
+        check_auth(request)
+        lines = encode_lines(kv_event_hub().subscribe())
+        return StreamingResponse(lines, media_type="application/x-ndjson")
+
+    @app.get("/kvpilot/v1/tokenizer/{name}")
+    async def tokenizer_file(name: str, request: Request) -> Response:
+        """The tokenizer's files, so a router tokenizes exactly as this server does."""
+        check_auth(request)
+        kv_event_hub()
+        info = state.model_info()
+        if name not in TOKENIZER_FILES or not (Path(info.hf_dir) / name).is_file():
+            raise errors.APIError(404, f"No tokenizer file {name!r}.", type="not_found_error")
+        return FileResponse(Path(info.hf_dir) / name)
 
     def model_card() -> dict[str, object]:
         info = state.model_info()

@@ -29,6 +29,7 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry
 
+from kvpilot.engine.block_events import Load
 from kvpilot.engine.config import EngineConfig
 from kvpilot.engine.core.client import CoreProcessExited, EngineCoreClient
 from kvpilot.engine.core.engine_core import check_prompt_fits
@@ -45,6 +46,7 @@ from kvpilot.engine.model.loader import has_tokenizer, load_tokenizer
 from kvpilot.engine.output_processor import OutputProcessor
 from kvpilot.engine.outputs import RequestOutput
 from kvpilot.engine.sampling_params import SamplingParams
+from kvpilot.engine.server.kv_events import KvEventHub
 from kvpilot.engine.server.limits import RequestLimits
 from kvpilot.engine.server.metrics import EngineCounters, ServerMetrics, finished_reason
 from kvpilot.engine.server.preprocess import ChatOptions, PromptLimits, max_chars_per_token
@@ -213,6 +215,7 @@ class AsyncEngine:
         self._state = StateSnapshot()
         self._stopping = False
         self.info: ModelInfo | None = None
+        self.kv_events: KvEventHub | None = None  # set once loaded
         self.metrics: ServerMetrics | None = None
         self.error: BaseException | None = None
         self.died_at: float | None = None  # time.monotonic() when the core was found dead
@@ -377,6 +380,7 @@ class AsyncEngine:
             except Exception:
                 logger.warning("could not copy the tokenizer; sharing one", exc_info=True)
         self._processor = OutputProcessor(tokenizer)
+        self.kv_events = KvEventHub(model.model_name, model.block_size)
         if self.registry is not None:
             self.metrics = ServerMetrics(
                 self.registry,
@@ -414,6 +418,9 @@ class AsyncEngine:
                 self._pending_adds.popleft()
             stats = step.stats
             self._state = StateSnapshot(stats.num_waiting, stats.num_running, stats.kv_cache_usage)
+            if self.kv_events is not None:
+                load = Load(self.num_waiting, stats.num_running, stats.kv_cache_usage)
+                self.kv_events.publish(step.kv_events, load)
             if metrics is not None:
                 metrics.record_counters(EngineCounters.of(stats))
                 if step.step_duration is not None:

@@ -22,7 +22,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from kvpilot.engine.core.process import die_with_parent
 from kvpilot.engine.server import errors
 from kvpilot.engine.server.constraints import request_constraint
 from kvpilot.engine.server.limits import (
@@ -116,9 +115,7 @@ def preprocess(
         chat = parse_request(ChatCompletionRequest, body, depth)
         bias = _check_request(chat, 1, limits)
         constraint = request_constraint(chat)
-        template = _chat_template(tokenizer, limits.chat)
-        tools = plan_tools(chat, limits.chat.tool_call_parser or parser_for_template(template))
-        prompt = chat_prompt(chat, tokenizer, limits, template, tools.parser_name)
+        prompt, tools = chat_request_prompt(chat, tokenizer, limits)
         return Preprocessed(chat, [prompt], bias, tools.constraint or constraint, tools)
     request = parse_request(CompletionRequest, body, depth)
     bias = _check_request(request, len(prompt_items(request)), limits)
@@ -192,6 +189,16 @@ def _chat_template(tokenizer: Any, chat: ChatOptions) -> str | None:
     return template if isinstance(template, str) else None
 
 
+def chat_request_prompt(
+    chat: ChatCompletionRequest, tokenizer: Any, limits: PromptLimits
+) -> tuple[Prompt, ToolPlan]:
+    """The chat request's prompt as the server renders it (template, tools) and its tool plan;
+    the router hashes the same tokens."""
+    template = _chat_template(tokenizer, limits.chat)
+    tools = plan_tools(chat, limits.chat.tool_call_parser or parser_for_template(template))
+    return chat_prompt(chat, tokenizer, limits, template, tools.parser_name), tools
+
+
 def chat_prompt(
     request: ChatCompletionRequest,
     tokenizer: Any,
@@ -251,6 +258,9 @@ _worker: dict[str, Any] = {}
 
 def init_worker(hf_dir: str | None, limits: PromptLimits, parent_pid: int) -> None:
     """ProcessPoolExecutor initializer: load the tokenizer once."""
+    # Imported here: the router reuses this module's preprocessing and must not pay for torch.
+    from kvpilot.engine.core.process import die_with_parent
+
     # The pool's queues hold both ends of their pipes, so a killed server would leave this
     # process waiting forever: the kernel ends it with its parent instead.
     die_with_parent(parent_pid)

@@ -11,15 +11,27 @@ import yaml
 CHART = Path(__file__).resolve().parents[2] / "charts" / "kvpilot"
 
 
-def render(values: dict[str, Any] | None = None, namespace: str = "kvpilot-system") -> list[dict]:
-    """Every manifest the chart installs (templates only; Helm applies crds/ itself)."""
+def render(
+    values: dict[str, Any] | None = None,
+    namespace: str = "kvpilot-system",
+    *,
+    component: str | None = "operator",
+) -> list[dict]:
+    """The manifests the chart installs for one component (app.kubernetes.io/component:
+    operator or router; None: all), templates only (Helm applies crds/ itself)."""
     with helm.Chart.load(CHART) as chart:
         rendered = chart.render(values, name="kvpilot", namespace=namespace, is_install=True)
     docs: list[dict[str, Any]] = []
     for path, text in sorted(rendered.items()):
         if path.endswith(".yaml"):
             docs += [doc for doc in yaml.safe_load_all(text) if doc]
-    return docs
+    if component is None:
+        return docs
+    return [
+        doc
+        for doc in docs
+        if doc["metadata"].get("labels", {}).get("app.kubernetes.io/component") == component
+    ]
 
 
 def of_kind(docs: list[dict[str, Any]], kind: str) -> list[dict[str, Any]]:

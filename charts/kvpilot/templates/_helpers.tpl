@@ -35,3 +35,21 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" }}
 {{- define "kvpilot.image" -}}
 {{- printf "%s:%s" .Values.image.repository (default .Chart.AppVersion .Values.image.tag) }}
 {{- end }}
+
+{{- define "kvpilot.routerName" -}}
+{{- printf "%s-router" (include "kvpilot.fullname" .) | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{- define "kvpilot.routerSelectorLabels" -}}
+app.kubernetes.io/name: {{ include "kvpilot.name" . }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+app.kubernetes.io/component: router
+{{- end }}
+
+{{- define "kvpilot.routerLabels" -}}
+{{ include "kvpilot.routerSelectorLabels" . }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+app.kubernetes.io/part-of: kvpilot
+helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" }}
+{{- end }}

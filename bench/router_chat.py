@@ -1,0 +1,415 @@
+"""Multi-tenant chat through `kvpilot router` vs plain round-robin, on 3 loopback replicas.
+
+Workload (seeded): T tenants, each with its own long system prompt (sentences drawn from a word
+list, about `--system-words` words); C conversations spread over the tenants, each of `--turns`
+turns: a short user message, the model's reply (greedy, at most `--max-tokens` tokens) appended
+to the history, then the next turn. `--concurrency` conversations run at once; each request
+streams (TTFT = first content chunk) with usage, whose `cached_tokens` gives the prefix-cache hit.
+
+Passes, in one run, on the same 3 `kvpilot serve` replicas (`--blocks` KV blocks of 16 each):
+1. round-robin: the client itself cycles requests over the replicas, as a Service's round-robin
+   would;
+2. router: every request through `kvpilot router --static` in front of the same replicas;
+3. one replica holding everything: the same workload on one replica with 3x the blocks (the
+   3 replicas are stopped first), the hit rate a perfect router could reach at best.
+Each pass salts its requests (`cache_salt` per tenant and pass), so no pass reuses another's blocks.
+
+Then the router's overhead: one cached-prefix request, sent alternately straight to the replica
+holding it and through the router (`--overhead-samples` each), end-to-end latency p50 of each;
+and the router's own CPU work for that request in this process (parse, chat template, tokenize,
+hash, choose), timed over 200 repetitions.
+
+    python bench/router_chat.py --out bench/router_chat.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import re
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+_WORD_LIST = (
+    "account bicycle billing booking cancel customer delivery deposit discount email engine "
+    "evening express failure feature garden helmet holiday invoice kitchen ladder license "
+    "limit manager market member monthly morning network notice office order parking payment "
+    "policy premium printer product refund region rental repair return route schedule season "
+    "service shipping station storage support ticket travel upgrade voucher warranty weekend"
+)
+WORDS = _WORD_LIST.split()
+MODEL = "bench"
+UVICORN_PORT = re.compile(r"Uvicorn running on http://127\.0\.0\.1:(\d+)")
+
+
+@dataclass
+class Result:
+    turn: int
+    replica: str
+    prompt_tokens: int
+    cached_tokens: int
+    ttft_s: float
+    latency_s: float
+
+
+@dataclass
+class PassReport:
+    name: str
+    results: list[Result] = field(default_factory=list)
+    wall_s: float = 0.0
+
+    def summary(self) -> dict[str, Any]:
+        prompt = sum(r.prompt_tokens for r in self.results)
+        cached = sum(r.cached_tokens for r in self.results)
+        ttfts = sorted(r.ttft_s for r in self.results)
+        per_replica: dict[str, int] = {}
+        for r in self.results:
+            per_replica[r.replica] = per_replica.get(r.replica, 0) + 1
+        mean = len(self.results) / max(1, len(per_replica))
+        return {
+            "requests": len(self.results),
+            "prompt_tokens": prompt,
+            "cached_tokens": cached,
+            "hit_rate": cached / prompt if prompt else 0.0,
+            "ttft_p50_ms": 1000 * percentile(ttfts, 50),
+            "ttft_p99_ms": 1000 * percentile(ttfts, 99),
+            "requests_per_replica": per_replica,
+            "max_over_mean_requests": max(per_replica.values()) / mean if per_replica else 0.0,
+            "wall_s": self.wall_s,
+        }
+
+
+def percentile(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    ordered = sorted(values)
+    k = (len(ordered) - 1) * q / 100
+    lo, hi = int(k), min(int(k) + 1, len(ordered) - 1)
+    return ordered[lo] + (ordered[hi] - ordered[lo]) * (k - lo)
+
+
+def system_prompt(rng: random.Random, tenant: int, num_words: int) -> str:
+    words = [rng.choice(WORDS) for _ in range(num_words)]
+    sentences = [" ".join(words[i : i + 12]).capitalize() + "." for i in range(0, len(words), 12)]
+    return f"You are the assistant of tenant {tenant}. " + " ".join(sentences)
+
+
+def user_message(rng: random.Random) -> str:
+    return "Question: " + " ".join(rng.choice(WORDS) for _ in range(rng.randint(12, 24))) + "?"
+
+
+# ---- processes ----
+
+
+class Proc:
+    def __init__(self, cmd: list[str], log_path: Path) -> None:
+        self.log_path = log_path
+        self.port: int | None = None
+        self.proc = subprocess.Popen(
+            cmd,
+            stderr=subprocess.PIPE,
+            stdout=subprocess.DEVNULL,
+            text=True,
+            env={**os.environ, "OMP_NUM_THREADS": "1"},
+        )
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        assert self.proc.stderr is not None
+        with open(self.log_path, "w") as log:
+            for line in self.proc.stderr:
+                log.write(line)
+                found = UVICORN_PORT.search(line)
+                if found:
+                    self.port = int(found.group(1))
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def wait_ready(self, timeout: float = 300) -> None:
+        deadline = time.monotonic() + timeout
+        while True:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"exited; see {self.log_path}")
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"not ready in {timeout} s; see {self.log_path}")
+            if self.port is not None:
+                try:
+                    if httpx.get(f"{self.url}/ready", timeout=2).status_code == 200:
+                        return
+                except httpx.TransportError:
+                    pass
+            time.sleep(0.2)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)
+
+
+def serve(blocks: int, log_path: Path) -> Proc:
+    cmd = [sys.executable, "-m", "kvpilot.cli", "serve", "--port", "0", "--served-model-name"]
+    cmd += [MODEL, "--num-gpu-blocks-override", str(blocks), "--block-size", "16"]
+    cmd += ["--max-model-len", "2048", "--max-num-seqs", "16"]
+    return Proc(cmd, log_path)
+
+
+# ---- the workload ----
+
+
+@dataclass(frozen=True)
+class Conversation:
+    tenant: int
+    system: str
+    questions: tuple[str, ...]
+
+
+def workload(args: argparse.Namespace) -> list[Conversation]:
+    rng = random.Random(args.seed)
+    systems = [system_prompt(rng, t, args.system_words) for t in range(args.tenants)]
+    conversations = []
+    for c in range(args.conversations):
+        tenant = c % args.tenants
+        questions = tuple(user_message(rng) for _ in range(args.turns))
+        conversations.append(Conversation(tenant, systems[tenant], questions))
+    rng.shuffle(conversations)
+    return conversations
+
+
+async def one_turn(
+    http: httpx.AsyncClient, url: str, messages: list[dict[str, str]], salt: str, max_tokens: int
+) -> tuple[Result, str]:
+    body = {
+        "model": MODEL,
+        "messages": messages,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "cache_salt": salt,
+    }
+    started = time.perf_counter()
+    ttft = None
+    text: list[str] = []
+    usage: dict[str, Any] = {}
+    async with http.stream("POST", f"{url}/v1/chat/completions", json=body) as response:
+        if response.status_code != 200:
+            raise RuntimeError(f"{response.status_code}: {(await response.aread())[:300]!r}")
+        replica = response.headers.get("x-kvpilot-replica", url)
+        async for line in response.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            if chunk.get("usage"):
+                usage = chunk["usage"]
+            for choice in chunk.get("choices") or []:
+                content = (choice.get("delta") or {}).get("content")
+                if content:
+                    if ttft is None:
+                        ttft = time.perf_counter() - started
+                    text.append(content)
+    latency = time.perf_counter() - started
+    cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
+    result = Result(0, replica, usage.get("prompt_tokens", 0), cached, ttft or latency, latency)
+    return result, "".join(text)
+
+
+async def run_pass(
+    name: str, urls: list[str], conversations: list[Conversation], args: argparse.Namespace
+) -> PassReport:
+    report = PassReport(name)
+    queue: asyncio.Queue[Conversation] = asyncio.Queue()
+    for conversation in conversations:
+        queue.put_nowait(conversation)
+    counter = iter(range(1 << 30))
+
+    async def worker(http: httpx.AsyncClient) -> None:
+        while not queue.empty():
+            conversation = queue.get_nowait()
+            messages = [{"role": "system", "content": conversation.system}]
+            for turn, question in enumerate(conversation.questions):
+                messages.append({"role": "user", "content": question})
+                url = urls[next(counter) % len(urls)]  # one URL: the router, or round-robin
+                result, answer = await one_turn(
+                    http, url, messages, f"{name}-{conversation.tenant}", args.max_tokens
+                )
+                result.turn = turn
+                report.results.append(result)
+                messages.append({"role": "assistant", "content": answer})
+
+    started = time.perf_counter()
+    async with httpx.AsyncClient(timeout=600) as http:
+        await asyncio.gather(*(worker(http) for _ in range(args.concurrency)))
+    report.wall_s = time.perf_counter() - started
+    return report
+
+
+async def overhead(router_url: str, args: argparse.Namespace) -> dict[str, Any]:
+    """Latency of one cached-prefix request straight to its holder vs through the router."""
+    rng = random.Random(args.seed + 1)
+    messages = [
+        {"role": "system", "content": system_prompt(rng, 99, args.system_words)},
+        {"role": "user", "content": "Hello?"},
+    ]
+    body = {"model": MODEL, "messages": messages, "max_tokens": 1, "cache_salt": "overhead"}
+    async with httpx.AsyncClient(timeout=60) as http:
+        first = await http.post(f"{router_url}/v1/chat/completions", json=body)
+        holder = first.headers["x-kvpilot-replica"]
+        index = (await http.get(f"{router_url}/kvpilot/v1/router/index")).json()[MODEL]
+        holder_url = index[holder]["url"]
+        direct, routed = [], []
+        for i in range(2 * args.overhead_samples):
+            url = holder_url if i % 2 == 0 else router_url
+            started = time.perf_counter()
+            response = await http.post(f"{url}/v1/chat/completions", json=body)
+            elapsed = time.perf_counter() - started
+            assert response.status_code == 200, response.text
+            if url == router_url:
+                assert response.headers["x-kvpilot-replica"] == holder
+                assert response.headers["x-kvpilot-route"].startswith("prefix")
+            (direct if url == holder_url else routed).append(elapsed)
+    return {
+        "direct_p50_ms": 1000 * statistics.median(direct),
+        "router_p50_ms": 1000 * statistics.median(routed),
+        "added_p50_ms": 1000 * (statistics.median(routed) - statistics.median(direct)),
+        "router_cpu_ms": await asyncio.to_thread(router_cpu_ms, holder_url, body),
+    }
+
+
+def router_cpu_ms(replica_url: str, body: dict[str, Any]) -> float:
+    """The router's own work for one request, in this process: parse, template, tokenize,
+    hash the blocks, score 3 candidates."""
+    from kvpilot.router.config import RoutingConfig
+    from kvpilot.router.index import BlockIndex
+    from kvpilot.router.prompts import block_chain, parse, prompt_token_ids
+    from kvpilot.router.scoring import Candidate, choose
+    from kvpilot.router.tokenizer import fetch_tokenizer
+
+    async def load() -> Any:
+        async with httpx.AsyncClient() as http:
+            return await fetch_tokenizer(http, replica_url)
+
+    tokenizer = asyncio.run(load())
+    raw = json.dumps(body).encode()
+    index = BlockIndex(1 << 20)
+    chain = block_chain(prompt_token_ids(parse("chat", raw), tokenizer), 16, "overhead")
+    index.reset(chain)
+    config = RoutingConfig()
+    timings = []
+    for _ in range(200):
+        started = time.perf_counter()
+        parsed = parse("chat", raw)
+        chain = block_chain(prompt_token_ids(parsed, tokenizer), 16, parsed.request.cache_salt)
+        candidates = [Candidate(n, index.matched_blocks(chain), 0, 0, 0.1) for n in "abc"]
+        choose(
+            candidates, num_blocks=len(chain), tie_key=str(chain[0]), session_id=None, config=config
+        )
+        timings.append(time.perf_counter() - started)
+    return 1000 * statistics.median(timings)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--tenants", type=int, default=6)
+    parser.add_argument("--conversations", type=int, default=48)
+    parser.add_argument("--turns", type=int, default=4)
+    parser.add_argument("--system-words", type=int, default=300)
+    parser.add_argument("--max-tokens", type=int, default=16)
+    parser.add_argument("--concurrency", type=int, default=6)
+    parser.add_argument("--blocks", type=int, default=96, help="KV blocks per replica")
+    parser.add_argument("--overhead-samples", type=int, default=40)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--skip-single", action="store_true")
+    parser.add_argument("--out", type=Path, default=Path("bench/router_chat.json"))
+    args = parser.parse_args()
+    logs = args.out.with_suffix("").with_name(args.out.stem + "-logs")
+    logs.mkdir(parents=True, exist_ok=True)
+    conversations = workload(args)
+    report: dict[str, Any] = {"config": vars(args) | {"out": str(args.out)}}
+
+    replicas = [serve(args.blocks, logs / f"replica-{i}.log") for i in range(3)]
+    router = None
+    try:
+        for replica in replicas:
+            replica.wait_ready()
+        static = "bench=" + ",".join(r.url for r in replicas)
+        router = Proc(
+            [sys.executable, "-m", "kvpilot.cli", "router", "--static", static, "--host",
+             "127.0.0.1", "--port", "0"],
+            logs / "router.log",
+        )  # fmt: skip
+        router.wait_ready()
+        urls = [r.url for r in replicas]
+        # Warm-up, unmeasured: every replica and the router see a request first.
+        asyncio.run(run_pass("warmup", urls, conversations[:3], args))
+        passes = {}
+        passes["round_robin"] = asyncio.run(run_pass("round_robin", urls, conversations, args))
+        print("round-robin", passes["round_robin"].summary(), flush=True)
+        passes["router"] = asyncio.run(run_pass("router", [router.url], conversations, args))
+        print("router", passes["router"].summary(), flush=True)
+        report["overhead"] = asyncio.run(overhead(router.url, args))
+        print("overhead", report["overhead"], flush=True)
+    finally:
+        if router is not None:
+            router.stop()
+        for replica in replicas:
+            replica.stop()
+    if not args.skip_single:
+        single = serve(3 * args.blocks, logs / "single.log")
+        try:
+            single.wait_ready()
+            asyncio.run(run_pass("warmup", [single.url], conversations[:3], args))
+            passes["single"] = asyncio.run(run_pass("single", [single.url], conversations, args))
+            print("single", passes["single"].summary(), flush=True)
+        finally:
+            single.stop()
+    report["summary"] = {name: p.summary() for name, p in passes.items()}
+    report["requests"] = {name: [asdict(r) for r in p.results] for name, p in passes.items()}
+    args.out.write_text(json.dumps(report, indent=1))
+    plot(report["summary"], args.out.with_suffix(".png"))
+
+
+def plot(summary: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = list(summary)
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+    axes[0].bar(names, [100 * summary[n]["hit_rate"] for n in names], color="tab:blue")
+    axes[0].set_ylabel("prefix-cache hit rate (% of prompt tokens)")
+    width = 0.38
+    xs = range(len(names))
+    axes[1].bar(
+        [x - width / 2 for x in xs], [summary[n]["ttft_p50_ms"] for n in names], width, label="p50"
+    )
+    axes[1].bar(
+        [x + width / 2 for x in xs], [summary[n]["ttft_p99_ms"] for n in names], width, label="p99"
+    )
+    axes[1].set_xticks(list(xs), names)
+    axes[1].set_ylabel("TTFT (ms)")
+    axes[1].legend()
+    fig.suptitle("multi-tenant chat on 3 loopback replicas: router vs round-robin")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+if __name__ == "__main__":
+    main()

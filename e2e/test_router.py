@@ -1,0 +1,101 @@
+"""On a real cluster: the chart's router serves every InferenceService of the namespace on one
+URL, sends a shared prefix to the replica holding it, 404s unknown models, streams, and stops
+sending to a pod as soon as it is being deleted."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import yaml
+
+from .cluster import port_forward, wait_for, wait_ready
+from .conftest import GROUP, PLURAL, ROOT, VERSION, E2ESettings
+
+pytestmark = pytest.mark.k8s
+
+NAME = "routed"
+ROUTER = "svc/kvpilot-router"
+SYSTEM = (
+    "You are the assistant of a bicycle rental shop in Lisbon. Answer in short sentences, never "
+    "invent prices, and refer complaints to the manager. Helmets are free with every rental; "
+    "electric bicycles need a deposit; children under twelve ride with an adult."
+)
+
+
+def routed_pods(apis: dict[str, Any], e2e: E2ESettings) -> list[str]:
+    pods = apis["core"].list_namespaced_pod(
+        e2e.namespace, label_selector=f"app.kubernetes.io/instance={NAME}"
+    )
+    return [p.metadata.name for p in pods.items if p.metadata.deletion_timestamp is None]
+
+
+def test_router_routes_by_prefix_404s_streams_and_skips_a_deleted_pod(
+    release: str, e2e: E2ESettings, apis: dict[str, Any]
+) -> None:
+    import httpx
+    import openai
+
+    body = yaml.safe_load((ROOT / "examples" / "smollm2-cpu.yaml").read_text())
+    body["metadata"] = {"name": NAME, "namespace": e2e.namespace}
+    body["spec"]["replicas"] = 2
+    apis["custom"].create_namespaced_custom_object(GROUP, VERSION, e2e.namespace, PLURAL, body)
+    wait_ready(apis, e2e, NAME)
+    wait_for(lambda: len(routed_pods(apis, e2e)) == 2, e2e.timeout_s, "two Ready pods")
+
+    with port_forward(e2e.operator_namespace, ROUTER, 80) as port:
+        base = f"http://127.0.0.1:{port}"
+        client = openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0)
+        wait_for(
+            lambda: (
+                sum(
+                    r["routable"]
+                    for r in httpx.get(f"{base}/kvpilot/v1/router/index")
+                    .json()
+                    .get(NAME, {})
+                    .values()
+                )
+                == 2
+            ),
+            60,
+            "the router to follow both replicas",
+        )
+        assert NAME in [m.id for m in client.models.list()]
+        with pytest.raises(openai.NotFoundError):
+            client.chat.completions.create(
+                model="no-such-model", messages=[{"role": "user", "content": "hi"}], max_tokens=1
+            )
+
+        def ask(question: str) -> tuple[str, str, int]:
+            raw = client.chat.completions.with_raw_response.create(
+                model=NAME,
+                messages=[
+                    {"role": "system", "content": SYSTEM},
+                    {"role": "user", "content": question},
+                ],
+                max_tokens=2,
+            )
+            usage = raw.parse().usage
+            cached = usage.prompt_tokens_details.cached_tokens if usage else 0
+            return raw.headers["x-kvpilot-replica"], raw.headers["x-kvpilot-route"], cached or 0
+
+        holder, _, _ = ask("Do you rent tandems?")
+        for question in ("Is there parking?", "Can I pay by card?"):
+            replica, route, cached = ask(question)
+            assert replica == holder and route.startswith("prefix") and cached > 0
+
+        stream = client.chat.completions.create(
+            model=NAME,
+            messages=[{"role": "user", "content": "Count to twenty."}],
+            max_tokens=24,
+            stream=True,
+        )
+        chunks = [c for c in stream if c.choices and c.choices[0].delta.content]
+        assert len(chunks) > 5
+
+        # The holder is deleted: the router stops sending to it at once (deletionTimestamp),
+        # while its preStop hook still keeps it serving.
+        apis["core"].delete_namespaced_pod(holder, e2e.namespace)
+        for question in ("Are dogs allowed?", "Do you open on Sunday?", "Any discounts?"):
+            replica, _, _ = ask(question)
+            assert replica != holder

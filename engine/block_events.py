@@ -1,0 +1,53 @@
+"""What an engine tells the outside about its prefix cache: which block hashes it holds, as a
+snapshot and then numbered deltas, with its load. The router keeps an exact index from these.
+
+The stream a subscriber reads (one JSON object per line, `kind` tells them apart):
+- `snapshot`: every block hash the engine holds now, as of delta number `seq`, with what a reader
+  needs to compute the same hashes (block size, hash scheme, model name);
+- `update`: delta `seq` (always the previous one + 1): hashes stored, hashes removed, and the load;
+- `heartbeat`: nothing changed; the load, and the seq the reader should be at.
+A reader that sees a seq other than the one it expects has missed something and must reconnect,
+which starts with a fresh snapshot: it never keeps an index it cannot prove current. A server whose
+reader fell too far behind sends a snapshot again instead of the deltas it no longer has.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+
+class KvDelta(msgspec.Struct, frozen=True, array_like=True):
+    """The engine core's change to its cached hash set over one step (two disjoint lists)."""
+
+    stored: list[int]
+    removed: list[int]
+
+
+class Load(msgspec.Struct, frozen=True):
+    num_waiting: int = 0
+    num_running: int = 0
+    kv_cache_usage: float = 0.0
+
+
+class KvSnapshot(msgspec.Struct, frozen=True, tag="snapshot", tag_field="kind"):
+    seq: int
+    model: str
+    block_size: int
+    hash_scheme: str
+    hashes: list[int]
+    load: Load
+
+
+class KvUpdate(msgspec.Struct, frozen=True, tag="update", tag_field="kind"):
+    seq: int
+    stored: list[int]
+    removed: list[int]
+    load: Load
+
+
+class KvHeartbeat(msgspec.Struct, frozen=True, tag="heartbeat", tag_field="kind"):
+    seq: int
+    load: Load
+
+
+KvMessage = KvSnapshot | KvUpdate | KvHeartbeat

@@ -1,0 +1,49 @@
+"""Chained block hashes: the one definition of a KV block's identity, shared by the engine's prefix
+cache and by anything outside the engine that predicts what it holds (the router).
+
+A block's hash covers its parent block's hash, its token ids and the request's cache_salt, so
+equal hashes mean equal prefixes (up to a 64-bit collision, which the engine's prefix cache then
+catches by comparing the stored key). The hash must be the same in every process and on every
+machine: Python's hash() of a str changes with PYTHONHASHSEED, so this uses blake2b over a fixed
+byte layout instead. Change the layout only together with HASH_SCHEME: subscribers compare it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+from collections.abc import Sequence
+
+HASH_SCHEME = "blake2b64-v1"
+_PERSON = b"kvpilot-block"
+_NO_PARENT = b"\x00"
+_NO_SALT = b"\x00"
+
+
+def hash_block(parent: int | None, token_ids: Sequence[int], cache_salt: str | None) -> int:
+    """The 64-bit hash of one full block (token_ids is exactly one block's tokens)."""
+    digest = hashlib.blake2b(digest_size=8, person=_PERSON)
+    digest.update(_NO_PARENT if parent is None else b"\x01" + parent.to_bytes(8, "little"))
+    # Blocks of one engine have a fixed size, but the count keeps layouts of different sizes apart.
+    digest.update(struct.pack(f"<I{len(token_ids)}I", len(token_ids), *token_ids))
+    digest.update(_NO_SALT if cache_salt is None else b"\x01" + cache_salt.encode("utf-8"))
+    return int.from_bytes(digest.digest(), "little")
+
+
+def chain_block_hashes(
+    token_ids: Sequence[int],
+    block_size: int,
+    cache_salt: str | None,
+    *,
+    known: Sequence[int] = (),
+) -> list[int]:
+    """The hash chain over every full block of token_ids. `known` is a prefix of the chain that
+    is already computed (it is extended, not recomputed)."""
+    if block_size < 1:
+        raise ValueError(f"block_size must be >= 1, got {block_size}")
+    hashes = list(known)
+    for index in range(len(hashes), len(token_ids) // block_size):
+        start = index * block_size
+        parent = hashes[-1] if hashes else None
+        hashes.append(hash_block(parent, token_ids[start : start + block_size], cache_salt))
+    return hashes

@@ -1,0 +1,150 @@
+"""The router's FastAPI app: the OpenAI routes every model shares, probes and /metrics."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import FastAPI, Request
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.responses import JSONResponse, Response
+
+from kvpilot.engine.server import errors
+from kvpilot.engine.server.preprocess import RequestKind
+from kvpilot.router.prompts import parse
+from kvpilot.router.proxy import error_response
+from kvpilot.router.runtime import RouterRuntime
+
+log = logging.getLogger("kvpilot.router")
+
+
+def create_app(runtime: RouterRuntime) -> FastAPI:
+    @contextlib.asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        await runtime.start()
+        try:
+            yield
+        finally:
+            await runtime.stop()
+
+    app = FastAPI(
+        title="kvpilot router", docs_url=None, redoc_url=None, openapi_url=None, lifespan=lifespan
+    )
+    app.state.runtime = runtime
+    created = int(time.time())
+
+    @app.exception_handler(errors.APIError)
+    async def api_error(_: Request, exc: errors.APIError) -> JSONResponse:
+        return error_response(exc)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+        return error_response(errors.APIError(exc.status_code, str(exc.detail), type=kind))
+
+    @app.exception_handler(Exception)
+    async def unexpected(_: Request, exc: Exception) -> JSONResponse:
+        log.exception("unhandled error")
+        return error_response(errors.internal_error(f"Internal server error: {exc!r}"))
+
+    @app.get("/health")
+    async def health() -> Response:
+        return JSONResponse({"status": "ok"})
+
+    @app.get("/ready")
+    async def ready() -> Response:
+        """Ready once the first listing of every watched namespace arrived."""
+        if runtime.is_synced:
+            return JSONResponse({"status": "ready"})
+        return JSONResponse({"status": "syncing"}, status_code=503)
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        runtime.registry.refresh_gauges()
+        return Response(generate_latest(runtime.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/kvpilot/v1/router/index")
+    async def index() -> Response:
+        """What this router knows of every replica (for operators and tests)."""
+        now = time.monotonic()
+        return JSONResponse(
+            {
+                model: {
+                    name: {
+                        "url": r.url,
+                        "routable": r.is_routable(now, runtime.config.dead_after_s),
+                        "seq": r.seq,
+                        "num_blocks": len(r.index),
+                        "digest": r.index.digest(),
+                        "in_flight": r.in_flight,
+                        "num_waiting": r.load.num_waiting,
+                        "kv_cache_usage": r.load.kv_cache_usage,
+                    }
+                    for name, r in pool.replicas.items()
+                }
+                for model, pool in runtime.registry.pools.items()
+            }
+        )
+
+    def card(model: str) -> dict[str, Any]:
+        pool = runtime.registry.pools[model]
+        return {
+            "id": model,
+            "object": "model",
+            "created": created,
+            "owned_by": "kvpilot",
+            "root": model,
+            "parent": None,
+            "kvpilot": {
+                "namespace": pool.service.namespace,
+                "inferenceService": pool.service.name,
+                "replicas": len(pool.routable(time.monotonic(), runtime.config.dead_after_s)),
+            },
+        }
+
+    @app.get("/v1/models")
+    async def list_models() -> Response:
+        return JSONResponse(
+            {"object": "list", "data": [card(m) for m in sorted(runtime.registry.pools)]}
+        )
+
+    @app.get("/v1/models/{model:path}")
+    async def get_model(model: str) -> Response:
+        if model not in runtime.registry.pools:
+            raise errors.APIError(
+                404, f"The model `{model}` does not exist.", type="not_found_error", param="model"
+            )
+        return JSONResponse(card(model))
+
+    async def route(kind: RequestKind, request: Request) -> Response:
+        body = await read_body(request, runtime.config.max_body_bytes)
+        parsed = parse(kind, body)
+        return await runtime.proxy.handle(kind, parsed, body, request.headers)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await route("completion", request)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        return await route("chat", request)
+
+    return app
+
+
+async def read_body(request: Request, limit: int) -> bytes:
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise errors.too_large(int(declared), limit)
+    chunks: list[bytes] = []
+    size = 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise errors.too_large(None, limit)
+        chunks.append(chunk)
+    return b"".join(chunks)

@@ -1,0 +1,114 @@
+"""`kvpilot router`: the OpenAI-compatible front for every InferenceService in the watched
+namespaces."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+
+import uvicorn
+
+from kvpilot.router.config import HoldConfig, RouterConfig, RoutingConfig
+
+
+def parse_args(argv: list[str]) -> RouterConfig:
+    parser = argparse.ArgumentParser(
+        prog="kvpilot router",
+        description="Route OpenAI requests to InferenceServices by model name, prefix-cache "
+        "aware, holding requests for models scaled to zero.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    parser.add_argument(
+        "--namespace",
+        action="append",
+        dest="namespaces",
+        help="namespace to serve (repeatable; default: $KVPILOT_NAMESPACES, comma-separated)",
+    )
+    parser.add_argument(
+        "--all-namespaces", action="store_true", help="serve the whole cluster's InferenceServices"
+    )
+    parser.add_argument(
+        "--static",
+        action="append",
+        default=[],
+        metavar="MODEL=URL[,URL...]",
+        help="serve MODEL from these engine URLs, without Kubernetes (development, benchmarks)",
+    )
+    parser.add_argument("--host", default="0.0.0.0")
+    parser.add_argument("--port", type=int, default=8080, help="0 picks a free port")
+    parser.add_argument("--load-factor", type=float, default=RoutingConfig.load_factor)
+    parser.add_argument("--hold-timeout", type=float, default=HoldConfig.timeout_s)
+    parser.add_argument("--max-held", type=int, default=HoldConfig.max_held_per_model)
+    parser.add_argument("--retry-after", type=int, default=HoldConfig.retry_after_s)
+    parser.add_argument("--dead-after", type=float, default=RouterConfig.dead_after_s)
+    parser.add_argument(
+        "--engine-api-key-file", help="file holding the engines' API key (a mounted Secret)"
+    )
+    parser.add_argument(
+        "--log-level", default="info", choices=("debug", "info", "warning", "error")
+    )
+    args = parser.parse_args(argv)
+    namespaces = args.namespaces or [
+        n for n in os.environ.get("KVPILOT_NAMESPACES", "").split(",") if n
+    ]
+    if args.all_namespaces:
+        namespaces = [""]  # the API's paths without a namespace
+    static = []
+    for item in args.static:
+        model, _, urls = item.partition("=")
+        if not model or not urls:
+            parser.error(f"--static {item!r}: expected MODEL=URL[,URL...]")
+        static.append((model, tuple(u.rstrip("/") for u in urls.split(","))))
+    if not namespaces and not static:
+        parser.error(
+            "give --namespace (repeatable, or $KVPILOT_NAMESPACES), --all-namespaces or --static"
+        )
+    key = None
+    if args.engine_api_key_file:
+        with open(args.engine_api_key_file) as f:
+            key = f.read().strip()
+    logging.basicConfig(
+        level=args.log_level.upper(),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+    logging.getLogger("httpx").setLevel(logging.WARNING)
+    return RouterConfig(
+        namespaces=tuple(namespaces),
+        host=args.host,
+        port=args.port,
+        routing=RoutingConfig(load_factor=args.load_factor),
+        hold=HoldConfig(
+            max_held_per_model=args.max_held,
+            timeout_s=args.hold_timeout,
+            retry_after_s=args.retry_after,
+        ),
+        dead_after_s=args.dead_after,
+        engine_api_key=key,
+        router_name=os.environ.get("POD_NAME", "kvpilot-router"),
+        static_models=tuple(static),
+    )
+
+
+def main(argv: list[str]) -> int:
+    try:
+        config = parse_args(argv)
+    except ValueError as exc:
+        print(f"kvpilot router: {exc}", file=sys.stderr)
+        return 2
+    from kvpilot.router.app import create_app
+    from kvpilot.router.kube import kube_access
+    from kvpilot.router.runtime import RouterRuntime
+
+    runtime = RouterRuntime(config, None if config.static_models else kube_access())
+    uvicorn.run(
+        create_app(runtime),
+        host=config.host,
+        port=config.port,
+        loop="uvloop" if sys.platform != "win32" else "asyncio",
+        log_level=logging.getLevelName(logging.getLogger().level).lower(),
+        timeout_graceful_shutdown=30,
+    )
+    return 0

@@ -1,0 +1,70 @@
+"""The router's settings, validated once at construction and passed down explicitly."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class RoutingConfig:
+    # Bounded load (as KubeAI's CHWBL): no replica takes a request that would put its in-flight
+    # count above load_factor x the mean (the new request included).
+    load_factor: float = 1.25
+    # Score weights: prefix match (fraction of the prompt's blocks held) against queue (in-flight
+    # and waiting, relative to the busiest candidate) and KV-cache utilization.
+    prefix_weight: float = 3.0
+    queue_weight: float = 2.0
+    kv_weight: float = 2.0
+
+    def __post_init__(self) -> None:
+        if self.load_factor < 1.0:
+            raise ValueError(f"load_factor must be >= 1, got {self.load_factor}")
+        if min(self.prefix_weight, self.queue_weight, self.kv_weight) < 0:
+            raise ValueError("routing weights must be >= 0")
+
+
+@dataclass(frozen=True)
+class HoldConfig:
+    """Requests for a model with no Ready replica wait here (scale from zero, restarts)."""
+
+    max_held_per_model: int = 256
+    # Sized for a slow model load: an image pull plus weights can take minutes.
+    timeout_s: float = 300.0
+    retry_after_s: int = 30
+
+    def __post_init__(self) -> None:
+        if self.max_held_per_model < 0:
+            raise ValueError("max_held_per_model must be >= 0")
+        if self.timeout_s <= 0:
+            raise ValueError("the hold timeout must be > 0")
+
+
+@dataclass(frozen=True)
+class RouterConfig:
+    namespaces: tuple[str, ...]
+    host: str = "0.0.0.0"
+    port: int = 8080
+    routing: RoutingConfig = field(default_factory=RoutingConfig)
+    hold: HoldConfig = field(default_factory=HoldConfig)
+    # A replica whose event stream has been silent this long is out of rotation (it heartbeats
+    # every 0.5 s).
+    dead_after_s: float = 2.0
+    # The index keeps at most this many block hashes per replica (an engine never holds more
+    # than its pool; this bounds a misbehaving one).
+    max_blocks_per_replica: int = 1 << 20
+    # Requests a failed upstream may be retried on another replica (only before any byte left).
+    max_attempts: int = 3
+    max_body_bytes: int = 32 << 20
+    engine_api_key: str | None = None
+    # Who asks the operator to wake a model (recorded on the InferenceService).
+    router_name: str = "kvpilot-router"
+    # Without Kubernetes (development, benchmarks): model -> replica URLs, fixed.
+    static_models: tuple[tuple[str, tuple[str, ...]], ...] = ()
+
+    def __post_init__(self) -> None:
+        if not self.namespaces and not self.static_models:
+            raise ValueError("the router needs a namespace to watch (or static models)")
+        if self.dead_after_s <= 0:
+            raise ValueError("dead_after_s must be > 0")
+        if self.max_attempts < 1:
+            raise ValueError("max_attempts must be >= 1")

@@ -1,0 +1,69 @@
+"""The router's Prometheus metrics (GET /metrics on the router)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+PREFIX_BUCKETS = (0, 16, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768)
+HOLD_BUCKETS = (0.1, 0.5, 1, 2, 5, 10, 20, 30, 60, 120, 300, 600)
+
+
+class RouterMetrics:
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.registry = registry
+        self.decisions = Counter(
+            "kvpilot_router_decisions",
+            "Routing decisions, by why the replica was chosen (prefix, load, affinity, fallback)",
+            ["model", "reason"],
+            registry=registry,
+        )
+        self.prefix_match_tokens = Histogram(
+            "kvpilot_router_prefix_match_tokens",
+            "Prompt tokens the chosen replica already held in its prefix cache",
+            ["model"],
+            buckets=PREFIX_BUCKETS,
+            registry=registry,
+        )
+        self.held = Gauge(
+            "kvpilot_router_held_requests",
+            "Requests held for a model with no routable replica (scale from zero)",
+            ["model"],
+            registry=registry,
+        )
+        self.hold_seconds = Histogram(
+            "kvpilot_router_hold_seconds",
+            "How long requests were held before a replica took them",
+            ["model"],
+            buckets=HOLD_BUCKETS,
+            registry=registry,
+        )
+        self.hold_rejections = Counter(
+            "kvpilot_router_hold_rejections",
+            "Held requests answered 503 (queue full or hold timeout)",
+            ["model", "why"],
+            registry=registry,
+        )
+        self.in_flight = Gauge(
+            "kvpilot_router_in_flight_requests",
+            "Requests this router has sent to replicas and not yet seen finish",
+            ["model"],
+            registry=registry,
+        )
+        self.upstream_errors = Counter(
+            "kvpilot_router_upstream_errors",
+            "Failures talking to replicas (connect, status, broken stream)",
+            ["model", "kind"],
+            registry=registry,
+        )
+        self.wake_requests = Counter(
+            "kvpilot_router_wake_requests",
+            "Times this router asked the operator to scale a model up from zero",
+            ["model"],
+            registry=registry,
+        )
+        self.replicas = Gauge(
+            "kvpilot_router_replicas",
+            "Replicas known to the router, by whether they are routable",
+            ["model", "state"],
+            registry=registry,
+        )

@@ -1,0 +1,254 @@
+"""From a parsed request to a replica's response: hold while the model has no routable replica
+(asking the operator to wake it), choose a replica, forward the body, and pass the response
+through as it arrives. A replica that fails before anything was sent back is marked failed and
+the request goes to another; once bytes have gone to the client, a failure ends the stream."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator, Mapping
+
+import httpx
+from starlette.responses import JSONResponse, Response, StreamingResponse
+
+from kvpilot.engine.server import errors
+from kvpilot.engine.server.preprocess import RequestKind
+from kvpilot.router.config import RouterConfig
+from kvpilot.router.hold import HoldFull, HoldTimeout
+from kvpilot.router.kube import request_wake
+from kvpilot.router.metrics import RouterMetrics
+from kvpilot.router.prompts import ParsedRequest, block_chain, prompt_token_ids
+from kvpilot.router.registry import ModelPool, Registry
+from kvpilot.router.replica import Replica
+from kvpilot.router.scoring import Candidate, choose
+
+log = logging.getLogger("kvpilot.router")
+
+PATHS: dict[RequestKind, str] = {"chat": "/v1/chat/completions", "completion": "/v1/completions"}
+SESSION_HEADER = "x-session-id"
+_PASSED_HEADERS = ("content-type", "retry-after", "x-request-id")
+_WAKE_REPEAT_S = 5.0
+
+
+def error_response(error: errors.APIError) -> JSONResponse:
+    return JSONResponse(error.body(), status_code=error.status_code, headers=error.headers)
+
+
+def unavailable(model: str, why: str, retry_after_s: int) -> errors.APIError:
+    error = errors.unavailable(
+        f"The model `{model}` has no ready replica: {why}.", code="no_replica"
+    )
+    error.headers["Retry-After"] = str(retry_after_s)
+    return error
+
+
+class Proxy:
+    def __init__(
+        self,
+        config: RouterConfig,
+        registry: Registry,
+        engines: httpx.AsyncClient,
+        kube: httpx.AsyncClient | None,
+        metrics: RouterMetrics,
+    ) -> None:
+        self.config = config
+        self.registry = registry
+        self.engines = engines
+        self.kube = kube
+        self.metrics = metrics
+
+    async def handle(
+        self, kind: RequestKind, parsed: ParsedRequest, body: bytes, headers: Mapping[str, str]
+    ) -> Response:
+        model = parsed.model or ""
+        pool = self.registry.pools.get(model)
+        if pool is None:
+            raise errors.APIError(
+                404,
+                f"The model `{model}` does not exist. GET /v1/models lists the served models.",
+                type="not_found_error",
+                param="model",
+                code="model_not_found",
+            )
+        replicas = await self._routable_replicas(pool)
+        token_ids = prompt_token_ids(parsed, pool.tokenizer)
+        tried: set[str] = set()
+        for _ in range(self.config.max_attempts):
+            candidates = [r for r in replicas if r.name not in tried]
+            if not candidates:
+                break
+            replica, reason, matched = self._choose(pool, candidates, token_ids, parsed, headers)
+            tried.add(replica.name)
+            response = await self._forward(pool, replica, kind, body, headers)
+            if response is not None:
+                response.headers["x-kvpilot-replica"] = replica.name
+                response.headers["x-kvpilot-route"] = (
+                    f"{reason}; prefix-tokens={matched * (replica.block_size or 0)}"
+                )
+                self.metrics.decisions.labels(model, reason).inc()
+                self.metrics.prefix_match_tokens.labels(model).observe(
+                    matched * (replica.block_size or 0)
+                )
+                return response
+            replicas = pool.routable(time.monotonic(), self.config.dead_after_s)
+        raise unavailable(model, "every replica tried failed", self.config.hold.retry_after_s)
+
+    # ---- holding ----
+    async def _routable_replicas(self, pool: ModelPool) -> list[Replica]:
+        model = pool.service.model
+        timeout_s = pool.service.hold_timeout_s or self.config.hold.timeout_s
+        deadline = time.monotonic() + timeout_s
+        held_since: float | None = None
+        while True:
+            now = time.monotonic()
+            replicas = pool.routable(now, self.config.dead_after_s)
+            # A tokenizer still loading holds requests too: without it they would all look cold.
+            if replicas and pool.tokenizer_task is None:
+                if held_since is not None:
+                    self.metrics.hold_seconds.labels(model).observe(now - held_since)
+                return replicas
+            if held_since is None:
+                held_since = now
+                log.debug("holding a request for %s (no routable replica)", model)
+            self._ask_to_wake(pool)
+            try:
+                self.metrics.held.labels(model).inc()
+                try:
+                    await pool.hold.wait(timeout_s=max(0.0, deadline - now))
+                finally:
+                    self.metrics.held.labels(model).dec()
+            except HoldFull:
+                self.metrics.hold_rejections.labels(model, "full").inc()
+                raise unavailable(
+                    model, "too many requests are waiting for it", self.config.hold.retry_after_s
+                ) from None
+            except HoldTimeout:
+                self.metrics.hold_rejections.labels(model, "timeout").inc()
+                raise unavailable(
+                    model,
+                    f"none became ready within {timeout_s:g} s",
+                    self.config.hold.retry_after_s,
+                ) from None
+            if self.registry.pools.get(model) is not pool:
+                raise unavailable(model, "it was removed", self.config.hold.retry_after_s)
+
+    def _ask_to_wake(self, pool: ModelPool) -> None:
+        """Annotate the InferenceService (at most every few seconds per router and model)."""
+        service = pool.service
+        now = time.monotonic()
+        if self.kube is None or not service.may_scale_to_zero:
+            return
+        if now - pool.last_wake_request < _WAKE_REPEAT_S:
+            return
+        pool.last_wake_request = now
+        self.metrics.wake_requests.labels(service.model).inc()
+        log.info("asking for %s/%s to be woken", service.namespace, service.name)
+
+        async def wake() -> None:
+            try:
+                await request_wake(
+                    self.kube, service.namespace, service.name, self.config.router_name
+                )
+            except Exception as exc:
+                log.warning("could not ask for %s to be woken: %s", service.name, exc)
+                pool.last_wake_request = float("-inf")
+
+        asyncio.get_running_loop().create_task(wake())
+
+    # ---- choosing ----
+    def _choose(
+        self,
+        pool: ModelPool,
+        replicas: list[Replica],
+        token_ids: list[int] | None,
+        parsed: ParsedRequest,
+        headers: Mapping[str, str],
+    ) -> tuple[Replica, str, int]:
+        block_size = next((r.block_size for r in replicas if r.block_size), None)
+        chain = block_chain(token_ids, block_size, parsed.request.cache_salt)
+        candidates = [
+            Candidate(
+                r.name,
+                r.index.matched_blocks(chain) if r.block_size == block_size else 0,
+                r.in_flight,
+                r.load.num_waiting,
+                r.load.kv_cache_usage,
+            )
+            for r in replicas
+        ]
+        tie_key = str(chain[0]) if chain else str(token_ids[:64] if token_ids else "")
+        decision = choose(
+            candidates,
+            num_blocks=len(chain) if token_ids else 0,
+            tie_key=tie_key,
+            session_id=headers.get(SESSION_HEADER),
+            config=self.config.routing,
+        )
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug(
+                "route %s -> %s (%s): %d/%d blocks matched; candidates %s",
+                pool.service.model,
+                decision.name,
+                decision.reason,
+                decision.matched_blocks,
+                len(chain),
+                [(c.name, c.matched_blocks, c.in_flight, c.num_waiting) for c in candidates],
+            )
+        chosen = next(r for r in replicas if r.name == decision.name)
+        return chosen, decision.reason, decision.matched_blocks
+
+    # ---- forwarding ----
+    async def _forward(
+        self,
+        pool: ModelPool,
+        replica: Replica,
+        kind: RequestKind,
+        body: bytes,
+        headers: Mapping[str, str],
+    ) -> Response | None:
+        """The replica's response, streaming; None when it failed before answering."""
+        model = pool.service.model
+        outgoing = {"content-type": headers.get("content-type", "application/json")}
+        auth = (
+            f"Bearer {self.config.engine_api_key}"
+            if self.config.engine_api_key
+            else headers.get("authorization")
+        )
+        if auth:
+            outgoing["authorization"] = auth
+        request = self.engines.build_request(
+            "POST", f"{replica.url}{PATHS[kind]}", content=body, headers=outgoing
+        )
+        replica.in_flight += 1
+        try:
+            upstream = await self.engines.send(request, stream=True)
+        except httpx.TransportError as exc:
+            replica.in_flight -= 1
+            replica.failed_at = time.monotonic()
+            self.metrics.upstream_errors.labels(model, "connect").inc()
+            log.warning("replica %s failed (%s): trying another", replica.name, exc)
+            return None
+        if upstream.status_code in (502, 503, 504):  # draining or overloaded: nothing was sent
+            replica.in_flight -= 1
+            await upstream.aclose()
+            self.metrics.upstream_errors.labels(model, f"status_{upstream.status_code}").inc()
+            return None
+        passed = {k: v for k, v in upstream.headers.items() if k.lower() in _PASSED_HEADERS}
+        return StreamingResponse(
+            self._relay(model, replica, upstream), upstream.status_code, headers=passed
+        )
+
+    async def _relay(
+        self, model: str, replica: Replica, upstream: httpx.Response
+    ) -> AsyncIterator[bytes]:
+        try:
+            async for chunk in upstream.aiter_raw():
+                yield chunk
+        except httpx.TransportError as exc:
+            self.metrics.upstream_errors.labels(model, "stream").inc()
+            log.warning("replica %s broke a response mid-stream: %s", replica.name, exc)
+        finally:
+            replica.in_flight -= 1
+            await upstream.aclose()

@@ -1,0 +1,193 @@
+"""The router's view of the cluster: InferenceServices (by served model name) and their Ready
+engine pods, each followed through its block-event stream. Fed by the Kubernetes watches; every
+change re-derives the pools from the latest objects (level-based, so a missed event heals at the
+next one)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+
+from kvpilot.router.cluster import Endpoint, ServiceInfo, endpoint, service_info
+from kvpilot.router.config import RouterConfig
+from kvpilot.router.hold import HoldQueue
+from kvpilot.router.index import BlockIndex
+from kvpilot.router.metrics import RouterMetrics
+from kvpilot.router.replica import Replica, follow
+from kvpilot.router.tokenizer import fetch_tokenizer
+
+log = logging.getLogger("kvpilot.router")
+
+
+@dataclass
+class ModelPool:
+    """One InferenceService as the router serves it."""
+
+    service: ServiceInfo
+    hold: HoldQueue
+    replicas: dict[str, Replica] = field(default_factory=dict)
+    followers: dict[str, asyncio.Task[None]] = field(default_factory=dict)
+    tokenizer: Any = None
+    tokenizer_task: asyncio.Task[None] | None = None
+    last_wake_request: float = float("-inf")
+
+    def routable(self, now: float, dead_after_s: float) -> list[Replica]:
+        return [r for r in self.replicas.values() if r.is_routable(now, dead_after_s)]
+
+
+class Registry:
+    def __init__(
+        self, config: RouterConfig, engines: httpx.AsyncClient, metrics: RouterMetrics
+    ) -> None:
+        self.config = config
+        self.engines = engines
+        self.metrics = metrics
+        self.services: dict[tuple[str, str], ServiceInfo] = {}
+        self.endpoints: dict[tuple[str, str], Endpoint] = {}
+        self.pools: dict[str, ModelPool] = {}
+
+    # ---- watch callbacks ----
+    def services_listed(self, namespace: str, items: list[dict[str, Any]]) -> None:
+        """A full listing of one namespace ("": of all) replaces what was known of it."""
+        self.services = {k: v for k, v in self.services.items() if namespace and k[0] != namespace}
+        for obj in items:
+            info = service_info(obj)
+            self.services[(info.namespace, info.name)] = info
+        self.sync()
+
+    def service_event(self, kind: str, obj: dict[str, Any]) -> None:
+        info = service_info(obj)
+        key = (info.namespace, info.name)
+        if kind == "DELETED":
+            self.services.pop(key, None)
+        else:
+            self.services[key] = info
+        self.sync()
+
+    def pods_listed(self, namespace: str, items: list[dict[str, Any]]) -> None:
+        self.endpoints = {
+            k: v for k, v in self.endpoints.items() if namespace and k[0] != namespace
+        }
+        for pod in items:
+            found = endpoint(pod)
+            if found is not None:
+                self.endpoints[(found.namespace, found.pod)] = found
+        self.sync()
+
+    def pod_event(self, kind: str, pod: dict[str, Any]) -> None:
+        meta = pod.get("metadata") or {}
+        key = (meta.get("namespace", ""), meta.get("name", ""))
+        found = endpoint(pod)
+        if kind == "DELETED" or found is None:
+            self.endpoints.pop(key, None)
+        else:
+            self.endpoints[key] = found
+        self.sync()
+
+    # ---- derived state ----
+    def sync(self) -> None:
+        by_model: dict[str, ServiceInfo] = {}
+        for info in sorted(self.services.values(), key=lambda s: (s.created, s.namespace)):
+            if info.model in by_model:
+                log.warning(
+                    "model %r is served by both %s/%s and %s/%s: routing to the older one",
+                    info.model,
+                    by_model[info.model].namespace,
+                    by_model[info.model].name,
+                    info.namespace,
+                    info.name,
+                )
+                continue
+            by_model[info.model] = info
+        for model in list(self.pools):
+            if model not in by_model:
+                self._drop_pool(self.pools.pop(model))
+        for model, info in by_model.items():
+            pool = self.pools.get(model)
+            if pool is None or (pool.service.namespace, pool.service.name) != (
+                info.namespace,
+                info.name,
+            ):
+                if pool is not None:
+                    self._drop_pool(pool)
+                pool = self.pools[model] = ModelPool(info, HoldQueue(self.config.hold))
+            pool.service = info
+            wanted = {
+                e.pod: e
+                for e in self.endpoints.values()
+                if e.is_ready and (e.namespace, e.service) == (info.namespace, info.name)
+            }
+            for name in list(pool.replicas):
+                gone = name not in wanted or wanted[name].url != pool.replicas[name].url
+                if gone:
+                    self._drop_replica(pool, name)
+            for name, found in wanted.items():
+                if name not in pool.replicas:
+                    self._add_replica(pool, found)
+
+    def _add_replica(self, pool: ModelPool, found: Endpoint) -> None:
+        replica = Replica(found.pod, found.url, BlockIndex(self.config.max_blocks_per_replica))
+        pool.replicas[found.pod] = replica
+        pool.followers[found.pod] = asyncio.get_running_loop().create_task(
+            follow(
+                replica,
+                self.engines,
+                dead_after_s=self.config.dead_after_s,
+                on_synced=lambda: self._replica_synced(pool, replica),
+            ),
+            name=f"follow-{found.pod}",
+        )
+        log.debug("replica %s of %s at %s", found.pod, pool.service.model, found.url)
+
+    def _drop_replica(self, pool: ModelPool, name: str) -> None:
+        pool.replicas.pop(name, None)
+        task = pool.followers.pop(name, None)
+        if task is not None:
+            task.cancel()
+        log.debug("replica %s of %s removed", name, pool.service.model)
+
+    def _drop_pool(self, pool: ModelPool) -> None:
+        for name in list(pool.replicas):
+            self._drop_replica(pool, name)
+        if pool.tokenizer_task is not None:
+            pool.tokenizer_task.cancel()
+        pool.hold.release()  # they look the model up again and find it gone
+
+    def _replica_synced(self, pool: ModelPool, replica: Replica) -> None:
+        log.info("replica %s of %s is routable", replica.name, pool.service.model)
+        if pool.tokenizer is None and pool.tokenizer_task is None:
+            pool.tokenizer_task = asyncio.get_running_loop().create_task(
+                self._load_tokenizer(pool, replica)
+            )
+        else:
+            pool.hold.release()
+
+    async def _load_tokenizer(self, pool: ModelPool, replica: Replica) -> None:
+        """Held requests wait for the tokenizer too: their prefix hashes decide the replica."""
+        try:
+            pool.tokenizer = await fetch_tokenizer(self.engines, replica.url)
+        except Exception:
+            log.warning("could not fetch %s's tokenizer", pool.service.model, exc_info=True)
+        finally:
+            pool.tokenizer_task = None
+            pool.hold.release()
+
+    def refresh_gauges(self) -> None:
+        now = time.monotonic()
+        for model, pool in self.pools.items():
+            routable = len(pool.routable(now, self.config.dead_after_s))
+            self.metrics.replicas.labels(model, "routable").set(routable)
+            self.metrics.replicas.labels(model, "unroutable").set(len(pool.replicas) - routable)
+            self.metrics.in_flight.labels(model).set(
+                sum(r.in_flight for r in pool.replicas.values())
+            )
+
+    def close(self) -> None:
+        for pool in self.pools.values():
+            self._drop_pool(pool)
+        self.pools.clear()

@@ -1,0 +1,120 @@
+"""One engine replica as the router sees it, and the task that follows its block-event stream
+(GET /kvpilot/v1/kv-events, see kvpilot.engine.block_events).
+
+A replica is routable while its stream is synced (a snapshot, then every delta in order) and has
+been heard from within dead_after_s. Any gap in the numbering, a broken connection or silence
+clears its index and takes it out of rotation until a fresh snapshot arrives.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import httpx
+import msgspec
+
+from kvpilot.engine.block_events import KvMessage, KvSnapshot, KvUpdate, Load
+from kvpilot.engine.block_hash import HASH_SCHEME
+from kvpilot.router.index import BlockIndex
+
+log = logging.getLogger("kvpilot.router")
+
+_RETRY_S = (0.1, 0.25, 0.5, 1.0)
+
+
+class StreamGap(RuntimeError):
+    """The stream skipped a delta: the index can no longer be trusted."""
+
+
+@dataclass
+class Replica:
+    name: str  # the pod's name
+    url: str  # http://ip:port
+    index: BlockIndex
+    block_size: int | None = None
+    load: Load = field(default_factory=Load)
+    in_flight: int = 0
+    seq: int | None = None  # the last delta applied; None while not synced
+    last_heard: float = 0.0
+    # Set by the proxy when a request could not reach it; cleared by the next snapshot.
+    is_failed: bool = False
+
+    def is_routable(self, now: float, dead_after_s: float) -> bool:
+        return self.seq is not None and not self.is_failed and now - self.last_heard < dead_after_s
+
+    def desync(self) -> None:
+        self.seq = None
+        self.index.reset()
+
+    def apply(self, message: KvMessage, now: float) -> None:
+        """Raises StreamGap when a delta is missing (the caller reconnects)."""
+        if isinstance(message, KvSnapshot):
+            if message.hash_scheme != HASH_SCHEME:
+                raise ValueError(
+                    f"{self.name} hashes blocks with {message.hash_scheme}, this router with "
+                    f"{HASH_SCHEME}: upgrade one of them"
+                )
+            self.index.reset(message.hashes)
+            self.block_size = message.block_size
+            self.seq = message.seq
+            self.failed_at = float("-inf")
+        elif self.seq is None:
+            raise StreamGap(f"{self.name}: a delta before any snapshot")
+        elif message.seq != self.seq + (1 if isinstance(message, KvUpdate) else 0):
+            raise StreamGap(f"{self.name}: expected seq {self.seq + 1}, got {message.seq}")
+        elif isinstance(message, KvUpdate):
+            self.index.remove(message.removed)
+            self.index.store(message.stored)
+            self.seq = message.seq
+        self.load = message.load
+        self.last_heard = now
+
+
+async def follow(
+    replica: Replica,
+    client: httpx.AsyncClient,
+    *,
+    dead_after_s: float,
+    on_synced: Callable[[], None] | None = None,
+) -> None:
+    """Keep the replica's index current until cancelled; reconnect (with a fresh snapshot) after
+    any failure."""
+    decoder = msgspec.json.Decoder(KvMessage)
+    attempt = 0
+    while True:
+        try:
+            async with client.stream(
+                "GET",
+                f"{replica.url}/kvpilot/v1/kv-events",
+                timeout=httpx.Timeout(5.0, read=dead_after_s),
+            ) as response:
+                response.raise_for_status()
+                async for line in response.aiter_lines():
+                    if not line:
+                        continue
+                    was_routable = replica.seq is not None
+                    replica.apply(decoder.decode(line), time.monotonic())
+                    attempt = 0
+                    if not was_routable and on_synced is not None:
+                        on_synced()
+            raise StreamGap(f"{replica.name}: the event stream ended")
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            if replica.seq is not None:
+                log.info("replica %s out of rotation: %s", replica.name, exc)
+            replica.desync()
+            delay = _RETRY_S[min(attempt, len(_RETRY_S) - 1)]
+            attempt += 1
+            await asyncio.sleep(delay)
+
+
+def stop(task: asyncio.Task[None] | None) -> None:
+    if task is not None:
+        with contextlib.suppress(RuntimeError):
+            task.cancel()

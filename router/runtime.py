@@ -1,0 +1,141 @@
+"""Everything one router process runs, wired together: the engine and Kubernetes clients, the
+watches feeding the registry, and the proxy."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import logging
+from typing import Any
+from urllib.parse import urlsplit
+
+import httpx
+from prometheus_client import CollectorRegistry
+
+from kvpilot.operator.constants import (
+    ENGINE_APP_NAME,
+    ENGINE_CONTAINER,
+    ENGINE_PORT_NAME,
+    LABEL_INSTANCE,
+    LABEL_NAME,
+)
+from kvpilot.router.cluster import ENGINE_POD_SELECTOR
+from kvpilot.router.config import RouterConfig
+from kvpilot.router.kube import KubeAccess, list_and_watch, pods_path, services_path
+from kvpilot.router.metrics import RouterMetrics
+from kvpilot.router.proxy import Proxy
+from kvpilot.router.registry import Registry
+
+log = logging.getLogger("kvpilot.router")
+
+
+class RouterRuntime:
+    def __init__(self, config: RouterConfig, kube: KubeAccess | None) -> None:
+        self.config = config
+        self.kube_access = kube
+        self.metrics = RouterMetrics(CollectorRegistry())
+        # No pool limit: every in-flight request holds a connection; keep-alive saves the
+        # connect on the next one.
+        self.engines = httpx.AsyncClient(
+            timeout=httpx.Timeout(10.0, read=None),
+            limits=httpx.Limits(max_connections=None, max_keepalive_connections=256),
+        )
+        self.kube = kube.client() if kube is not None else None
+        self.registry = Registry(config, self.engines, self.metrics)
+        self.proxy = Proxy(config, self.registry, self.engines, self.kube, self.metrics)
+        self._listed: set[tuple[str, str]] = set()
+        self._watches: list[asyncio.Task[None]] = []
+
+    @property
+    def is_synced(self) -> bool:
+        return bool(self.config.static_models) or len(self._listed) == 2 * len(
+            self.config.namespaces
+        )
+
+    async def start(self) -> None:
+        if self.config.static_models:
+            services, pods = static_objects(self.config.static_models)
+            self.registry.services_listed(STATIC_NAMESPACE, services)
+            self.registry.pods_listed(STATIC_NAMESPACE, pods)
+            return
+        assert self.kube is not None, "watching namespaces needs Kubernetes access"
+        for namespace in self.config.namespaces:
+            self._watches.append(
+                asyncio.create_task(
+                    list_and_watch(
+                        self.kube,
+                        services_path(namespace),
+                        {},
+                        on_list=functools.partial(self._services_listed, namespace),
+                        on_event=self.registry.service_event,
+                    )
+                )
+            )
+            self._watches.append(
+                asyncio.create_task(
+                    list_and_watch(
+                        self.kube,
+                        pods_path(namespace),
+                        {"labelSelector": ENGINE_POD_SELECTOR},
+                        on_list=functools.partial(self._pods_listed, namespace),
+                        on_event=self.registry.pod_event,
+                    )
+                )
+            )
+
+    def _services_listed(self, namespace: str, items: list[dict]) -> None:
+        self.registry.services_listed(namespace, items)
+        self._listed.add(("services", namespace))
+
+    def _pods_listed(self, namespace: str, items: list[dict]) -> None:
+        self.registry.pods_listed(namespace, items)
+        self._listed.add(("pods", namespace))
+
+    async def stop(self) -> None:
+        for task in self._watches:
+            task.cancel()
+        for task in self._watches:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        self.registry.close()
+        await self.engines.aclose()
+        if self.kube is not None:
+            await self.kube.aclose()
+
+
+STATIC_NAMESPACE = "static"
+
+
+def static_objects(
+    models: tuple[tuple[str, tuple[str, ...]], ...],
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """InferenceServices and Ready engine pods, as the API would list them, for fixed URLs."""
+    services, pods = [], []
+    for model, urls in models:
+        meta = {"name": model, "namespace": STATIC_NAMESPACE}
+        services.append({"metadata": meta, "spec": {"model": {"servedName": model}}})
+        for i, url in enumerate(urls):
+            parsed = urlsplit(url)
+            pods.append(
+                {
+                    "metadata": {
+                        "name": f"{model}-{i}",
+                        "namespace": STATIC_NAMESPACE,
+                        "labels": {LABEL_NAME: ENGINE_APP_NAME, LABEL_INSTANCE: model},
+                    },
+                    "spec": {
+                        "containers": [
+                            {
+                                "name": ENGINE_CONTAINER,
+                                "ports": [{"name": ENGINE_PORT_NAME, "containerPort": parsed.port}],
+                            }
+                        ]
+                    },
+                    "status": {
+                        "podIP": parsed.hostname,
+                        "conditions": [{"type": "Ready", "status": "True"}],
+                    },
+                }
+            )
+    return services, pods

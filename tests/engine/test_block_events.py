@@ -1,0 +1,136 @@
+"""Block hashes outside the engine agree with what its block manager stores, and the cache-change
+events let a mirror hold exactly the block manager's cached set; the API side's event hub serves
+a snapshot, then numbered deltas, and a snapshot again to a subscriber that fell behind."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import random
+import subprocess
+import sys
+
+import pytest
+
+from kvpilot.engine.block_events import KvDelta, KvHeartbeat, KvSnapshot, KvUpdate, Load
+from kvpilot.engine.block_hash import chain_block_hashes, hash_block
+from kvpilot.engine.block_manager import BlockManager
+from kvpilot.engine.sampling_params import SamplingParams
+from kvpilot.engine.sequence import Sequence
+from kvpilot.engine.server.kv_events import KvEventHub
+
+BS = 4
+
+
+def make_seq(tokens: list[int], salt: str | None = None) -> Sequence:
+    return Sequence("r", 0, list(tokens), len(tokens), SamplingParams(), cache_salt=salt)
+
+
+def admit(bm: BlockManager, seq: Sequence) -> bool:
+    hits = bm.find_cached_prefix(seq)
+    if not bm.allocate(seq, seq.num_tokens - len(hits) * BS, hits):
+        return False
+    seq.num_computed_tokens = seq.num_tokens
+    bm.cache_full_blocks(seq)
+    return True
+
+
+def apply(mirror: set[int], delta: KvDelta | None) -> None:
+    if delta is not None:
+        assert not set(delta.stored) & set(delta.removed)
+        mirror.difference_update(delta.removed)
+        mirror.update(delta.stored)
+
+
+def test_chain_matches_block_manager_and_events_mirror_its_cache_through_eviction() -> None:
+    rng = random.Random(0)
+    bm = BlockManager(num_blocks=24, block_size=BS)
+    prefixes = [[rng.randrange(1000) for _ in range(8)] for _ in range(3)]
+    mirror: set[int] = set()
+    live: list[Sequence] = []
+    num_evictions = 0
+    for step in range(300):
+        if live and (rng.random() < 0.45 or len(live) > 4):
+            bm.free(live.pop(rng.randrange(len(live))))
+        else:
+            tokens = rng.choice(prefixes) + [rng.randrange(1000) for _ in range(rng.randrange(12))]
+            seq = make_seq(tokens, salt=rng.choice([None, "tenant-a", "tenant-b"]))
+            before = set(bm.cached)
+            if admit(bm, seq):
+                live.append(seq)
+                num_evictions += len(before - set(bm.cached))
+                assert seq.block_hashes == chain_block_hashes(tokens, BS, seq.cache_salt)
+        if step == 200:
+            for seq in live:
+                bm.free(seq)
+            live.clear()
+            bm.reset_prefix_cache()
+            assert bm.cached == {}
+        if rng.random() < 0.3:  # the core drains once per step, not once per change
+            apply(mirror, bm.drain_kv_events())
+            assert mirror == set(bm.cached)
+    apply(mirror, bm.drain_kv_events())
+    assert mirror == set(bm.cached)
+    assert bm.drain_kv_events() is None
+    assert num_evictions > 10, "the pool was meant to be small enough to evict"
+
+
+def test_hash_is_chained_salted_and_extends_a_known_prefix() -> None:
+    tokens = list(range(10))
+    chain = chain_block_hashes(tokens, BS, None)
+    assert len(chain) == 2  # the partial third block is not hashed
+    assert chain[0] == hash_block(None, tokens[:4], None)
+    assert chain[1] == hash_block(chain[0], tokens[4:8], None)
+    assert chain_block_hashes(tokens, BS, "a") != chain
+    assert chain_block_hashes(tokens, BS, "") != chain  # an empty salt is a salt
+    assert chain_block_hashes([*tokens, 1, 2], BS, None, known=chain[:1])[:2] == chain
+    # The same block under another parent is another block.
+    assert chain_block_hashes(tokens[4:8], BS, None)[0] != chain[1]
+    with pytest.raises(ValueError, match="block_size"):
+        chain_block_hashes(tokens, 0, None)
+
+
+def test_hash_is_the_same_in_every_process() -> None:
+    code = (
+        "from kvpilot.engine.block_hash import chain_block_hashes as c;"
+        "print(c(list(range(32)), 16, 'tenant'))"
+    )
+    outputs = {
+        subprocess.run(
+            [sys.executable, "-c", code],
+            env={**os.environ, "PYTHONHASHSEED": seed},
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout
+        for seed in ("1", "2")
+    }
+    assert outputs == {f"{chain_block_hashes(list(range(32)), 16, 'tenant')}\n"}
+
+
+async def test_hub_sends_snapshot_then_numbered_deltas_and_heartbeats() -> None:
+    hub = KvEventHub("m", BS)
+    hub.publish(KvDelta([1, 2, 3], []), Load(0, 1, 0.1))
+    stream = hub.subscribe(heartbeat_s=0.05)
+    first = await anext(stream)
+    assert first == KvSnapshot(1, "m", BS, "blake2b64-v1", [1, 2, 3], Load(0, 1, 0.1))
+    hub.publish(None, Load(2, 1, 0.2))  # load only: no delta, no new seq
+    hub.publish(KvDelta([4], [1]), Load(0, 2, 0.3))
+    hub.publish(KvDelta([], [2]), Load(0, 2, 0.3))
+    assert await anext(stream) == KvUpdate(2, [4], [1], Load(0, 2, 0.3))
+    assert await anext(stream) == KvUpdate(3, [], [2], Load(0, 2, 0.3))
+    assert await anext(stream) == KvHeartbeat(3, Load(0, 2, 0.3))
+    await stream.aclose()
+    assert hub.snapshot().hashes == [3, 4]
+
+
+async def test_hub_resends_a_snapshot_to_a_subscriber_past_its_log() -> None:
+    hub = KvEventHub("m", BS, log_length=2)
+    stream = hub.subscribe(heartbeat_s=5)
+    assert (await anext(stream)).seq == 0
+    for h in range(5):  # more deltas than the log keeps, before the subscriber reads again
+        hub.publish(KvDelta([h], []), Load())
+    resent = await asyncio.wait_for(anext(stream), 5)
+    assert isinstance(resent, KvSnapshot)
+    assert (resent.seq, resent.hashes) == (5, [0, 1, 2, 3, 4])
+    await stream.aclose()

@@ -1,0 +1,202 @@
+"""Real processes on loopback for the router tests: `kvpilot serve` replicas started together,
+a `kvpilot router` subprocess pointed at kmock's emulator, and the Pod and InferenceService
+objects that make the emulator look like a cluster running them."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import re
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from kvpilot.router.index import BlockIndex
+
+from ..operator.conftest import ISVC_PATH, NAMESPACE, PODS_PATH
+from ..operator.emulated import api
+from ..operator.kube_emulator import KubeEmulator
+from ..server.serve_process import ServeProcess
+
+# Small pools (48 blocks of 16 tokens: about 35 MiB of KV each) so that eviction happens.
+ENGINE_ARGS = (
+    "--num-gpu-blocks-override", "48", "--block-size", "16", "--max-model-len", "768",
+    "--max-num-seqs", "8",
+)  # fmt: skip
+UVICORN_PORT = re.compile(r"Uvicorn running on http://127\.0\.0\.1:(\d+)")
+
+
+def start_serve(served_name: str) -> ServeProcess:
+    """`kvpilot serve` with one torch thread; not waited for (see wait_ready)."""
+    cmd = [sys.executable, "-m", "kvpilot.cli", "serve", "--port", "0", "--log-level", "info"]
+    cmd += ["--served-model-name", served_name, *ENGINE_ARGS]
+    proc = subprocess.Popen(
+        cmd,
+        stderr=subprocess.PIPE,
+        stdout=subprocess.DEVNULL,
+        text=True,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    served = ServeProcess(proc)
+    threading.Thread(target=served.read_log, daemon=True).start()
+    return served
+
+
+async def wait_ready(served: ServeProcess, timeout: float = 240) -> None:
+    deadline = time.monotonic() + timeout
+    async with httpx.AsyncClient(timeout=2) as client:
+        while True:
+            assert served.proc.poll() is None, "".join(served.log)
+            assert time.monotonic() < deadline, "kvpilot serve did not become ready"
+            if served.port is not None:
+                try:
+                    if (await client.get(f"{served.url}/ready")).status_code == 200:
+                        return
+                except httpx.TransportError:
+                    pass
+            await asyncio.sleep(0.2)
+
+
+def stop(proc: subprocess.Popen[str]) -> None:
+    if proc.poll() is None:
+        proc.kill()
+        proc.wait(10)
+
+
+@dataclass
+class RouterProcess:
+    proc: subprocess.Popen[str]
+    log: list[str] = field(default_factory=list)
+    port: int | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def read_log(self) -> None:
+        assert self.proc.stderr is not None
+        for line in self.proc.stderr:
+            self.log.append(line)
+            found = UVICORN_PORT.search(line)
+            if found:
+                self.port = int(found.group(1))
+
+
+async def start_router(kubeconfig: Path, *args: str, timeout: float = 60) -> RouterProcess:
+    cmd = [sys.executable, "-m", "kvpilot.cli", "router", "--namespace", NAMESPACE]
+    cmd += ["--host", "127.0.0.1", "--port", "0", *args]
+    proc = subprocess.Popen(
+        cmd,
+        stderr=subprocess.PIPE,
+        stdout=subprocess.DEVNULL,
+        text=True,
+        env={**os.environ, "KUBECONFIG": str(kubeconfig), "OMP_NUM_THREADS": "1"},
+    )
+    router = RouterProcess(proc)
+    threading.Thread(target=router.read_log, daemon=True).start()
+    deadline = time.monotonic() + timeout
+    async with httpx.AsyncClient(timeout=2) as client:
+        while True:
+            assert proc.poll() is None, "".join(router.log)
+            assert time.monotonic() < deadline, "the router did not become ready:\n" + "".join(
+                router.log
+            )
+            if router.port is not None:
+                try:
+                    if (await client.get(f"{router.url}/ready")).status_code == 200:
+                        return router
+                except httpx.TransportError:
+                    pass
+            await asyncio.sleep(0.1)
+
+
+async def create_isvc(
+    kmock: KubeEmulator,
+    name: str,
+    served_name: str,
+    *,
+    min_replicas: int | None = None,
+    annotations: dict[str, str] | None = None,
+) -> None:
+    spec: dict[str, Any] = {"model": {"uri": "builtin://smollm2-135m-instruct"}}
+    spec["model"]["servedName"] = served_name
+    if min_replicas is not None:
+        spec["autoscaling"] = {"minReplicas": min_replicas, "maxReplicas": 2}
+    body = {
+        "apiVersion": "kvpilot.dev/v1alpha1",
+        "kind": "InferenceService",
+        "metadata": {"name": name, "namespace": NAMESPACE, "annotations": annotations or {}},
+        "spec": spec,
+    }
+    await api(kmock, "POST", ISVC_PATH, body)
+
+
+async def create_pod(kmock: KubeEmulator, name: str, isvc: str, port: int) -> None:
+    """An engine pod as the operator's Deployment makes it, Ready at 127.0.0.1:port."""
+    body = {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {
+            "name": name,
+            "namespace": NAMESPACE,
+            "labels": {
+                "app.kubernetes.io/name": "kvpilot-engine",
+                "app.kubernetes.io/instance": isvc,
+            },
+        },
+        "spec": {
+            "containers": [{"name": "engine", "ports": [{"name": "http", "containerPort": port}]}]
+        },
+    }
+    await api(kmock, "POST", PODS_PATH, body)
+    status = {
+        "status": {
+            "podIP": "127.0.0.1",
+            "conditions": [{"type": "Ready", "status": "True"}],
+        }
+    }
+    await api(kmock, "PATCH", f"{PODS_PATH}/{name}/status", status)
+
+
+def isvc_annotations(kmock: KubeEmulator, name: str) -> dict[str, str]:
+    key = (kmock.resource("kvpilot.dev/v1alpha1/inferenceservices"), NAMESPACE, name)
+    return dict(kmock.objects[key].raw.get("metadata", {}).get("annotations") or {})
+
+
+async def engine_digest(url: str) -> str:
+    """The digest of the block hashes the engine holds now (its kv-events snapshot)."""
+    async with (
+        httpx.AsyncClient(timeout=10) as client,
+        client.stream("GET", f"{url}/kvpilot/v1/kv-events") as response,
+    ):
+        async for line in response.aiter_lines():
+            snapshot = json.loads(line)
+            assert snapshot["kind"] == "snapshot"
+            index = BlockIndex(1 << 20)
+            index.reset(snapshot["hashes"])
+            return index.digest()
+    raise AssertionError("no snapshot")
+
+
+async def router_index(router: RouterProcess) -> dict[str, dict[str, Any]]:
+    async with httpx.AsyncClient(timeout=10) as client:
+        return (await client.get(f"{router.url}/kvpilot/v1/router/index")).json()
+
+
+async def eventually_async(check: Any, *, timeout: float = 20.0, interval: float = 0.1) -> Any:
+    """Awaits `check()` until it returns something truthy (the loop keeps serving kmock)."""
+    deadline = time.monotonic() + timeout
+    last: Any = None
+    while time.monotonic() < deadline:
+        last = await check()
+        if last:
+            return last
+        await asyncio.sleep(interval)
+    raise AssertionError(f"condition not met in {timeout} s (last: {last!r})")

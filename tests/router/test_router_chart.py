@@ -1,0 +1,46 @@
+"""The chart's router: a Deployment of two or more routers behind a Service, whose arguments the
+real `kvpilot router` CLI accepts, with exactly the permissions the router's calls need."""
+
+from __future__ import annotations
+
+from kvpilot.router.cli import parse_args
+
+from ..operator.chart import of_kind, rbac_allows, render
+
+ROUTER_CALLS = (
+    ("kvpilot.dev", "inferenceservices", "list"),
+    ("kvpilot.dev", "inferenceservices", "watch"),
+    ("kvpilot.dev", "inferenceservices", "patch"),  # the wake annotation
+    ("", "pods", "list"),
+    ("", "pods", "watch"),
+)
+
+
+def test_router_deployment_service_and_rbac() -> None:
+    docs = render(component="router")
+    assert sorted(d["kind"] for d in docs) == [
+        "ClusterRole", "ClusterRoleBinding", "Deployment", "Service", "ServiceAccount",
+    ]  # fmt: skip
+    (deployment,) = of_kind(docs, "Deployment")
+    assert deployment["spec"]["replicas"] >= 2
+    pod = deployment["spec"]["template"]["spec"]
+    (container,) = pod["containers"]
+    config = parse_args(container["args"][1:])
+    assert config.namespaces == ("",) and config.port == 8080 and config.hold.timeout_s == 300
+    assert pod["serviceAccountName"] == deployment["metadata"]["name"]
+    assert container["readinessProbe"]["httpGet"]["path"] == "/ready"
+    (service,) = of_kind(docs, "Service")
+    assert service["spec"]["selector"] == deployment["spec"]["selector"]["matchLabels"]
+    (role,) = of_kind(docs, "ClusterRole")
+    assert all(rbac_allows(role["rules"], *call) for call in ROUTER_CALLS)
+    assert not rbac_allows(role["rules"], "", "secrets", "get")
+    assert not rbac_allows(role["rules"], "apps", "deployments", "patch")
+
+
+def test_router_follows_the_watched_namespaces_or_can_be_left_out() -> None:
+    docs = render({"watchNamespaces": ["a", "b"]}, component="router")
+    assert sorted(b["metadata"]["namespace"] for b in of_kind(docs, "RoleBinding")) == ["a", "b"]
+    (deployment,) = of_kind(docs, "Deployment")
+    args = deployment["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert parse_args(args[1:]).namespaces == ("a", "b")
+    assert render({"router": {"enabled": False}}, component="router") == []

@@ -1,0 +1,315 @@
+"""`kvpilot router` in front of three real `kvpilot serve` replicas of the bundled SmolLM2 (small
+KV pools, so eviction happens), discovering them through kmock's Kubernetes API emulator:
+
+- requests sharing a prefix go to the replica holding it, and the engine confirms the hit;
+- after that replica evicts the blocks, the router prefers the one that still holds them;
+- the router's index equals each engine's own cache, and a restarted router rebuilds it exactly;
+- streams pass through token by token (the first token arrives while the engine still runs);
+- a replica that dies is skipped (its Pod still says Ready);
+- an unknown model is a 404 with an OpenAI error body;
+- a model at zero replicas: requests are held, the InferenceService is annotated for the operator
+  within 2 s, and they are served once a replica is Ready; a hold that times out is a 503.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from kvpilot.router.kube import WAKE_ANNOTATION
+from kvpilot.router.scoring import rendezvous
+
+from ..operator.kube_emulator import KubeEmulator
+from ..server.serve_process import ServeProcess
+from .loopback import (
+    RouterProcess,
+    create_isvc,
+    create_pod,
+    engine_digest,
+    eventually_async,
+    isvc_annotations,
+    router_index,
+    start_router,
+    start_serve,
+    stop,
+    wait_ready,
+)
+
+pytestmark = [pytest.mark.slow, pytest.mark.kmock(cls=KubeEmulator), pytest.mark.timeout(300)]
+
+MODEL = "smollm"
+PODS = ("engine-a", "engine-b", "engine-c")
+TENANT = (
+    "You are the support assistant of Tenant One, a company that rents bicycles in Lisbon. "
+    "Always answer politely, in short sentences, and never invent prices. Opening hours are "
+    "nine to six on weekdays and ten to four on weekends. Helmets are free with every rental. "
+    "Electric bicycles need a deposit. Children under twelve ride only with an adult. "
+    "Routes along the river are flat; routes to the castle are steep. Refer complaints to the "
+    "manager by email. Do not discuss other companies."
+)
+
+
+@pytest.fixture(scope="module")
+def replicas() -> Iterator[dict[str, ServeProcess]]:
+    started = {pod: start_serve(MODEL) for pod in PODS}
+    try:
+        asyncio.run(asyncio.wait_for(_all_ready(list(started.values())), 300))
+        yield started
+    finally:
+        for served in started.values():
+            stop(served.proc)
+
+
+async def _all_ready(served: list[ServeProcess]) -> None:
+    await asyncio.gather(*(wait_ready(s) for s in served))
+
+
+@pytest.fixture()
+async def router(
+    kmock: KubeEmulator, kubeconfig: Path, replicas: dict[str, ServeProcess]
+) -> AsyncIterator[RouterProcess]:
+    await create_isvc(kmock, MODEL, MODEL)
+    for pod, served in replicas.items():
+        if served.proc.poll() is None:
+            assert served.port is not None
+            await create_pod(kmock, pod, MODEL, served.port)
+    running = await start_router(kubeconfig)
+    await wait_routable(running, {p for p, s in replicas.items() if s.proc.poll() is None})
+    yield running
+    stop(running.proc)
+
+
+async def wait_routable(router: RouterProcess, pods: set[str]) -> None:
+    async def check() -> bool:
+        replicas = (await router_index(router)).get(MODEL, {})
+        return {name for name, r in replicas.items() if r["routable"]} == pods
+
+    await eventually_async(check, timeout=30)
+
+
+def client(router: RouterProcess) -> openai.AsyncOpenAI:
+    return openai.AsyncOpenAI(base_url=f"{router.url}/v1", api_key="unused", max_retries=0)
+
+
+async def ask(router: RouterProcess, question: str, **extra: object) -> tuple[str, str, int]:
+    """(replica, route header, cached prompt tokens the engine reports) for one chat turn."""
+    raw = await client(router).chat.completions.with_raw_response.create(
+        model=MODEL,
+        messages=[{"role": "system", "content": TENANT}, {"role": "user", "content": question}],
+        max_tokens=2,
+        temperature=0,
+        **extra,
+    )
+    completion = raw.parse()
+    assert completion.usage is not None and completion.usage.prompt_tokens_details is not None
+    cached = completion.usage.prompt_tokens_details.cached_tokens or 0
+    return raw.headers["x-kvpilot-replica"], raw.headers["x-kvpilot-route"], cached
+
+
+async def fill_cache(url: str, seed: int) -> None:
+    """Prompts of unrelated tokens sent straight to one engine: they push out its older blocks."""
+    rng = random.Random(seed)
+    async with httpx.AsyncClient(timeout=60) as http:
+        for _ in range(2):
+            prompt = [rng.randrange(1000, 40000) for _ in range(600)]
+            body = {"model": MODEL, "prompt": prompt, "max_tokens": 1}
+            assert (await http.post(f"{url}/v1/completions", json=body)).status_code == 200
+
+
+async def index_matches_engines(router: RouterProcess, replicas: dict[str, ServeProcess]) -> bool:
+    index = (await router_index(router))[MODEL]
+    for pod, served in replicas.items():
+        if pod in index and index[pod]["digest"] != await engine_digest(served.url):
+            return False
+    return True
+
+
+async def test_prefix_routing_eviction_restart_and_streaming(
+    kmock: KubeEmulator,
+    kubeconfig: Path,
+    router: RouterProcess,
+    replicas: dict[str, ServeProcess],
+) -> None:
+    models = await client(router).models.list()
+    assert [m.id for m in models.data] == [MODEL]
+    with pytest.raises(openai.NotFoundError) as missing:
+        await client(router).chat.completions.create(
+            model="no-such-model", messages=[{"role": "user", "content": "hi"}], max_tokens=1
+        )
+    assert missing.value.body["code"] == "model_not_found"  # type: ignore[index]
+
+    # A shared prefix: the first turn lands somewhere, every later one on that replica, and the
+    # engine there confirms it served the system prompt from its cache.
+    holder, _, _ = await ask(router, "Do you rent tandems?")
+    await eventually_async(lambda: index_matches_engines(router, replicas))
+    for question in ("Is there parking?", "Can I pay by card?", "Are dogs allowed?"):
+        replica, route, cached = await ask(router, question)
+        assert (replica, route.split(";")[0]) == (holder, "prefix"), route
+        assert int(route.split("prefix-tokens=")[1]) >= 96 and cached >= 96
+
+    # Another replica gets the prefix too (sent to it directly), then the holder evicts it: the
+    # router now prefers the one that still has it.
+    other = next(p for p in PODS if p != holder)
+    await ask_direct(replicas[other].url, "Do you rent tandems?")
+    await fill_cache(replicas[holder].url, seed=1)
+    await eventually_async(lambda: index_matches_engines(router, replicas))
+    replica, route, cached = await ask(router, "What about helmets?")
+    assert (replica, route.split(";")[0]) == (other, "prefix"), route
+    assert cached >= 96
+
+    # A restarted router rebuilds exactly the index the first one had (the engines' caches).
+    before = await router_index(router)
+    stop(router.proc)
+    restarted = await start_router(kubeconfig)
+    try:
+        await wait_routable(restarted, set(PODS))
+        after = await router_index(restarted)
+        assert {p: r["digest"] for p, r in after[MODEL].items()} == {
+            p: r["digest"] for p, r in before[MODEL].items()
+        }
+        assert await index_matches_engines(restarted, replicas)
+        await check_streaming(restarted, replicas)
+    finally:
+        stop(restarted.proc)
+
+
+async def ask_direct(url: str, question: str) -> None:
+    async with openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="unused") as direct:
+        await direct.chat.completions.create(
+            model=MODEL,
+            messages=[{"role": "system", "content": TENANT}, {"role": "user", "content": question}],
+            max_tokens=1,
+        )
+
+
+async def check_streaming(router: RouterProcess, replicas: dict[str, ServeProcess]) -> None:
+    """Chunks reach the client while the engine is still generating, one per token."""
+    body = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": "Count from one to one hundred."}],
+        "max_tokens": 48,
+        "ignore_eos": True,
+        "stream": True,
+    }
+    events: list[str] = []
+    running_at_first_token: float | None = None
+    async with (
+        httpx.AsyncClient(timeout=60) as http,
+        http.stream("POST", f"{router.url}/v1/chat/completions", json=body) as response,
+    ):
+        assert response.status_code == 200
+        assert response.headers["content-type"].startswith("text/event-stream")
+        replica_url = replicas[response.headers["x-kvpilot-replica"]].url
+        async for line in response.aiter_lines():
+            if not line.startswith("data: "):
+                continue
+            events.append(line)
+            if (
+                running_at_first_token is None
+                and '"content":"' in line
+                and '"content":""' not in line
+            ):
+                metrics = (await http.get(f"{replica_url}/metrics")).text
+                running_at_first_token = running_requests(metrics)
+    assert running_at_first_token == 1.0, "the first token arrived after the engine finished"
+    content_events = [e for e in events if '"content":"' in e and '"content":""' not in e]
+    assert len(content_events) >= 40  # 48 tokens; a few may be held back for UTF-8 or merged
+    assert events[-1] == "data: [DONE]"
+
+
+def running_requests(metrics: str) -> float:
+    for line in metrics.splitlines():
+        if line.startswith("kvpilot:num_requests_running"):
+            return float(line.rsplit(" ", 1)[1])
+    raise AssertionError("no kvpilot:num_requests_running in /metrics")
+
+
+async def test_a_dead_replica_is_skipped(
+    router: RouterProcess, replicas: dict[str, ServeProcess]
+) -> None:
+    victim = "engine-c"
+    # Sessions whose affinity favourite is the victim: while it lives they go there...
+    sessions = [
+        f"s{i}" for i in range(40) if max(PODS, key=lambda p: rendezvous(f"s{i}", p)) == victim
+    ]
+    assert len(sessions) >= 4
+    replica, route, _ = await ask(router, "Hello?", extra_headers={"x-session-id": sessions[0]})
+    assert (replica, route.split(";")[0]) == (victim, "affinity")
+    # ...after it dies (its Pod still Ready: no one told Kubernetes), they go elsewhere and work.
+    stop(replicas[victim].proc)
+    for session in sessions[:4]:
+        replica, _, _ = await ask(
+            router, f"Hello from {session}?", extra_headers={"x-session-id": session}
+        )
+        assert replica != victim
+    index = (await router_index(router))[MODEL]
+    assert index[victim]["routable"] is False
+
+
+async def test_scale_from_zero_holds_wakes_and_serves_and_a_hold_times_out(
+    kmock: KubeEmulator, kubeconfig: Path, replicas: dict[str, ServeProcess]
+) -> None:
+    # The replica that will "wake" starts loading now; the router must hold requests until its
+    # Pod is Ready.
+    waking = start_serve("sleepy")
+    try:
+        await create_isvc(kmock, "sleepy", "sleepy", min_replicas=0)
+        await create_isvc(
+            kmock, "never", "never", min_replicas=0,
+            annotations={"kvpilot.dev/hold-timeout-seconds": "1.5"},
+        )  # fmt: skip
+        router = await start_router(kubeconfig)
+        try:
+            async with httpx.AsyncClient(timeout=120) as http:
+                # A hold that runs out: 503 with Retry-After, and the operator was asked.
+                started = time.monotonic()
+                timed_out = await http.post(
+                    f"{router.url}/v1/completions",
+                    json={"model": "never", "prompt": "hi", "max_tokens": 1},
+                )
+                assert timed_out.status_code == 503, timed_out.text
+                assert time.monotonic() - started >= 1.4
+                assert timed_out.headers["retry-after"] == "30"
+                assert timed_out.json()["error"]["code"] == "no_replica"
+                assert WAKE_ANNOTATION in isvc_annotations(kmock, "never")
+
+                held = [
+                    asyncio.create_task(
+                        http.post(
+                            f"{router.url}/v1/completions",
+                            json={"model": "sleepy", "prompt": f"Request {i}", "max_tokens": 2},
+                        )
+                    )
+                    for i in range(3)
+                ]
+                first_held = time.monotonic()
+                await eventually_async(
+                    lambda: asyncio.sleep(0, WAKE_ANNOTATION in isvc_annotations(kmock, "sleepy")),
+                    timeout=2.0,
+                    interval=0.02,
+                )
+                assert time.monotonic() - first_held < 2.0
+                metrics = (await http.get(f"{router.url}/metrics")).text
+                assert 'kvpilot_router_held_requests{model="sleepy"} 3.0' in metrics
+                assert not any(task.done() for task in held)
+
+                await wait_ready(waking)
+                assert waking.port is not None
+                await create_pod(kmock, "sleepy-0", "sleepy", waking.port)
+                responses = await asyncio.wait_for(asyncio.gather(*held), 60)
+                assert [r.status_code for r in responses] == [200, 200, 200]
+                assert {r.headers["x-kvpilot-replica"] for r in responses} == {"sleepy-0"}
+                metrics = (await http.get(f"{router.url}/metrics")).text
+                assert 'kvpilot_router_hold_seconds_count{model="sleepy"} 3.0' in metrics
+                assert 'kvpilot_router_held_requests{model="sleepy"} 0.0' in metrics
+        finally:
+            stop(router.proc)
+    finally:
+        stop(waking.proc)
