@@ -51,25 +51,27 @@ def build_parser() -> argparse.ArgumentParser:
         description="Serve one model over an OpenAI-compatible HTTP API.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    p.add_argument(
+    m = p.add_argument_group("model")
+    m.add_argument(
         "--model",
         default=None,
         help="HF model directory or .gguf file (default: bundled SmolLM2-135M-Instruct)",
     )
-    p.add_argument(
+    m.add_argument(
         "--served-model-name",
         default=None,
         help="the name clients pass as `model` (default: derived from the model)",
     )
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000, help="0 picks a free port (logged at startup)")
-    p.add_argument(
+    h = p.add_argument_group("HTTP")
+    h.add_argument("--host", default="127.0.0.1")
+    h.add_argument("--port", type=int, default=8000, help="0 picks a free port (logged at startup)")
+    h.add_argument(
         "--api-key",
         default=None,
         help="require `Authorization: Bearer KEY` on /v1/*; visible to `ps`: prefer "
         f"--api-key-file or ${API_KEY_ENV}",
     )
-    p.add_argument(
+    h.add_argument(
         "--api-key-file", default=None, help="read the API key from this file (a mounted Secret)"
     )
     g = p.add_argument_group("engine")
@@ -77,81 +79,85 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
     g.add_argument("--load-format", default="auto", choices=LOAD_FORMATS)
     g.add_argument("--attention-backend", default="auto", choices=ATTENTION_BACKENDS)
-    g.add_argument(
+    sched = p.add_argument_group("scheduler")
+    sched.add_argument(
         "--max-model-len", type=int, default=None, help="default: the model's context length"
     )
     g.add_argument("--seed", type=int, default=0)
-    g.add_argument("--block-size", type=int, default=16, choices=[8, 16, 32, 64, 128])
-    g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
-    g.add_argument("--kv-cache-gib", type=float, default=1.0, help="KV-cache budget on CPU")
-    g.add_argument(
+    kv = p.add_argument_group("KV cache")
+    kv.add_argument("--block-size", type=int, default=16, choices=[8, 16, 32, 64, 128])
+    kv.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
+    kv.add_argument("--kv-cache-gib", type=float, default=1.0, help="KV-cache budget on CPU")
+    kv.add_argument(
         "--kv-cache-memory-bytes",
         type=int,
         default=None,
         help="KV-cache budget in bytes on CPU or GPU (overrides --kv-cache-gib and the budget "
         "--gpu-memory-utilization leaves)",
     )
-    g.add_argument(
+    kv.add_argument(
         "--gpu-memory-utilization",
         type=float,
         default=0.9,
         help="fraction of GPU memory the engine may use",
     )
-    g.add_argument(
+    kv.add_argument(
         "--num-gpu-blocks-override",
         type=int,
         default=None,
         help="exact number of KV blocks (overrides both budgets)",
     )
-    g.add_argument(
+    par = p.add_argument_group("parallelism")
+    par.add_argument(
         "--tensor-parallel-size",
         "-tp",
         type=int,
         default=1,
         help="split the model over this many ranks (processes; one GPU each on CUDA)",
     )
-    g.add_argument(
+    par.add_argument(
         "--distributed-timeout",
         type=float,
         default=120.0,
         help="seconds a tensor-parallel collective waits for the other ranks before failing",
     )
-    g.add_argument("--max-num-seqs", type=int, default=128)
-    g.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    s = p.add_argument_group("server")
-    s.add_argument(
+    sched.add_argument("--max-num-seqs", type=int, default=128)
+    sched.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    r = p.add_argument_group("request limits")
+    r.add_argument(
         "--max-queue",
         type=int,
         default=None,
         help="429 when this many requests wait (default: no limit)",
     )
-    s.add_argument("--retry-after", type=int, default=1, help="seconds a 429 tells clients to wait")
+    r.add_argument("--retry-after", type=int, default=1, help="seconds a 429 tells clients to wait")
     limits = RequestLimits()
-    s.add_argument(
+    r.add_argument(
         "--max-request-body-bytes", type=int, default=limits.max_body_bytes, help="413 above this"
     )
-    s.add_argument(
+    r.add_argument(
         "--max-json-depth",
         type=int,
         default=limits.max_json_depth,
         help="400 for a body nested deeper",
     )
-    s.add_argument(
+    r.add_argument(
         "--max-sequences-per-request",
         type=int,
         default=limits.max_sequences,
         help="400 when prompts x n exceeds it",
     )
-    s.add_argument("--max-stop-strings", type=int, default=limits.max_stop, help="per request")
-    s.add_argument(
+    r.add_argument("--max-stop-strings", type=int, default=limits.max_stop, help="per request")
+    r.add_argument(
         "--max-logit-bias", type=int, default=limits.max_logit_bias, help="entries per request"
     )
-    s.add_argument(
+    r.add_argument(
         "--max-tokens-limit",
         type=int,
         default=limits.max_tokens,
         help="400 for a larger max_tokens; also caps an absent one (default: the context)",
     )
+    s = p.add_argument_group("server")
     s.add_argument(
         "--shutdown-timeout",
         type=float,

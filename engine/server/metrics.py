@@ -21,6 +21,8 @@ from kvpilot.engine.sampling_params import SamplingParams
 
 KVPILOT = "kvpilot"
 VLLM = "vllm"
+# vLLM labels its metrics with the index of the engine core (data parallelism); kvpilot runs one.
+VLLM_ENGINE_INDEX = "0"
 
 # vLLM's buckets, so dashboards built for vLLM's histograms render the same quantiles.
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
@@ -128,12 +130,13 @@ class ServerMetrics:
         if vllm_names:
             # vLLM's pre-0.9 name of kv_cache_usage_perc, still read by many KEDA and HPA recipes.
             self.kv_cache_usage.children.append(
-                Gauge(
-                    "vllm:gpu_cache_usage_perc",
+                self._family(
+                    Gauge,
+                    VLLM,
+                    "gpu_cache_usage_perc",
                     "Deprecated alias of vllm:kv_cache_usage_perc.",
-                    ["model_name"],
-                    registry=registry,
-                ).labels(model_name)
+                    [],
+                )()
             )
 
         # Engine counters, advanced by deltas of the engine's cumulative stats.
@@ -149,14 +152,8 @@ class ServerMetrics:
                 (self.prefix_cache_queries, "gpu_prefix_cache_queries"),
                 (self.prefix_cache_hits, "gpu_prefix_cache_hits"),
             ):
-                fanout.children.append(
-                    Counter(
-                        f"{VLLM}:{old_name}",
-                        f"Deprecated alias of {VLLM}:{old_name.removeprefix('gpu_')}.",
-                        ["model_name"],
-                        registry=registry,
-                    ).labels(model_name)
-                )
+                doc = f"Deprecated alias of {VLLM}:{old_name.removeprefix('gpu_')}."
+                fanout.children.append(self._family(Counter, VLLM, old_name, doc, [])())
         self.num_preemptions = self._counter("num_preemptions", "Requests preempted by the engine.")
         self.prompt_tokens = self._counter("prompt_tokens", "Prompt tokens computed (prefilled).")
         self.generation_tokens = self._counter("generation_tokens", "Tokens generated.")
@@ -164,8 +161,7 @@ class ServerMetrics:
             Counter, "request_success", "Finished requests by finish reason.", ["finished_reason"]
         )
         self.request_success = {
-            reason: _Fanout([c.labels(model_name, reason) for c in success])
-            for reason in FINISHED_REASONS
+            reason: _Fanout([bind(reason) for bind in success]) for reason in FINISHED_REASONS
         }
 
         # Per-request latencies, observed when a request finishes (ITL per token-producing step).
@@ -247,10 +243,8 @@ class ServerMetrics:
             "KV-cache configuration; the value is always 1.",
             ["block_size", "num_gpu_blocks", "enable_prefix_caching"],
         )
-        for gauge in info:
-            gauge.labels(
-                model_name, str(block_size), str(num_gpu_blocks), str(enable_prefix_caching)
-            ).set(1)
+        for bind in info:
+            bind(str(block_size), str(num_gpu_blocks), str(enable_prefix_caching)).set(1)
 
         # kvpilot's own server-level metrics (no vLLM equivalent).
         own = {"registry": registry}
@@ -288,23 +282,32 @@ class ServerMetrics:
             **own,
         ).labels(model_name)
 
+    def _family(
+        self, kind: type, prefix: str, name: str, doc: str, labels: list[str], **kwargs: Any
+    ) -> Callable[..., Any]:
+        """One metric `prefix:name`; returns (label values) -> its child, with model_name (and,
+        under vllm:, vLLM's `engine` label: one engine core, index 0) filled in."""
+        fixed = [self.model_name, *([VLLM_ENGINE_INDEX] if prefix == VLLM else [])]
+        names = ["model_name", *(["engine"] if prefix == VLLM else []), *labels]
+        metric = kind(f"{prefix}:{name}", doc, names, registry=self.registry, **kwargs)
+        return lambda *values: metric.labels(*fixed, *values)
+
     def _labelled(
         self, kind: type, name: str, doc: str, labels: list[str], **kwargs: Any
-    ) -> list[Any]:
+    ) -> list[Callable[..., Any]]:
         return [
-            kind(f"{prefix}:{name}", doc, ["model_name", *labels], registry=self.registry, **kwargs)
-            for prefix in self._prefixes
+            self._family(kind, prefix, name, doc, labels, **kwargs) for prefix in self._prefixes
         ]
 
     def _gauge(self, name: str, doc: str) -> _Fanout:
-        return _Fanout([g.labels(self.model_name) for g in self._labelled(Gauge, name, doc, [])])
+        return _Fanout([bind() for bind in self._labelled(Gauge, name, doc, [])])
 
     def _counter(self, name: str, doc: str) -> _Fanout:
-        return _Fanout([c.labels(self.model_name) for c in self._labelled(Counter, name, doc, [])])
+        return _Fanout([bind() for bind in self._labelled(Counter, name, doc, [])])
 
     def _histogram(self, name: str, doc: str, buckets: Sequence[float]) -> _Fanout:
         hists = self._labelled(Histogram, name, doc, [], buckets=buckets)
-        return _Fanout([h.labels(self.model_name) for h in hists])
+        return _Fanout([bind() for bind in hists])
 
     def bind_engine_state(
         self,

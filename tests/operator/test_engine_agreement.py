@@ -13,6 +13,7 @@ the device the pod gets).
 from __future__ import annotations
 
 import contextlib
+import functools
 import io
 from typing import Any
 
@@ -118,13 +119,19 @@ def engine_accepts(spec: dict[str, Any], on_gpu: bool) -> tuple[bool, str]:
         config.resolved_dtype  # noqa: B018 - float16 on CPU raises here
         if config.tensor_parallel_size > 1:  # what `kvpilot serve` checks before any process
             check_tensor_parallel_size(
-                peek_model_config(config.model),
+                model_shape(config.model),
                 config.tensor_parallel_size,
                 num_gpus=spec.get("gpus", 0) if on_gpu else None,
             )
     except ValueError as error:
         return False, f"config: {error}"
     return True, ""
+
+
+@functools.cache
+def model_shape(model: str | None) -> Any:
+    """The engine's own reading of the model's config (cached: it parses the GGUF header)."""
+    return peek_model_config(model)
 
 
 FLAGS = {

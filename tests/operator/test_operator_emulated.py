@@ -371,7 +371,7 @@ async def test_disruption_budget_and_network_policy_follow_the_spec(
     # Down to one replica: the budget goes (it would only ever block drains).
     await api(kmock, "PATCH", f"{ISVC_PATH}/pdb", {"spec": {"replicas": 1}})
     await eventually(lambda: live(kmock, PDB, "pdb") is None)
-    assert "Deleted" in reasons(kmock, "pdb")
+    await eventually(lambda: "Deleted" in reasons(kmock, "pdb"))  # kopf posts Events async
     # Autoscaled up to 3 (at 1 replica now): a budget again; and a NetworkPolicy on request.
     patch = {
         "replicas": None,

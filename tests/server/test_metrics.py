@@ -110,7 +110,8 @@ def families(registry: CollectorRegistry) -> dict[str, Metric]:
 
 
 def sample(registry: CollectorRegistry, name: str, **labels: str) -> float:
-    value = registry.get_sample_value(name, {"model_name": "m", **labels})
+    engine = {"engine": "0"} if name.startswith("vllm:") else {}  # vLLM's engine-core index
+    value = registry.get_sample_value(name, {"model_name": "m", **engine, **labels})
     assert value is not None, f"{name} {labels} is not exported"
     return value
 
@@ -124,10 +125,11 @@ def test_vllm_names_and_types_are_exact_and_mirrored_under_kvpilot() -> None:
         assert found[own].type == kind, own
     for name, kind in VLLM_ALIASES.items():
         assert found[name].type == kind, name
-    # Every sample carries model_name.
+    # Every sample carries model_name; vLLM's names also vLLM's engine label.
     for family in found.values():
         for s in family.samples:
             assert s.labels.get("model_name") == "m", s
+            assert s.labels.get("engine") == ("0" if s.name.startswith("vllm:") else None), s
 
 
 def test_histogram_buckets_are_vllms() -> None:
