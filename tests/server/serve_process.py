@@ -66,11 +66,17 @@ def is_running(pid: int) -> bool:
 
 
 @contextmanager
-def launch_serve(*args: str, ready_timeout: float = 240) -> Iterator[ServeProcess]:
+def launch_serve(
+    *args: str,
+    ready_timeout: float = 240,
+    wrapper: tuple[str, ...] = (),
+    env: dict[str, str] | None = None,
+) -> Iterator[ServeProcess]:
     """`kvpilot serve --port 0 ARGS` with one torch thread (the second core is left to HTTP and
-    the test's clients), ready when this yields; killed at exit if still running."""
-    cmd = [sys.executable, "-m", "kvpilot.cli", "serve", "--port", "0", *args]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    the test's clients), ready when this yields; killed at exit if still running. `wrapper` runs
+    it through another command (which must exec it); `env` adds variables."""
+    cmd = [*wrapper, sys.executable, "-m", "kvpilot.cli", "serve", "--port", "0", *args]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
     proc = subprocess.Popen(
         cmd, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True, env=env
     )
