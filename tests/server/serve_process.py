@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import subprocess
 import sys
 import threading
@@ -102,3 +103,26 @@ def launch_serve(
         if proc.poll() is None:
             proc.kill()
             proc.wait(10)
+
+
+# A private mount namespace where / is read-only and only $SCRATCH and $CACHE stay writable, as
+# in the operator's pods (readOnlyRootFilesystem; /tmp and the cache are volumes).
+READ_ONLY_ROOT = (
+    'mount --bind "$SCRATCH" "$SCRATCH" && mount --bind "$CACHE" "$CACHE" && '
+    'mount -o remount,bind,ro / && exec "$@"'
+)
+
+
+def read_only_wrapper() -> tuple[str, ...]:
+    return ("unshare", "--mount", "--propagation", "private", "sh", "-c", READ_ONLY_ROOT, "sh")
+
+
+def can_make_root_read_only(tmp_path: Path) -> bool:
+    if shutil.which("unshare") is None:
+        return False
+    probe = subprocess.run(
+        [*read_only_wrapper(), "true"],
+        env={"SCRATCH": str(tmp_path), "CACHE": str(tmp_path), "PATH": "/usr/bin:/bin"},
+        capture_output=True,
+    )
+    return probe.returncode == 0

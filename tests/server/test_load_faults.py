@@ -30,8 +30,7 @@ import pytest
 
 from kvpilot.engine.model.gguf_convert import cache_root
 
-from .serve_process import launch_serve
-from .test_read_only_root import can_make_root_read_only, read_only_wrapper
+from .serve_process import can_make_root_read_only, launch_serve, read_only_wrapper
 
 NUM_CLIENTS = 64
 NUM_LEAVING = NUM_CLIENTS // 3
@@ -133,6 +132,14 @@ def test_64_streams_with_disconnects_and_hostile_bodies_then_sigterm(tmp_path: P
         env = {"SCRATCH": str(scratch), "CACHE": str(cache_root()), "HOME": str(scratch),
                "TMPDIR": str(scratch), "KVPILOT_CACHE_DIR": str(cache_root()),
                "PYTHONDONTWRITEBYTECODE": "1"}  # fmt: skip
+        # The wrapper really makes the root read-only (else that part proves nothing).
+        denied = subprocess.run(
+            [*wrapper, "touch", str(Path(__file__).parent / "written-by-test")],
+            env={**env, "PATH": "/usr/bin:/bin"},
+            capture_output=True,
+            text=True,
+        )
+        assert denied.returncode != 0 and "Read-only file system" in denied.stderr
     args = ("--dtype", "bfloat16", "--kv-cache-gib", "0.04", "--max-model-len", "256",
             "--max-request-body-bytes", str(BODY_LIMIT), "--shutdown-timeout", "120")  # fmt: skip
     with launch_serve(*args, wrapper=wrapper, env=env) as served:
