@@ -17,7 +17,7 @@ from .conftest import (
     RunningOperator,
     eventually,
 )
-from .emulated import DEPLOYMENT, api, condition, create_isvc, engine_args, live
+from .emulated import DEPLOYMENT, ISVC, api, condition, create_isvc, engine_args, live
 from .kube_emulator import KubeEmulator
 
 pytestmark = pytest.mark.kmock(cls=KubeEmulator)
@@ -86,6 +86,17 @@ async def test_409_and_500_are_retried_with_backoff_not_a_storm(
         await eventually(
             lambda n=name: "4" in engine_args(live(kmock, DEPLOYMENT, n)),
             timeout=60,  # type: ignore[arg-type]
+        )
+        # kmock stores a write even when a reaction answers it with an error (as a real server
+        # may have applied a write whose answer was lost), so the Deployment alone proves little.
+        # A reconcile whose write failed stops before the status: the status of the new
+        # generation is written only by a retry that went through.
+        await eventually(
+            lambda n=name: (
+                live(kmock, ISVC, n)["status"]["observedGeneration"]  # type: ignore[index]
+                == live(kmock, ISVC, n)["metadata"]["generation"]
+            ),  # type: ignore[index]
+            timeout=60,
         )
     assert [len(attempts[n]) for n in attempts] == [2, 2]  # every injected fault was hit
     elapsed = time.monotonic() - started
