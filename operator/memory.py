@@ -34,7 +34,7 @@ BUILTIN_SHAPES = {
     ),
 }
 # Mirrors of the engine's defaults and its runtime allowance (engine/memory_fit.py).
-RUNTIME_BYTES = 1280 * 2**20
+RUNTIME_BYTES = 1700 * 2**20
 DEFAULT_KV_CACHE_BYTES = 2**30
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
 DEFAULT_MAX_NUM_SEQS = 128

@@ -6,15 +6,18 @@ import hmac
 import logging
 import time
 from pathlib import Path
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import FileResponse, JSONResponse, Response, StreamingResponse
 
 from kvpilot.engine.server import errors
 from kvpilot.engine.server.kv_events import TOKENIZER_FILES, KvEventHub, encode_lines
+from kvpilot.engine.server.protocol import ChatCompletionRequest, CompletionRequest
 from kvpilot.engine.server.request_id import HEADER, RequestIdMiddleware, request_id_of
 from kvpilot.engine.server.serving import create_chat_completion, create_completion
 from kvpilot.engine.server.state import ServerState
@@ -24,6 +27,33 @@ logger = logging.getLogger("kvpilot.server")
 
 def error_response(error: errors.APIError) -> JSONResponse:
     return JSONResponse(error.body(), status_code=error.status_code, headers=error.headers)
+
+
+def request_body_schema(model: type[BaseModel]) -> dict[str, Any]:
+    """The OpenAPI requestBody of a route that reads its body itself (to bound and parse it off
+    the event loop): the same pydantic model validates it, so app.openapi() describes the API
+    that is served (the property-based tests generate requests from it)."""
+    schema = model.model_json_schema(ref_template="#/components/schemas/{model}")
+    return {
+        "requestBody": {
+            "required": True,
+            "content": {
+                "application/json": {"schema": {k: v for k, v in schema.items() if k != "$defs"}}
+            },
+        },
+        "x-components": schema.get("$defs", {}),
+    }
+
+
+def openapi_document(app: FastAPI) -> dict[str, Any]:
+    """app.openapi() with the request models' nested schemas under components (FastAPI does not
+    collect those of openapi_extra)."""
+    document = dict(app.openapi())
+    components = document.setdefault("components", {}).setdefault("schemas", {})
+    for path in document["paths"].values():
+        for operation in path.values():
+            components.update(operation.pop("x-components", {}))
+    return document
 
 
 def create_app(state: ServerState) -> FastAPI:
@@ -139,12 +169,12 @@ def create_app(state: ServerState) -> FastAPI:
             raise errors.model_not_found(model, str(card["id"]))
         return JSONResponse(card)
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", openapi_extra=request_body_schema(CompletionRequest))
     async def completions(request: Request) -> Response:
         check_auth(request)
         return await create_completion(state, request)
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", openapi_extra=request_body_schema(ChatCompletionRequest))
     async def chat_completions(request: Request) -> Response:
         check_auth(request)
         return await create_chat_completion(state, request)

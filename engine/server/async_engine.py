@@ -20,10 +20,11 @@ import asyncio
 import contextlib
 import copy
 import logging
+import queue
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -132,6 +133,10 @@ class _Live:
     last_token_time: float | None = None
 
 
+# Threads of the API process that parse and tokenize requests (state.py runs them).
+TOKENIZER_THREADS = 2
+
+
 @dataclass(frozen=True)
 class StateSnapshot:
     """Scheduler state as of the core's latest report."""
@@ -155,6 +160,10 @@ class ModelInfo:
     eos_token_ids: tuple[int, ...] = ()
     hf_dir: str = ""  # the tokenizer's files
     max_chars_per_token: int | None = None  # see preprocess.py; None without a tokenizer
+    # Copies for the tokenizer threads, made while loading (each taken by one thread only): a
+    # deepcopy holds the interpreter lock for a long while, which on a first request would stall
+    # every stream and probe.
+    spare_tokenizers: queue.SimpleQueue[Any] = field(default_factory=queue.SimpleQueue)
 
     def limits(self, requests: RequestLimits, chat: ChatOptions | None = None) -> PromptLimits:
         return PromptLimits(
@@ -395,7 +404,12 @@ class AsyncEngine:
             self.metrics.bind_engine_state(
                 lambda: self.num_waiting, lambda: self.num_running, lambda: self.kv_cache_usage
             )
+        spare_tokenizers: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        if http_tokenizer is not None and http_tokenizer is not tokenizer:
+            for _ in range(TOKENIZER_THREADS):
+                spare_tokenizers.put(copy.deepcopy(tokenizer))
         self.info = ModelInfo(
+            spare_tokenizers=spare_tokenizers,
             model_name=model.model_name,
             max_model_len=model.max_model_len,
             tokenizer=http_tokenizer,

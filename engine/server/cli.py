@@ -271,7 +271,14 @@ class DrainingServer(uvicorn.Server):
         if self.drain_started is not None and not self.should_exit:
             await super().on_tick(counter)  # keeps the Date header fresh
             if self.state.num_in_flight == 0:
-                logger.info("drained: no request in flight")
+                engine = self.state.engine
+                logger.info(
+                    "drained: no request in flight (engine: %d running, %d waiting, KV cache "
+                    "usage %.1f%%)",
+                    engine.num_running,
+                    engine.num_waiting,
+                    100 * engine.kv_cache_usage,
+                )
                 return True
             if time.monotonic() - self.drain_started > self.shutdown_timeout:
                 logger.warning(

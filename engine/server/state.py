@@ -7,6 +7,7 @@ import copy
 import logging
 import multiprocessing
 import os
+import queue
 import threading
 from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
@@ -17,7 +18,7 @@ from typing import Any
 from starlette.requests import Request
 
 from kvpilot.engine.server import errors
-from kvpilot.engine.server.async_engine import AsyncEngine, ModelInfo
+from kvpilot.engine.server.async_engine import TOKENIZER_THREADS, AsyncEngine, ModelInfo
 from kvpilot.engine.server.limits import RequestLimits
 from kvpilot.engine.server.preprocess import (
     BIG_BODY_BYTES,
@@ -30,7 +31,6 @@ from kvpilot.engine.server.preprocess import (
 )
 
 logger = logging.getLogger("kvpilot.server")
-TOKENIZER_THREADS = 2
 
 
 @dataclass(frozen=True)
@@ -82,10 +82,15 @@ class ServerState:
         self._big_body_pool: ProcessPoolExecutor | None = None
 
     def _thread_tokenizer(self, info: ModelInfo) -> Any:
-        """This pool thread's own copy of the tokenizer (copies never share Rust borrows)."""
+        """This pool thread's own copy of the tokenizer (copies never share Rust borrows): one
+        made while the model loaded, so a first request never waits for a copy."""
         tokenizer = getattr(self._tokenizers, "tokenizer", None)
         if tokenizer is None and info.tokenizer is not None:
-            tokenizer = self._tokenizers.tokenizer = copy.deepcopy(info.tokenizer)
+            try:
+                tokenizer = info.spare_tokenizers.get_nowait()
+            except queue.Empty:  # more threads than spares (several servers on one engine)
+                tokenizer = copy.deepcopy(info.tokenizer)
+            self._tokenizers.tokenizer = tokenizer
         return tokenizer
 
     async def read_body(self, http: Request) -> bytes:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import subprocess
 import sys
 import threading
@@ -78,11 +79,17 @@ def is_running(pid: int) -> bool:
 
 
 @contextmanager
-def launch_serve(*args: str, ready_timeout: float = 240) -> Iterator[ServeProcess]:
+def launch_serve(
+    *args: str,
+    ready_timeout: float = 240,
+    wrapper: tuple[str, ...] = (),
+    env: dict[str, str] | None = None,
+) -> Iterator[ServeProcess]:
     """`kvpilot serve --port 0 ARGS` with one torch thread (the second core is left to HTTP and
-    the test's clients), ready when this yields; killed at exit if still running."""
-    cmd = [sys.executable, "-m", "kvpilot.cli", "serve", "--port", "0", *args]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    the test's clients), ready when this yields; killed at exit if still running. `wrapper` runs
+    it through another command (which must exec it); `env` adds variables."""
+    cmd = [*wrapper, sys.executable, "-m", "kvpilot.cli", "serve", "--port", "0", *args]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
     proc = subprocess.Popen(
         cmd, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True, env=env
     )
@@ -108,3 +115,26 @@ def launch_serve(*args: str, ready_timeout: float = 240) -> Iterator[ServeProces
         if proc.poll() is None:
             proc.kill()
             proc.wait(10)
+
+
+# A private mount namespace where / is read-only and only $SCRATCH and $CACHE stay writable, as
+# in the operator's pods (readOnlyRootFilesystem; /tmp and the cache are volumes).
+READ_ONLY_ROOT = (
+    'mount --bind "$SCRATCH" "$SCRATCH" && mount --bind "$CACHE" "$CACHE" && '
+    'mount -o remount,bind,ro / && exec "$@"'
+)
+
+
+def read_only_wrapper() -> tuple[str, ...]:
+    return ("unshare", "--mount", "--propagation", "private", "sh", "-c", READ_ONLY_ROOT, "sh")
+
+
+def can_make_root_read_only(tmp_path: Path) -> bool:
+    if shutil.which("unshare") is None:
+        return False
+    probe = subprocess.run(
+        [*read_only_wrapper(), "true"],
+        env={"SCRATCH": str(tmp_path), "CACHE": str(tmp_path), "PATH": "/usr/bin:/bin"},
+        capture_output=True,
+    )
+    return probe.returncode == 0
