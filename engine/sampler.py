@@ -222,8 +222,7 @@ def sample(
     if not rows:
         return SampleResult([], [])
     if bitmask is not None and constrained:
-        idx = list(constrained)
-        apply_bitmask(logits, bitmask[idx], idx)
+        apply_bitmask(logits, bitmask, list(constrained))
     raw_logits = logits
     logits = apply_penalties(logits, rows)
     token_ids: list[int] = [0] * len(rows)

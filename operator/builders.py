@@ -120,6 +120,9 @@ def build_engine_args(spec: InferenceServiceSpec, served_name: str) -> list[str]
         ("--max-num-batched-tokens", engine.max_num_batched_tokens),
         ("--dtype", engine.dtype),
         ("--gpu-memory-utilization", engine.gpu_memory_utilization),
+        ("--structured-outputs-backend", engine.structured_outputs_backend),
+        ("--tool-call-parser", engine.tool_call_parser),
+        ("--chat-template", engine.chat_template),
     )
     for flag, value in options:
         if value is not None:

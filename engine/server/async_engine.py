@@ -152,6 +152,7 @@ class ModelInfo:
     eos_token_ids: tuple[int, ...] = ()
     hf_dir: str = ""  # the tokenizer's files
     max_chars_per_token: int | None = None  # see preprocess.py; None without a tokenizer
+    grammar_backend: str = "xgrammar"  # the core's, which request constraints are checked with
 
     def limits(self, requests: RequestLimits, chat: ChatOptions | None = None) -> PromptLimits:
         return PromptLimits(
@@ -161,6 +162,7 @@ class ModelInfo:
             self.max_chars_per_token,
             requests,
             chat or ChatOptions(),
+            self.grammar_backend,
         )
 
     def check_prompt_fits(self, num_tokens: int) -> None:
@@ -398,6 +400,7 @@ class AsyncEngine:
             enable_prefix_caching=model.enable_prefix_caching,
             eos_token_ids=eos_token_ids(model.eos_token_ids, tokenizer),
             hf_dir=model.hf_dir,
+            grammar_backend=model.grammar_backend,
             max_chars_per_token=None if tokenizer is None else max_chars_per_token(tokenizer),
         )
 

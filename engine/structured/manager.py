@@ -17,12 +17,8 @@ from typing import Any
 
 import torch
 
-from kvpilot.engine.structured.backend import (
-    GrammarBackend,
-    GrammarMatcher,
-    XGrammarBackend,
-    to_grammar,
-)
+from kvpilot.engine.structured.backend import DEFAULT_BACKEND, GrammarBackend, GrammarMatcher
+from kvpilot.engine.structured.registry import create_backend, to_grammar
 from kvpilot.engine.structured.spec import StructuredSpec
 
 log = logging.getLogger("kvpilot")
@@ -63,25 +59,27 @@ class StructuredOutputs:
         vocab_size: int,
         stop_token_ids: tuple[int, ...],
         *,
+        backend_name: str = DEFAULT_BACKEND,
         overlap: bool = True,
         backend_factory: Callable[[], GrammarBackend] | None = None,
     ) -> None:
+        self.backend_name = backend_name
         self._hf_dir = hf_dir
         self._vocab_size = vocab_size
         self._stop_token_ids = stop_token_ids
-        self._backend_factory = backend_factory or self._xgrammar
+        self._backend_factory = backend_factory or self._load_backend
         self._backend: GrammarBackend | None = None
         self.overlap = overlap
         self._compile_pool = ThreadPoolExecutor(1, thread_name_prefix="kvpilot-grammar-compile")
         self._mask_pool = ThreadPoolExecutor(1, thread_name_prefix="kvpilot-grammar-mask")
         self._bitmask: torch.Tensor | None = None
 
-    def _xgrammar(self) -> GrammarBackend:
+    def _load_backend(self) -> GrammarBackend:
         from kvpilot.engine.model.loader import eos_token_ids, load_tokenizer
 
         tokenizer = load_tokenizer(self._hf_dir)
         stops = eos_token_ids(self._stop_token_ids, tokenizer)
-        return XGrammarBackend(tokenizer, self._vocab_size, stops)
+        return create_backend(self.backend_name, tokenizer, self._vocab_size, stops)
 
     @property
     def backend(self) -> GrammarBackend:
@@ -92,13 +90,9 @@ class StructuredOutputs:
     def grammars_for(self, spec: StructuredSpec, n: int) -> list[SequenceGrammar]:
         """Start compiling spec (cached by spec); ValueError for a spec the backend refuses, raised
         here, before the request is queued."""
-        grammar = to_grammar(spec)
+        grammar = to_grammar(spec, self.backend_name)
         backend = self.backend
-        compile_spec = getattr(backend, "compile_spec", None)
-        if compile_spec is not None:
-            future = self._compile_pool.submit(compile_spec, spec, grammar)
-        else:
-            future = self._compile_pool.submit(backend.compile, grammar)
+        future = self._compile_pool.submit(backend.compile_spec, spec, grammar)
         return [SequenceGrammar(backend, future) for _ in range(n)]
 
     def start_masks(self, grammars: list[SequenceGrammar | None]) -> Future[torch.Tensor] | None:
