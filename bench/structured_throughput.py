@@ -20,9 +20,13 @@ import argparse
 import json
 import statistics
 import time
+from collections.abc import Callable
+
+import torch
 
 from kvpilot.engine import LLM, SamplingParams
 from kvpilot.engine.model.loader import load_tokenizer, resolve_model
+from kvpilot.engine.structured.bitmask import apply_bitmask
 from kvpilot.engine.structured.spec import StructuredSpec
 from kvpilot.engine.structured.xgrammar_backend import XGrammarBackend
 
@@ -51,13 +55,40 @@ SCHEMA = {
 TOPICS = ["Paris", "Oslo", "Lima", "Cairo", "Perth", "Quito", "Seoul", "Dakar"]
 
 
-def first_compile_seconds() -> float:
-    """A fresh backend (tokenizer vocabulary loaded first, not timed) compiling SCHEMA once."""
+def grammar_costs(batch: int) -> dict[str, float]:
+    """A fresh backend (tokenizer vocabulary loaded first, not timed) compiling SCHEMA once; then,
+    with `batch` matchers inside a document, one step's mask work: filling every row, and applying
+    the masks to [batch, V] logits (medians of 30)."""
     tokenizer = load_tokenizer(resolve_model(None, "auto").hf_dir)
     backend = XGrammarBackend(tokenizer, len(tokenizer), (tokenizer.eos_token_id,))
     started = time.perf_counter()
-    backend.compile_spec(StructuredSpec.json_schema(SCHEMA))
-    return time.perf_counter() - started
+    compiled = backend.compile_spec(StructuredSpec.json_schema(SCHEMA))
+    compile_s = time.perf_counter() - started
+    prefix = '{"report": "calm", "readings": [{"station": "north", "celsius": 12.5, "ok": true}, '
+    matchers = [backend.matcher(compiled) for _ in range(batch)]
+    for m in matchers:
+        for token in tokenizer.encode(prefix, add_special_tokens=False):
+            assert m.accept(token)
+    bitmask = backend.allocate_bitmask(batch)
+    logits = torch.randn(batch, backend.vocab_size)
+    rows = list(range(batch))
+
+    def median_ms(fn: Callable[[], object]) -> float:
+        times = []
+        for _ in range(30):
+            started = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - started)
+        return statistics.median(times) * 1e3
+
+    fill_ms = median_ms(lambda: [m.fill_mask(bitmask, i) for i, m in enumerate(matchers)])
+    apply_ms = median_ms(lambda: apply_bitmask(logits.clone(), bitmask, rows))
+    clone_ms = median_ms(logits.clone)
+    return {
+        "first_compile_s": round(compile_s, 3),
+        "mask_fill_ms": round(fill_ms, 3),
+        "mask_apply_ms": round(apply_ms - clone_ms, 3),
+    }
 
 
 def main() -> None:
@@ -68,7 +99,7 @@ def main() -> None:
     parser.add_argument("--json", help="write the figures here too")
     args = parser.parse_args()
 
-    compile_s = first_compile_seconds()
+    costs = grammar_costs(args.batch)
     llm = LLM(max_num_seqs=args.batch, kv_cache_gib=0.25)
     prompts = [
         [{"role": "user", "content": f"Weather readings for {TOPICS[i % len(TOPICS)]}, #{i}."}]
@@ -107,7 +138,7 @@ def main() -> None:
     result = {
         "batch": args.batch,
         "max_tokens": args.max_tokens,
-        "first_compile_s": round(compile_s, 3),
+        **costs,
         "first_constrained_request_s": round(first_request_s, 3),
         "tok_s_rounds": {v: [round(x, 1) for x in r] for v, r in rounds.items()},
         "tok_s_median": {v: round(x, 1) for v, x in medians.items()},

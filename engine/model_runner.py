@@ -196,6 +196,4 @@ class ModelRunner:
         ]
         if masks is None:
             return batch.sampling, sample(logits, rows, self.default_generator)
-        constrained = tuple(i for i, g in enumerate(grammars) if g is not None)
-        bitmask = masks.result().to(logits.device, non_blocking=True)
-        return batch.sampling, sample(logits, rows, self.default_generator, bitmask, constrained)
+        return batch.sampling, sample(logits, rows, self.default_generator, masks.result())

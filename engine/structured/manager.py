@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from kvpilot.engine.structured.backend import DEFAULT_BACKEND, GrammarBackend, GrammarMatcher
+from kvpilot.engine.structured.bitmask import GrammarMask, bitmask_to_bias
 from kvpilot.engine.structured.registry import create_backend, to_grammar
 from kvpilot.engine.structured.spec import StructuredSpec
 
@@ -95,26 +96,34 @@ class StructuredOutputs:
         future = self._compile_pool.submit(backend.compile_spec, spec, grammar)
         return [SequenceGrammar(backend, future) for _ in range(n)]
 
-    def start_masks(self, grammars: list[SequenceGrammar | None]) -> Future[torch.Tensor] | None:
-        """Fill the masks of the rows that have a grammar (row i of the bitmask for grammars[i]);
-        None when no row has one. On the mask thread when overlapping, else right here."""
+    def start_masks(self, grammars: list[SequenceGrammar | None]) -> Future[GrammarMask] | None:
+        """This step's masks for the rows that have a grammar (grammars[i] is sampling row i);
+        None when no row has one. Overlapping: filled and expanded into an additive bias on the
+        mask thread while the forward runs. Else: the bitmask, filled right here."""
         if all(g is None for g in grammars):
             return None
         if self.overlap:
-            return self._mask_pool.submit(self._fill, grammars)
-        done: Future[torch.Tensor] = Future()
+            return self._mask_pool.submit(self._bias, grammars)
+        done: Future[GrammarMask] = Future()
         done.set_result(self._fill(grammars))
         return done
 
-    def _fill(self, grammars: list[SequenceGrammar | None]) -> torch.Tensor:
-        rows = len(grammars)
-        if self._bitmask is None or self._bitmask.shape[0] < rows:
-            self._bitmask = self.backend.allocate_bitmask(max(rows, 64))
-        bitmask = self._bitmask[:rows]
-        for i, grammar in enumerate(grammars):
-            if grammar is not None:
-                grammar.matcher.fill_mask(self._bitmask, i)
-        return bitmask
+    def _fill(self, grammars: list[SequenceGrammar | None]) -> GrammarMask:
+        num_rows = len(grammars)
+        if self._bitmask is None or self._bitmask.shape[0] < num_rows:
+            self._bitmask = self.backend.allocate_bitmask(max(num_rows, 64))
+        rows = tuple(i for i, g in enumerate(grammars) if g is not None)
+        for i in rows:
+            grammar = grammars[i]
+            assert grammar is not None
+            grammar.matcher.fill_mask(self._bitmask, i)
+        return GrammarMask(rows, bitmask=self._bitmask[:num_rows])
+
+    def _bias(self, grammars: list[SequenceGrammar | None]) -> GrammarMask:
+        filled = self._fill(grammars)
+        assert filled.bitmask is not None
+        bias = bitmask_to_bias(filled.bitmask, self.backend.vocab_size)
+        return GrammarMask(filled.rows, bias=bias)
 
     def shutdown(self) -> None:
         self._compile_pool.shutdown(wait=False, cancel_futures=True)

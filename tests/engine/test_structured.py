@@ -24,8 +24,10 @@ from kvpilot.engine.structured.backend import (
     resolve_backend,
 )
 from kvpilot.engine.structured.bitmask import (
+    GrammarMask,
     apply_bitmask,
     apply_bitmask_reference,
+    bitmask_to_bias,
     unpack_bitmask,
 )
 from kvpilot.engine.structured.registry import create_backend, to_grammar
@@ -63,6 +65,14 @@ def test_bitmask_matches_a_per_token_reference(vocab: int) -> None:
             expected = logits[r].masked_fill(~allowed[r], float("-inf")) if r in rows else logits[r]
             assert torch.equal(masked[r], expected)  # rows without a grammar untouched
         assert torch.equal(masked, reference)
+        # The additive bias the mask thread builds masks exactly the same.
+        for mask in (
+            GrammarMask(tuple(rows), bitmask=bitmask),
+            GrammarMask(tuple(rows), bias=bitmask_to_bias(bitmask, vocab)),
+        ):
+            out = logits.clone()
+            mask.apply(out)
+            assert torch.equal(out, reference)
 
 
 @pytest.mark.parametrize("backend", BACKEND_NAMES)
