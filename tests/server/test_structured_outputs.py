@@ -159,7 +159,7 @@ def test_json_object_and_vllm_guided_json(client: openai.OpenAI, model_name: str
         model=model_name,
         messages=PROMPT,
         response_format={"type": "json_object"},
-        max_tokens=64,
+        max_tokens=32,
         temperature=0,
     )
     if obj.choices[0].finish_reason == "stop":
@@ -171,7 +171,7 @@ def test_json_object_and_vllm_guided_json(client: openai.OpenAI, model_name: str
         out = client.completions.create(
             model=model_name,
             prompt="A person as JSON:",
-            max_tokens=48,
+            max_tokens=40,
             temperature=0,
             extra_body=extra,
         )
@@ -284,7 +284,7 @@ def test_constrained_and_free_requests_share_a_batch(
                 args=(f"json{i}",),
                 kwargs={
                     "messages": [{"role": "user", "content": f"Person number {i} as JSON."}],
-                    "max_tokens": 48,
+                    "max_tokens": 40,
                     "response_format": _json_schema_format(schema),
                 },
             )
@@ -304,7 +304,7 @@ def test_constrained_and_free_requests_share_a_batch(
         model=model_name,
         temperature=0,
         messages=[{"role": "user", "content": "Person number 0 as JSON."}],
-        max_tokens=48,
+        max_tokens=40,
         response_format=_json_schema_format(schema),  # type: ignore[arg-type]
     )
     assert again.usage is not None and again.usage.prompt_tokens_details is not None
