@@ -101,3 +101,21 @@ class GrammarCache:
             while len(self._entries) > self._size:
                 self._entries.popitem(last=False)
         return compiled
+
+
+class CachedCompiles:
+    """`compile_spec` and `num_compiles` over a GrammarCache, for a backend that sets `_cache` and
+    converts specs in `_to_grammar`."""
+
+    _cache: GrammarCache
+
+    def _to_grammar(self, spec: StructuredSpec) -> Any:
+        raise NotImplementedError
+
+    @property
+    def num_compiles(self) -> int:
+        return self._cache.num_compiles
+
+    def compile_spec(self, spec: StructuredSpec, grammar: Any | None = None) -> Any:
+        """The compiled grammar of spec, from the cache when it was compiled before."""
+        return self._cache.get(spec, grammar if grammar is not None else self._to_grammar(spec))

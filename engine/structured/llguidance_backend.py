@@ -10,6 +10,7 @@ from typing import Any
 import torch
 
 from kvpilot.engine.structured.backend import (
+    CachedCompiles,
     GrammarCache,
     GrammarError,
     GrammarMatcher,
@@ -71,7 +72,7 @@ class _LLGuidanceMatcher:
         return bool(self._matcher.is_stopped())
 
 
-class LLGuidanceBackend:
+class LLGuidanceBackend(CachedCompiles):
     name = "llguidance"
 
     def __init__(
@@ -89,12 +90,8 @@ class LLGuidanceBackend:
         )
         self._cache = GrammarCache(lambda grammar: grammar, cache_size)
 
-    @property
-    def num_compiles(self) -> int:
-        return self._cache.num_compiles
-
-    def compile_spec(self, spec: StructuredSpec, grammar: Any | None = None) -> Any:
-        return self._cache.get(spec, grammar if grammar is not None else to_grammar(spec))
+    def _to_grammar(self, spec: StructuredSpec) -> Any:
+        return to_grammar(spec)
 
     def matcher(self, compiled: Any) -> GrammarMatcher:
         from llguidance import LLMatcher

@@ -8,6 +8,7 @@ from typing import Any
 import torch
 
 from kvpilot.engine.structured.backend import (
+    CachedCompiles,
     GrammarCache,
     GrammarError,
     GrammarMatcher,
@@ -68,7 +69,7 @@ class _XGrammarMatcher:
         return bool(self._matcher.is_terminated())
 
 
-class XGrammarBackend:
+class XGrammarBackend(CachedCompiles):
     """Compiles grammars for one tokenizer, cached by spec."""
 
     name = "xgrammar"
@@ -91,13 +92,8 @@ class XGrammarBackend:
         compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
         self._cache = GrammarCache(compiler.compile_grammar, cache_size)
 
-    @property
-    def num_compiles(self) -> int:
-        return self._cache.num_compiles
-
-    def compile_spec(self, spec: StructuredSpec, grammar: Any | None = None) -> Any:
-        """The compiled grammar of spec, from the cache when it was compiled before."""
-        return self._cache.get(spec, grammar if grammar is not None else to_grammar(spec))
+    def _to_grammar(self, spec: StructuredSpec) -> Any:
+        return to_grammar(spec)
 
     def matcher(self, compiled: Any) -> GrammarMatcher:
         return _XGrammarMatcher(self._xgr.GrammarMatcher(compiled))
