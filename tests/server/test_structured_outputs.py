@@ -484,3 +484,17 @@ def test_bad_constraints_get_400_naming_the_parameter(
     assert response.status_code == 400, response.text
     error = response.json()["error"]
     assert error["param"] == param and error["type"] == "invalid_request_error"
+
+
+def test_tool_choice_none_parses_nothing(client: openai.OpenAI, model_name: str) -> None:
+    out = client.chat.completions.create(
+        model=model_name,
+        messages=TOOL_PROMPT,
+        tools=TOOLS,  # type: ignore[arg-type]
+        tool_choice="none",
+        max_tokens=8,
+        temperature=0,
+    )
+    choice = out.choices[0]
+    assert choice.message.tool_calls is None and choice.message.content
+    assert choice.finish_reason in ("stop", "length")
