@@ -22,6 +22,7 @@ _EXPORTS = {
     "RequestMetrics": "kvpilot.engine.outputs",
     "RequestOutput": "kvpilot.engine.outputs",
     "SamplingParams": "kvpilot.engine.sampling_params",
+    "StructuredSpec": "kvpilot.engine.structured.spec",
 }
 
 if TYPE_CHECKING:
@@ -30,6 +31,7 @@ if TYPE_CHECKING:
     from kvpilot.engine.llm_engine import EngineStats, LLMEngine
     from kvpilot.engine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
     from kvpilot.engine.sampling_params import SamplingParams
+    from kvpilot.engine.structured.spec import StructuredSpec
 
 
 def __getattr__(name: str) -> Any:
@@ -52,5 +54,6 @@ __all__ = [
     "RequestOutput",
     "SamplingParams",
     "SchedulerConfig",
+    "StructuredSpec",
     "engine_config",
 ]

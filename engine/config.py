@@ -16,6 +16,7 @@ LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
 # Backends by name; "auto" (a config value only) resolves to one of them for the device.
 ATTENTION_BACKEND_NAMES = ("torch", "cpu", "triton")
 ATTENTION_BACKENDS = ("auto", *ATTENTION_BACKEND_NAMES)
+STRUCTURED_OUTPUTS_BACKENDS = ("auto", "xgrammar", "llguidance")
 SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2")
 BLOCK_SIZES = (8, 16, 32, 64, 128)  # tokens per KV block the kernels handle
 
@@ -192,6 +193,8 @@ class EngineConfig:
     distributed_timeout_s: float = 120.0
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    # Grammar library for constrained decoding ("auto": xgrammar).
+    structured_outputs_backend: str = "auto"
     # Grammar masks of a step filled on a thread while its forward runs (False: after it).
     overlap_grammar_masks: bool = True
 
@@ -204,6 +207,11 @@ class EngineConfig:
             raise ValueError(
                 f"attention_backend must be one of {ATTENTION_BACKENDS}, got "
                 f"{self.attention_backend!r}"
+            )
+        if self.structured_outputs_backend not in STRUCTURED_OUTPUTS_BACKENDS:
+            raise ValueError(
+                f"structured_outputs_backend must be one of {STRUCTURED_OUTPUTS_BACKENDS}, got "
+                f"{self.structured_outputs_backend!r}"
             )
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")

@@ -213,9 +213,7 @@ class ModelRunner:
         ]
         if masks is None:
             return sampling, sample(logits, rows, self.default_generator)
-        constrained = tuple(i for i, g in enumerate(grammars) if g is not None)
-        bitmask = masks.result().to(logits.device, non_blocking=True)
-        return sampling, sample(logits, rows, self.default_generator, bitmask, constrained)
+        return sampling, sample(logits, rows, self.default_generator, masks.result())
 
     @torch.inference_mode()
     def forward_step(self, step: StepInput) -> torch.Tensor | None:

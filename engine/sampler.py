@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from kvpilot.engine.sampling_params import SamplingParams
-from kvpilot.engine.structured.bitmask import apply_bitmask
+from kvpilot.engine.structured.bitmask import GrammarMask
 
 
 @dataclass(frozen=True)
@@ -229,16 +229,14 @@ def sample(
     logits: torch.Tensor,
     rows: list[SamplerRow],
     default_generator: torch.Generator,
-    bitmask: torch.Tensor | None = None,
-    constrained: tuple[int, ...] = (),
+    grammar_mask: GrammarMask | None = None,
 ) -> SampleResult:
-    """logits: [S, V] float32, one row per sequence that samples this step. bitmask: [S, V / 32]
-    packed allowed tokens, read for the rows in `constrained` (their logits are masked in place)."""
+    """logits: [S, V] float32, one row per sequence that samples this step; the constrained rows
+    are masked in place first."""
     if not rows:
         return SampleResult([], [])
-    if bitmask is not None and constrained:
-        idx = list(constrained)
-        apply_bitmask(logits, bitmask[idx], idx)
+    if grammar_mask is not None:
+        grammar_mask.apply(logits)
     raw_logits = logits
     logits = apply_penalties(apply_logit_bias(logits, rows), rows)
     token_ids: list[int] = [0] * len(rows)

@@ -131,6 +131,9 @@ def build_engine_args(spec: InferenceServiceSpec, served_name: str) -> list[str]
         ("--dtype", engine.dtype),
         ("--gpu-memory-utilization", engine.gpu_memory_utilization),
         ("--kv-cache-memory-bytes", spec.kv_cache_bytes),
+        ("--structured-outputs-backend", engine.structured_outputs_backend),
+        ("--tool-call-parser", engine.tool_call_parser),
+        ("--chat-template", engine.chat_template),
     )
     for flag, value in options:
         if value is not None:

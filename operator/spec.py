@@ -225,6 +225,21 @@ class EngineSpec(KubeModel):
         "Default: spec.gpus when above 1. It must divide the model's attention heads and not "
         "exceed spec.gpus.",
     )
+    structured_outputs_backend: Literal["auto", "xgrammar", "llguidance"] | None = Field(
+        default=None,
+        description="Grammar library for response_format, structured outputs and forced tool "
+        "calls (--structured-outputs-backend).",
+    )
+    tool_call_parser: Literal["hermes", "llama3_json", "mistral"] | None = Field(
+        default=None,
+        description="Tool-call format to parse (--tool-call-parser); by default the one the "
+        "model's chat template speaks.",
+    )
+    chat_template: str | None = Field(
+        default=None,
+        min_length=1,
+        description="A Jinja chat template to use instead of the model's (--chat-template).",
+    )
     extra_args: list[str] = Field(
         default_factory=list,
         description="More `kvpilot serve` arguments, appended as written.",

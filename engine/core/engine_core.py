@@ -37,6 +37,7 @@ from kvpilot.engine.parallel.workers import TPWorkers
 from kvpilot.engine.sampling_params import SamplingParams
 from kvpilot.engine.scheduler import Scheduler
 from kvpilot.engine.sequence import Sequence
+from kvpilot.engine.structured.backend import resolve_backend
 from kvpilot.engine.structured.manager import SequenceGrammar, StructuredOutputs
 
 log = logging.getLogger("kvpilot")
@@ -140,6 +141,7 @@ class EngineCore:
             source.hf_dir,
             self.model_config.vocab_size,
             tuple(self.model_config.eos_token_ids),
+            backend_name=resolve_backend(config.structured_outputs_backend),
             overlap=config.overlap_grammar_masks,
         )
         self.num_prompt_tokens = 0
@@ -154,6 +156,7 @@ class EngineCore:
             enable_prefix_caching=config.cache.enable_prefix_caching,
             eos_token_ids=tuple(self.model_config.eos_token_ids),
             tensor_parallel_size=config.tensor_parallel_size,
+            grammar_backend=self.structured.backend_name,
         )
         log.info(
             "engine core ready in %.1f s: %s",
@@ -291,8 +294,12 @@ class EngineCore:
         is_eos = token in seq.eos_token_ids and not params.ignore_eos
         if is_eos or token in params.stop_token_ids:
             seq.finish_reason, seq.stop_reason = "stop", (None if is_eos else token)
-        elif seq.grammar is not None and (seq.grammar.is_terminated or seq.grammar.is_broken):
-            # Its mask allowed only a stop token (ignore_eos cannot keep a finished grammar going).
+        elif seq.grammar is not None and seq.grammar.is_broken:
+            seq.finish_reason = "abort"  # a refused token (a bug): never claim the text complete
+        elif seq.grammar is not None and seq.grammar.is_terminated and token in seq.eos_token_ids:
+            # ignore_eos cannot keep a finished grammar going. (A grammar that ends after a real
+            # token goes on to sample the EOS its mask then allows: "stop" drops the last token's
+            # text, as it does an EOS's.)
             seq.finish_reason = "stop"
         elif (
             params.max_tokens is not None and seq.num_output_tokens >= params.max_tokens

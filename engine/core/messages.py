@@ -103,6 +103,7 @@ class ModelDescription(msgspec.Struct, frozen=True, array_like=True):
     enable_prefix_caching: bool
     eos_token_ids: tuple[int, ...]  # from the model's config (the tokenizer may add one)
     tensor_parallel_size: int = 1
+    grammar_backend: str = "xgrammar"  # what constrained requests are compiled with
 
 
 class CoreReady(msgspec.Struct, frozen=True, array_like=True, tag=True):

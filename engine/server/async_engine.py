@@ -164,6 +164,7 @@ class ModelInfo:
     # deepcopy holds the interpreter lock for a long while, which on a first request would stall
     # every stream and probe.
     spare_tokenizers: queue.SimpleQueue[Any] = field(default_factory=queue.SimpleQueue)
+    grammar_backend: str = "xgrammar"  # the core's, which request constraints are checked with
 
     def limits(self, requests: RequestLimits, chat: ChatOptions | None = None) -> PromptLimits:
         return PromptLimits(
@@ -173,6 +174,7 @@ class ModelInfo:
             self.max_chars_per_token,
             requests,
             chat or ChatOptions(),
+            self.grammar_backend,
         )
 
     def check_prompt_fits(self, num_tokens: int) -> None:
@@ -419,6 +421,7 @@ class AsyncEngine:
             enable_prefix_caching=model.enable_prefix_caching,
             eos_token_ids=eos_token_ids(model.eos_token_ids, tokenizer),
             hf_dir=model.hf_dir,
+            grammar_backend=model.grammar_backend,
             max_chars_per_token=None if tokenizer is None else max_chars_per_token(tokenizer),
         )
 

@@ -28,6 +28,7 @@ from kvpilot.engine.config import (
     ATTENTION_BACKENDS,
     DTYPES,
     LOAD_FORMATS,
+    STRUCTURED_OUTPUTS_BACKENDS,
     CacheConfig,
     EngineConfig,
     SchedulerConfig,
@@ -35,7 +36,9 @@ from kvpilot.engine.config import (
 from kvpilot.engine.server.app import create_app
 from kvpilot.engine.server.async_engine import AsyncEngine
 from kvpilot.engine.server.limits import RequestLimits
+from kvpilot.engine.server.preprocess import ChatOptions
 from kvpilot.engine.server.state import ServerSettings, ServerState
+from kvpilot.engine.server.tools.parsers import PARSER_NAMES
 
 logger = logging.getLogger("kvpilot.server")
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
@@ -170,7 +173,41 @@ def build_parser() -> argparse.ArgumentParser:
         help="expose only kvpilot:* metrics, not the vllm:* names",
     )
     s.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    c = p.add_argument_group("structured outputs and tools")
+    c.add_argument(
+        "--structured-outputs-backend",
+        "--guided-decoding-backend",
+        default="auto",
+        choices=STRUCTURED_OUTPUTS_BACKENDS,
+        help="grammar library for response_format / structured_outputs / forced tool calls "
+        "(auto: xgrammar)",
+    )
+    c.add_argument(
+        "--tool-call-parser",
+        default=None,
+        choices=PARSER_NAMES,
+        help="tool-call format to parse (default: the one the chat template speaks, else hermes)",
+    )
+    c.add_argument(
+        "--chat-template",
+        default=None,
+        help="a Jinja chat template to use instead of the model's: a file path, or the template",
+    )
     return p  # fmt: skip
+
+
+def read_chat_template(value: str | None) -> str | None:
+    """--chat-template: a file's contents, or the value itself when it is a template (as vLLM
+    takes it). ValueError for a path that cannot be read."""
+    if value is None:
+        return None
+    path = Path(value)
+    if "{" not in value:
+        try:
+            return path.read_text()
+        except OSError as exc:
+            raise ValueError(f"--chat-template: {exc.strerror}: {value}") from None
+    return value
 
 
 def resolve_api_key(flag: str | None, file: str | None, env: Mapping[str, str]) -> str | None:
@@ -207,6 +244,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         served_model_name=args.served_model_name,
         tensor_parallel_size=args.tensor_parallel_size,
         distributed_timeout_s=args.distributed_timeout,
+        structured_outputs_backend=args.structured_outputs_backend,
         cache=CacheConfig(
             block_size=args.block_size,
             enable_prefix_caching=args.enable_prefix_caching,
@@ -310,6 +348,10 @@ def main(argv: list[str]) -> int:
                 max_stop=args.max_stop_strings,
                 max_logit_bias=args.max_logit_bias,
                 max_tokens=args.max_tokens_limit,
+            ),
+            chat=ChatOptions(
+                chat_template=read_chat_template(args.chat_template),
+                tool_call_parser=args.tool_call_parser,
             ),
         )
     except ValueError as exc:

@@ -10,13 +10,14 @@ from typing import Any
 
 from kvpilot.engine.server.errors import bad_request
 from kvpilot.engine.server.protocol import ChatCompletionRequest, _SamplingRequest
-from kvpilot.engine.structured.backend import GrammarError, to_grammar
+from kvpilot.engine.structured.backend import DEFAULT_BACKEND, GrammarError
+from kvpilot.engine.structured.registry import to_grammar
 from kvpilot.engine.structured.spec import StructuredSpec
 
-BACKENDS = ("auto", "xgrammar")
 
-
-def requested_spec(request: _SamplingRequest) -> tuple[StructuredSpec, str] | None:
+def requested_spec(
+    request: _SamplingRequest, backend: str = DEFAULT_BACKEND
+) -> tuple[StructuredSpec, str] | None:
     """The one constraint the request asks for and the parameter that asked; 400 for several."""
     found: list[tuple[StructuredSpec, str]] = []
     fmt = getattr(request, "response_format", None)
@@ -66,9 +67,10 @@ def requested_spec(request: _SamplingRequest) -> tuple[StructuredSpec, str] | No
             "Only one output constraint may be given; got " + ", ".join(p for _, p in found) + ".",
             param=found[1][1],
         )
-    if request.guided_decoding_backend not in (None, *BACKENDS):
+    if request.guided_decoding_backend not in (None, "auto", backend):
+        # The engine compiles with one backend (vLLM too refuses a request naming another).
         raise bad_request(
-            f"guided_decoding_backend must be one of {', '.join(BACKENDS)}.",
+            f"guided_decoding_backend must be auto or {backend}, this server's backend.",
             param="guided_decoding_backend",
         )
     return found[0] if found else None
@@ -99,18 +101,20 @@ def _json_spec(schema: Any, param: str) -> StructuredSpec:
     return StructuredSpec.json_schema(schema)
 
 
-def checked(spec: StructuredSpec, param: str) -> StructuredSpec:
+def checked(spec: StructuredSpec, param: str, backend: str = DEFAULT_BACKEND) -> StructuredSpec:
     """spec, once the grammar backend has accepted it; else a 400 naming param."""
     try:
-        to_grammar(spec)
+        to_grammar(spec, backend)
     except GrammarError as exc:
         raise bad_request(f"{param}: {exc}", param=param) from None
     return spec
 
 
-def request_constraint(request: _SamplingRequest) -> StructuredSpec | None:
-    """The request's checked constraint (None: free text). Tool choice adds its own (tools.py)."""
-    found = requested_spec(request)
+def request_constraint(
+    request: _SamplingRequest, backend: str = DEFAULT_BACKEND
+) -> StructuredSpec | None:
+    """The request's checked constraint (None: free text). Tool choice adds its own (tools/)."""
+    found = requested_spec(request, backend)
     if found is None:
         return None
     if isinstance(request, ChatCompletionRequest) and request.forces_tool_call:
@@ -118,4 +122,4 @@ def request_constraint(request: _SamplingRequest) -> StructuredSpec | None:
             f"{found[1]} cannot be combined with tool_choice {request.tool_choice!r}.",
             param=found[1],
         )
-    return checked(*found)
+    return checked(*found, backend)

@@ -76,6 +76,7 @@ class PromptLimits:
     max_chars_per_token: int | None  # None without a tokenizer
     requests: RequestLimits = field(default_factory=RequestLimits)
     chat: ChatOptions = field(default_factory=ChatOptions)
+    grammar_backend: str = "xgrammar"  # the engine core's: constraints are checked with it
 
 
 @dataclass(frozen=True)
@@ -114,12 +115,12 @@ def preprocess(
     if kind == "chat":
         chat = parse_request(ChatCompletionRequest, body, depth)
         bias = _check_request(chat, 1, limits)
-        constraint = request_constraint(chat)
+        constraint = request_constraint(chat, limits.grammar_backend)
         prompt, tools = chat_request_prompt(chat, tokenizer, limits)
         return Preprocessed(chat, [prompt], bias, tools.constraint or constraint, tools)
     request = parse_request(CompletionRequest, body, depth)
     bias = _check_request(request, len(prompt_items(request)), limits)
-    constraint = request_constraint(request)
+    constraint = request_constraint(request, limits.grammar_backend)
     prompts = completion_prompts(request, tokenizer, limits)
     return Preprocessed(request, prompts, bias, constraint)
 
@@ -195,7 +196,9 @@ def chat_request_prompt(
     """The chat request's prompt as the server renders it (template, tools) and its tool plan;
     the router hashes the same tokens."""
     template = _chat_template(tokenizer, limits.chat)
-    tools = plan_tools(chat, limits.chat.tool_call_parser or parser_for_template(template))
+    tools = plan_tools(
+        chat, limits.chat.tool_call_parser or parser_for_template(template), limits.grammar_backend
+    )
     return chat_prompt(chat, tokenizer, limits, template, tools.parser_name), tools
 
 

@@ -17,12 +17,9 @@ from typing import Any
 
 import torch
 
-from kvpilot.engine.structured.backend import (
-    GrammarBackend,
-    GrammarMatcher,
-    XGrammarBackend,
-    to_grammar,
-)
+from kvpilot.engine.structured.backend import DEFAULT_BACKEND, GrammarBackend, GrammarMatcher
+from kvpilot.engine.structured.bitmask import GrammarMask, bitmask_to_bias
+from kvpilot.engine.structured.registry import create_backend, to_grammar
 from kvpilot.engine.structured.spec import StructuredSpec
 
 log = logging.getLogger("kvpilot")
@@ -63,25 +60,27 @@ class StructuredOutputs:
         vocab_size: int,
         stop_token_ids: tuple[int, ...],
         *,
+        backend_name: str = DEFAULT_BACKEND,
         overlap: bool = True,
         backend_factory: Callable[[], GrammarBackend] | None = None,
     ) -> None:
+        self.backend_name = backend_name
         self._hf_dir = hf_dir
         self._vocab_size = vocab_size
         self._stop_token_ids = stop_token_ids
-        self._backend_factory = backend_factory or self._xgrammar
+        self._backend_factory = backend_factory or self._load_backend
         self._backend: GrammarBackend | None = None
         self.overlap = overlap
         self._compile_pool = ThreadPoolExecutor(1, thread_name_prefix="kvpilot-grammar-compile")
         self._mask_pool = ThreadPoolExecutor(1, thread_name_prefix="kvpilot-grammar-mask")
         self._bitmask: torch.Tensor | None = None
 
-    def _xgrammar(self) -> GrammarBackend:
+    def _load_backend(self) -> GrammarBackend:
         from kvpilot.engine.model.loader import eos_token_ids, load_tokenizer
 
         tokenizer = load_tokenizer(self._hf_dir)
         stops = eos_token_ids(self._stop_token_ids, tokenizer)
-        return XGrammarBackend(tokenizer, self._vocab_size, stops)
+        return create_backend(self.backend_name, tokenizer, self._vocab_size, stops)
 
     @property
     def backend(self) -> GrammarBackend:
@@ -92,35 +91,39 @@ class StructuredOutputs:
     def grammars_for(self, spec: StructuredSpec, n: int) -> list[SequenceGrammar]:
         """Start compiling spec (cached by spec); ValueError for a spec the backend refuses, raised
         here, before the request is queued."""
-        grammar = to_grammar(spec)
+        grammar = to_grammar(spec, self.backend_name)
         backend = self.backend
-        compile_spec = getattr(backend, "compile_spec", None)
-        if compile_spec is not None:
-            future = self._compile_pool.submit(compile_spec, spec, grammar)
-        else:
-            future = self._compile_pool.submit(backend.compile, grammar)
+        future = self._compile_pool.submit(backend.compile_spec, spec, grammar)
         return [SequenceGrammar(backend, future) for _ in range(n)]
 
-    def start_masks(self, grammars: list[SequenceGrammar | None]) -> Future[torch.Tensor] | None:
-        """Fill the masks of the rows that have a grammar (row i of the bitmask for grammars[i]);
-        None when no row has one. On the mask thread when overlapping, else right here."""
+    def start_masks(self, grammars: list[SequenceGrammar | None]) -> Future[GrammarMask] | None:
+        """This step's masks for the rows that have a grammar (grammars[i] is sampling row i);
+        None when no row has one. Overlapping: filled and expanded into an additive bias on the
+        mask thread while the forward runs. Else: the bitmask, filled right here."""
         if all(g is None for g in grammars):
             return None
         if self.overlap:
-            return self._mask_pool.submit(self._fill, grammars)
-        done: Future[torch.Tensor] = Future()
+            return self._mask_pool.submit(self._bias, grammars)
+        done: Future[GrammarMask] = Future()
         done.set_result(self._fill(grammars))
         return done
 
-    def _fill(self, grammars: list[SequenceGrammar | None]) -> torch.Tensor:
-        rows = len(grammars)
-        if self._bitmask is None or self._bitmask.shape[0] < rows:
-            self._bitmask = self.backend.allocate_bitmask(max(rows, 64))
-        bitmask = self._bitmask[:rows]
-        for i, grammar in enumerate(grammars):
-            if grammar is not None:
-                grammar.matcher.fill_mask(self._bitmask, i)
-        return bitmask
+    def _fill(self, grammars: list[SequenceGrammar | None]) -> GrammarMask:
+        num_rows = len(grammars)
+        if self._bitmask is None or self._bitmask.shape[0] < num_rows:
+            self._bitmask = self.backend.allocate_bitmask(max(num_rows, 64))
+        rows = tuple(i for i, g in enumerate(grammars) if g is not None)
+        for i in rows:
+            grammar = grammars[i]
+            assert grammar is not None
+            grammar.matcher.fill_mask(self._bitmask, i)
+        return GrammarMask(rows, bitmask=self._bitmask[:num_rows])
+
+    def _bias(self, grammars: list[SequenceGrammar | None]) -> GrammarMask:
+        filled = self._fill(grammars)
+        assert filled.bitmask is not None
+        bias = bitmask_to_bias(filled.bitmask, self.backend.vocab_size)
+        return GrammarMask(filled.rows, bias=bias)
 
     def shutdown(self) -> None:
         self._compile_pool.shutdown(wait=False, cancel_futures=True)

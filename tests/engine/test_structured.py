@@ -8,16 +8,32 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Iterator
+from typing import Any
 
 import jsonschema
 import pytest
 import torch
 
 from kvpilot.engine import LLM, SamplingParams
+from kvpilot.engine.config import STRUCTURED_OUTPUTS_BACKENDS, EngineConfig
 from kvpilot.engine.model.loader import load_tokenizer, resolve_model
-from kvpilot.engine.structured.backend import GrammarError, XGrammarBackend, to_grammar
-from kvpilot.engine.structured.bitmask import apply_bitmask, unpack_bitmask
+from kvpilot.engine.structured.backend import (
+    BACKEND_NAMES,
+    GrammarBackend,
+    GrammarError,
+    resolve_backend,
+)
+from kvpilot.engine.structured.bitmask import (
+    GrammarMask,
+    apply_bitmask,
+    apply_bitmask_reference,
+    bitmask_to_bias,
+    unpack_bitmask,
+)
+from kvpilot.engine.structured.manager import StructuredOutputs
+from kvpilot.engine.structured.registry import create_backend, to_grammar
 from kvpilot.engine.structured.spec import StructuredSpec
+from kvpilot.engine.structured.xgrammar_backend import XGrammarBackend
 
 SCHEMA = {
     "type": "object",
@@ -41,15 +57,26 @@ def test_bitmask_matches_a_per_token_reference(vocab: int) -> None:
         for t in range(0, vocab, max(1, vocab // 257)):
             bit = (int(bitmask[r, t // 32]) >> (t % 32)) & 1
             assert bool(allowed[r, t]) == bool(bit)
-    logits = torch.randn(5, vocab, generator=gen)
-    masked = logits.clone()
-    apply_bitmask(masked, bitmask, [0, 2, 4])
-    for out_row, mask_row in ((0, 0), (2, 1), (4, 2)):
-        expected = logits[out_row].masked_fill(~allowed[mask_row], float("-inf"))
-        assert torch.equal(masked[out_row], expected)
-    assert torch.equal(masked[[1, 3]], logits[[1, 3]])  # rows without a grammar untouched
+    logits = torch.randn(3, vocab, generator=gen)
+    for rows in ([0, 1, 2], [0, 2]):
+        masked, reference = logits.clone(), logits.clone()
+        apply_bitmask(masked, bitmask, rows)
+        apply_bitmask_reference(reference, bitmask, rows)
+        for r in range(3):
+            expected = logits[r].masked_fill(~allowed[r], float("-inf")) if r in rows else logits[r]
+            assert torch.equal(masked[r], expected)  # rows without a grammar untouched
+        assert torch.equal(masked, reference)
+        # The additive bias the mask thread builds masks exactly the same.
+        for mask in (
+            GrammarMask(tuple(rows), bitmask=bitmask),
+            GrammarMask(tuple(rows), bias=bitmask_to_bias(bitmask, vocab)),
+        ):
+            out = logits.clone()
+            mask.apply(out)
+            assert torch.equal(out, reference)
 
 
+@pytest.mark.parametrize("backend", BACKEND_NAMES)
 @pytest.mark.parametrize(
     "spec",
     [
@@ -57,13 +84,21 @@ def test_bitmask_matches_a_per_token_reference(vocab: int) -> None:
         StructuredSpec("json", '{"type": "integer", "minimum": "zero"}'),
         StructuredSpec("json", "[1, 2]"),
         StructuredSpec("regex", "(unclosed"),
-        StructuredSpec("grammar", "root ::= "),
+        StructuredSpec("grammar", "root ::= ("),
         StructuredSpec("choice", "[]"),
     ],
 )
-def test_bad_specs_raise_grammar_error(spec: StructuredSpec) -> None:
+def test_bad_specs_raise_grammar_error(spec: StructuredSpec, backend: str) -> None:
     with pytest.raises(GrammarError):
-        to_grammar(spec)
+        to_grammar(spec, backend)
+
+
+def test_backend_names_agree_with_the_config() -> None:
+    assert ("auto", *BACKEND_NAMES) == STRUCTURED_OUTPUTS_BACKENDS
+    with pytest.raises(GrammarError):
+        resolve_backend("outlines")
+    with pytest.raises(ValueError, match="structured_outputs_backend"):
+        EngineConfig(structured_outputs_backend="outlines")
 
 
 def test_unknown_kind_is_refused() -> None:
@@ -72,12 +107,17 @@ def test_unknown_kind_is_refused() -> None:
 
 
 @pytest.fixture(scope="module")
-def backend() -> XGrammarBackend:
-    tokenizer = load_tokenizer(resolve_model(None, "auto").hf_dir)
-    return XGrammarBackend(tokenizer, len(tokenizer), (tokenizer.eos_token_id,), cache_size=2)
+def tokenizer() -> Any:
+    return load_tokenizer(resolve_model(None, "auto").hf_dir)
 
 
-def test_compiled_grammars_are_cached_by_spec(backend: XGrammarBackend) -> None:
+@pytest.fixture(scope="module", params=BACKEND_NAMES)
+def backend(request: pytest.FixtureRequest, tokenizer: Any) -> GrammarBackend:
+    return create_backend(request.param, tokenizer, len(tokenizer), (tokenizer.eos_token_id,))
+
+
+def test_compiled_grammars_are_cached_by_spec(tokenizer: Any) -> None:
+    backend = XGrammarBackend(tokenizer, len(tokenizer), (tokenizer.eos_token_id,), cache_size=2)
     a, b, c = (StructuredSpec.choice([w]) for w in ("alpha", "beta", "gamma"))
     first = backend.compile_spec(a)
     before = backend.num_compiles
@@ -88,8 +128,9 @@ def test_compiled_grammars_are_cached_by_spec(backend: XGrammarBackend) -> None:
     assert backend.compile_spec(a) is not first and backend.num_compiles == before + 3
 
 
-def test_eos_is_allowed_only_where_the_grammar_may_end(backend: XGrammarBackend) -> None:
-    tokenizer = load_tokenizer(resolve_model(None, "auto").hf_dir)
+def test_eos_is_allowed_only_where_the_grammar_may_end(
+    backend: GrammarBackend, tokenizer: Any
+) -> None:
     eos = tokenizer.eos_token_id
     matcher = backend.matcher(backend.compile_spec(StructuredSpec("regex", r"ab+")))
     bitmask = backend.allocate_bitmask(1)
@@ -115,7 +156,7 @@ def llm() -> Iterator[LLM]:
 
 def test_n_sequences_each_follow_their_own_matcher(llm: LLM) -> None:
     params = SamplingParams(
-        n=4, temperature=1.0, seed=9, max_tokens=64, structured=StructuredSpec.json_schema(SCHEMA)
+        n=3, temperature=1.0, seed=9, max_tokens=64, structured=StructuredSpec.json_schema(SCHEMA)
     )
     (out,) = llm.chat([[{"role": "user", "content": "Rate a movie as JSON."}]], params)
     texts = [o.text for o in out.outputs]
@@ -123,13 +164,11 @@ def test_n_sequences_each_follow_their_own_matcher(llm: LLM) -> None:
         assert o.finish_reason == "stop", o.text
         jsonschema.validate(json.loads(o.text), SCHEMA)
     assert len(set(texts)) > 1  # sampled apart, yet each one valid
-    (again,) = llm.chat([[{"role": "user", "content": "Rate a movie as JSON."}]], params)
-    assert [o.text for o in again.outputs] == texts  # seeded
 
 
 def test_preempted_constrained_sequences_stay_valid(llm: LLM) -> None:
     prompts = [[{"role": "user", "content": f"Code number {i}, please."}] for i in range(6)]
-    pattern = r"[A-Z]{3}-\d{40}"
+    pattern = r"[A-Z]{3}-\d{30}"
     params = SamplingParams(
         temperature=0.0, max_tokens=64, structured=StructuredSpec("regex", pattern)
     )
@@ -143,7 +182,7 @@ def test_preempted_constrained_sequences_stay_valid(llm: LLM) -> None:
 def test_masks_during_or_after_the_forward_give_the_same_tokens(llm: LLM) -> None:
     prompts = [[{"role": "user", "content": "A movie rating as JSON."}]] * 2
     params = SamplingParams(
-        temperature=0.0, max_tokens=48, structured=StructuredSpec.json_schema(SCHEMA)
+        temperature=0.0, max_tokens=24, structured=StructuredSpec.json_schema(SCHEMA)
     )
     overlapped = [o.outputs[0].token_ids for o in llm.chat(prompts, params)]
     llm.engine.core.structured.overlap = False
@@ -152,3 +191,36 @@ def test_masks_during_or_after_the_forward_give_the_same_tokens(llm: LLM) -> Non
     finally:
         llm.engine.core.structured.overlap = True
     assert overlapped == serial
+
+
+def test_llguidance_backend_in_the_engine(llm: LLM) -> None:
+    # The same core with its structured outputs on llguidance (what
+    # structured_outputs_backend="llguidance" builds), without loading the model twice.
+    core = llm.engine.core
+    xgrammar_outputs = core.structured
+    core.structured = StructuredOutputs(
+        resolve_model(None, "auto").hf_dir,
+        core.model_config.vocab_size,
+        tuple(core.model_config.eos_token_ids),
+        backend_name="llguidance",
+    )
+    try:
+        params = SamplingParams(
+            n=2,
+            temperature=1.0,
+            seed=4,
+            max_tokens=64,
+            structured=StructuredSpec.json_schema(SCHEMA),
+        )
+        (out,) = llm.chat([[{"role": "user", "content": "Rate a movie as JSON."}]], params)
+        assert core.structured.backend.name == "llguidance"
+    finally:
+        core.structured = xgrammar_outputs
+    for o in out.outputs:
+        assert o.finish_reason == "stop", o.text
+        jsonschema.validate(json.loads(o.text), SCHEMA)
+
+
+def test_the_core_reports_its_backend() -> None:
+    assert EngineConfig(structured_outputs_backend="auto").structured_outputs_backend == "auto"
+    assert resolve_backend("auto") == "xgrammar"

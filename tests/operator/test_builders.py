@@ -155,6 +155,12 @@ ARGS_TABLE: list[tuple[dict[str, Any], list[str]]] = [
     ({"engine": {"dtype": "bfloat16"}}, ["--dtype", "bfloat16"]),
     ({"engine": {"gpuMemoryUtilization": 0.85}}, ["--gpu-memory-utilization", "0.85"]),
     ({"engine": {"enablePrefixCaching": False}}, ["--no-enable-prefix-caching"]),
+    (
+        {"engine": {"structuredOutputsBackend": "xgrammar"}},
+        ["--structured-outputs-backend", "xgrammar"],
+    ),
+    ({"engine": {"toolCallParser": "llama3_json"}}, ["--tool-call-parser", "llama3_json"]),
+    ({"engine": {"chatTemplate": "{{ messages }}"}}, ["--chat-template", "{{ messages }}"]),
     ({"drainSeconds": 90}, ["--shutdown-timeout", "90"]),
     ({"engine": {"kvCacheBytes": "768Mi"}}, ["--kv-cache-memory-bytes", str(768 * 2**20)]),
     (

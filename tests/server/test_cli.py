@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from kvpilot.engine.server.cli import build_parser, engine_config, main
+from kvpilot.engine.server.cli import build_parser, engine_config, main, read_chat_template
 
 
 def test_defaults_match_the_engine_defaults() -> None:
@@ -94,3 +94,23 @@ def test_a_bad_api_key_file_exits_2(tmp_path: Path, capsys: pytest.CaptureFixtur
 
     assert main(["--api-key-file", str(tmp_path / "missing")]) == 2
     assert "--api-key-file" in capsys.readouterr().err
+
+
+def test_structured_output_and_tool_flags(tmp_path: Path) -> None:
+    args = build_parser().parse_args(
+        ["--guided-decoding-backend", "xgrammar", "--tool-call-parser", "mistral"]
+    )
+    assert engine_config(args).structured_outputs_backend == "xgrammar"
+    assert args.tool_call_parser == "mistral"
+    template = tmp_path / "t.jinja"
+    template.write_text("{{ messages }}")
+    assert read_chat_template(str(template)) == "{{ messages }}"
+    assert read_chat_template("{% for m in messages %}{% endfor %}").startswith("{%")
+    assert read_chat_template(None) is None
+
+
+def test_an_unreadable_chat_template_exits_2(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["--chat-template", str(tmp_path / "missing.jinja")]) == 2
+    assert "--chat-template" in capsys.readouterr().err

@@ -9,6 +9,7 @@ can finish inside it (a completion cut by max_tokens is checked to say `length`,
 from __future__ import annotations
 
 import json
+import re
 import threading
 from typing import Any, Literal
 
@@ -114,31 +115,20 @@ def test_json_schema_outputs_validate_streamed_and_not(
     client: openai.OpenAI, model_name: str, name: str
 ) -> None:
     schema = SCHEMAS[name]
-    full = client.chat.completions.create(
-        model=model_name,
-        messages=PROMPT,
-        response_format=_json_schema_format(schema),  # type: ignore[arg-type]
-        max_tokens=96,
-        temperature=0.9,
-        seed=7,
-        n=2,
-    )
+    request: dict[str, Any] = {
+        "model": model_name,
+        "messages": PROMPT,
+        "response_format": _json_schema_format(schema),
+        "max_tokens": 96,
+        "temperature": 0.9,
+        "seed": 7,
+    }
+    full = client.chat.completions.create(n=2, **request)
     assert len(full.choices) == 2
     for choice in full.choices:
         assert choice.finish_reason == "stop", choice.message.content
         jsonschema.validate(json.loads(choice.message.content or ""), schema)
-    chunks = list(
-        client.chat.completions.create(
-            model=model_name,
-            messages=PROMPT,
-            response_format=_json_schema_format(schema),  # type: ignore[arg-type]
-            max_tokens=96,
-            temperature=0.9,
-            seed=7,
-            stream=True,
-        )
-    )
-    text, finish = _stream_text(chunks)
+    text, finish = _stream_text(list(client.chat.completions.create(stream=True, **request)))
     assert finish == "stop", text
     jsonschema.validate(json.loads(text), schema)
     # Seeded: the stream's one choice is the first choice of the same request unstreamed.
@@ -169,7 +159,7 @@ def test_json_object_and_vllm_guided_json(client: openai.OpenAI, model_name: str
         model=model_name,
         messages=PROMPT,
         response_format={"type": "json_object"},
-        max_tokens=64,
+        max_tokens=32,
         temperature=0,
     )
     if obj.choices[0].finish_reason == "stop":
@@ -181,7 +171,7 @@ def test_json_object_and_vllm_guided_json(client: openai.OpenAI, model_name: str
         out = client.completions.create(
             model=model_name,
             prompt="A person as JSON:",
-            max_tokens=48,
+            max_tokens=40,
             temperature=0,
             extra_body=extra,
         )
@@ -189,46 +179,33 @@ def test_json_object_and_vllm_guided_json(client: openai.OpenAI, model_name: str
         jsonschema.validate(json.loads(out.choices[0].text), schema)
 
 
+def _ask(client: openai.OpenAI, model_name: str, content: str, **kwargs: Any) -> Any:
+    return client.chat.completions.create(
+        model=model_name, messages=[{"role": "user", "content": content}], **kwargs
+    )
+
+
 def test_regex_and_choice_hold(client: openai.OpenAI, model_name: str) -> None:
     pattern = r"\d{3}-[A-Z]{2}"
     for extra in ({"guided_regex": pattern}, {"structured_outputs": {"regex": pattern}}):
-        out = client.chat.completions.create(
-            model=model_name,
-            messages=[{"role": "user", "content": "Give me a code."}],
-            max_tokens=12,
-            temperature=1.0,
-            n=3,
-            seed=3,
+        out = _ask(
+            client, model_name, "Give me a code.", max_tokens=12, temperature=1.0, n=3, seed=3,
             extra_body=extra,
-        )
-        import re
-
+        )  # fmt: skip
         for choice in out.choices:
             assert re.fullmatch(pattern, choice.message.content or ""), choice.message.content
             assert choice.finish_reason == "stop"
     choices = ["red", "green", "blue or cyan"]
-    out = client.chat.completions.create(
-        model=model_name,
-        messages=[{"role": "user", "content": "Pick a color."}],
-        max_tokens=8,
-        temperature=1.0,
-        n=4,
-        seed=5,
+    out = _ask(
+        client, model_name, "Pick a color.", max_tokens=8, temperature=1.0, n=4, seed=5,
         extra_body={"guided_choice": choices},
-    )
+    )  # fmt: skip
     assert all(c.message.content in choices for c in out.choices)
-    text, finish = _stream_text(
-        list(
-            client.chat.completions.create(
-                model=model_name,
-                messages=[{"role": "user", "content": "Pick a color."}],
-                max_tokens=8,
-                temperature=0,
-                stream=True,
-                extra_body={"structured_outputs": {"choice": choices}},
-            )
-        )
-    )
+    stream = _ask(
+        client, model_name, "Pick a color.", max_tokens=8, temperature=0, stream=True,
+        extra_body={"structured_outputs": {"choice": choices}},
+    )  # fmt: skip
+    text, finish = _stream_text(list(stream))
     assert text in choices and finish == "stop"
 
 
@@ -270,15 +247,10 @@ def test_a_constraint_cut_by_max_tokens_ends_with_length(
 
 
 def test_logprobs_are_of_the_masked_distribution(client: openai.OpenAI, model_name: str) -> None:
-    out = client.chat.completions.create(
-        model=model_name,
-        messages=[{"role": "user", "content": "Pick a color."}],
-        max_tokens=8,
-        temperature=0,
-        logprobs=True,
-        top_logprobs=3,
-        extra_body={"guided_choice": ["red", "green"]},
-    )
+    out = _ask(
+        client, model_name, "Pick a color.", max_tokens=8, temperature=0, logprobs=True,
+        top_logprobs=3, extra_body={"guided_choice": ["red", "green"]},
+    )  # fmt: skip
     content = out.choices[0].logprobs.content  # type: ignore[union-attr]
     assert content
     first = content[0]
@@ -312,7 +284,7 @@ def test_constrained_and_free_requests_share_a_batch(
                 args=(f"json{i}",),
                 kwargs={
                     "messages": [{"role": "user", "content": f"Person number {i} as JSON."}],
-                    "max_tokens": 48,
+                    "max_tokens": 40,
                     "response_format": _json_schema_format(schema),
                 },
             )
@@ -332,7 +304,7 @@ def test_constrained_and_free_requests_share_a_batch(
         model=model_name,
         temperature=0,
         messages=[{"role": "user", "content": "Person number 0 as JSON."}],
-        max_tokens=48,
+        max_tokens=40,
         response_format=_json_schema_format(schema),  # type: ignore[arg-type]
     )
     assert again.usage is not None and again.usage.prompt_tokens_details is not None
@@ -512,3 +484,17 @@ def test_bad_constraints_get_400_naming_the_parameter(
     assert response.status_code == 400, response.text
     error = response.json()["error"]
     assert error["param"] == param and error["type"] == "invalid_request_error"
+
+
+def test_tool_choice_none_parses_nothing(client: openai.OpenAI, model_name: str) -> None:
+    out = client.chat.completions.create(
+        model=model_name,
+        messages=TOOL_PROMPT,
+        tools=TOOLS,  # type: ignore[arg-type]
+        tool_choice="none",
+        max_tokens=8,
+        temperature=0,
+    )
+    choice = out.choices[0]
+    assert choice.message.tool_calls is None and choice.message.content
+    assert choice.finish_reason in ("stop", "length")

@@ -23,6 +23,7 @@ from kvpilot.engine.server.tools.parsers import (
     ToolParser,
     parser_named,
 )
+from kvpilot.engine.structured.backend import DEFAULT_BACKEND
 from kvpilot.engine.structured.spec import StructuredSpec
 
 ToolMode = Literal["none", "auto", "required", "named"]
@@ -52,7 +53,9 @@ def parameters_schema(tool: Tool) -> dict[str, Any]:
     return tool.function.parameters if tool.function.parameters is not None else ANY_OBJECT
 
 
-def plan_tools(request: ChatCompletionRequest, parser_name: str) -> ToolPlan:
+def plan_tools(
+    request: ChatCompletionRequest, parser_name: str, backend: str = DEFAULT_BACKEND
+) -> ToolPlan:
     """The plan for this request; a 400 naming tools or tool_choice for what cannot be done."""
     tools = request.tools or []
     choice = request.tool_choice
@@ -64,7 +67,7 @@ def plan_tools(request: ChatCompletionRequest, parser_name: str) -> ToolPlan:
     if len(set(names)) != len(names):
         raise bad_request("tools: function names must be unique.", param="tools")
     for tool in tools:  # every schema is checked, whichever may be called
-        checked(StructuredSpec.json_schema(parameters_schema(tool)), "tools")
+        checked(StructuredSpec.json_schema(parameters_schema(tool)), "tools", backend)
     if choice == "none":
         return ToolPlan("none", parser_name)
     if isinstance(choice, NamedToolChoice):
@@ -81,6 +84,7 @@ def plan_tools(request: ChatCompletionRequest, parser_name: str) -> ToolPlan:
         spec = checked(
             StructuredSpec.json_schema(required_schema(tools, request.parallel_tool_calls)),
             "tools",
+            backend,
         )
         return ToolPlan(
             "required", parser_name, parallel=request.parallel_tool_calls, constraint=spec
