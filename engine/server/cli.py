@@ -190,10 +190,18 @@ def build_parser() -> argparse.ArgumentParser:
     )
     c.add_argument(
         "--chat-template",
+        type=non_empty,
         default=None,
         help="a Jinja chat template to use instead of the model's: a file path, or the template",
     )
     return p  # fmt: skip
+
+
+def non_empty(value: str) -> str:
+    """An argparse type: an empty value is an error (an empty template renders no prompt)."""
+    if not value:
+        raise argparse.ArgumentTypeError("must not be empty")
+    return value
 
 
 def read_chat_template(value: str | None) -> str | None:

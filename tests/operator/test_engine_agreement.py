@@ -48,6 +48,9 @@ ENGINE_SETTINGS: dict[str, list[Any]] = {
     "kvCacheBytes": QUANTITIES,
     "kvCacheMemoryFraction": FLOATS,
     "tensorParallelSize": [-1, 0, 1, 2, 3, 4, 9, 64, 65],
+    "structuredOutputsBackend": ["auto", "xgrammar", "llguidance", "outlines", "XGrammar", ""],
+    "toolCallParser": ["hermes", "llama3_json", "mistral", "pythonic", ""],
+    "chatTemplate": ["{{ messages[0].content }}", ""],
 }
 # Settings of the container, not of the engine's configuration (their own tests cover them).
 CONTAINER_SETTINGS = {
@@ -142,6 +145,9 @@ FLAGS = {
     "dtype": "--dtype",
     "gpuMemoryUtilization": "--gpu-memory-utilization",
     "tensorParallelSize": "--tensor-parallel-size",
+    "structuredOutputsBackend": "--structured-outputs-backend",
+    "toolCallParser": "--tool-call-parser",
+    "chatTemplate": "--chat-template",
 }
 
 
