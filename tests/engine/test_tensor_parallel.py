@@ -36,10 +36,9 @@ def llama(heads: int, kv_heads: int, *, tied: bool = False, vocab: int = 512) ->
 
 
 SHAPES = {
-    "llama-kv-split": lambda: llama(4, 4),  # 2 KV heads per rank
     "llama-kv-replicated": lambda: llama(4, 1),  # 1 KV head, held by both ranks
     "llama-tied-odd-vocab": lambda: llama(8, 2, tied=True, vocab=511),  # a padded vocab row
-    "qwen2-bias-untied": qwen2_config,
+    "qwen2-bias-untied": qwen2_config,  # qkv bias; 6 heads and 2 KV heads split evenly
 }
 
 
