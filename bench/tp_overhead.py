@@ -12,7 +12,7 @@ parameters), since SmolLM2's 9 heads do not split in two. Workload: --num-reques
 60-220 random token ids, each output forced to its length with ignore_eos; greedy tokens are
 compared between variants.
 
-    python bench/tp_overhead.py --variants tp1,tp2 --rounds 3
+    python bench/tp_overhead.py --variants tp1,tp1@1,tp2 --rounds 3
     python bench/tp_overhead.py --variants base-tp1,tp1 --baseline-src /tmp/base --rounds 3
 
 --baseline-src is a directory holding a `kvpilot` package whose `engine` is the baseline's
@@ -64,7 +64,7 @@ def run_variant(variant: str, args: argparse.Namespace) -> dict:
 
     from kvpilot.engine import LLM, SamplingParams
 
-    tp = int(variant.rsplit("tp", 1)[1])
+    tp = int(variant.split("@")[0].rsplit("tp", 1)[1])
     kwargs = {"tensor_parallel_size": tp} if tp > 1 else {}
     llm = LLM(
         model=args.model_dir, dtype=args.dtype, max_num_seqs=args.max_batch, kv_cache_gib=0.25,
@@ -92,6 +92,8 @@ def run_variant(variant: str, args: argparse.Namespace) -> dict:
 
 def spawn(variant: str, args: argparse.Namespace) -> dict:
     env = dict(os.environ)
+    if "@" in variant:  # tp1@1: the whole engine limited to 1 torch thread
+        env["OMP_NUM_THREADS"] = variant.split("@")[1]
     if variant.startswith("base-"):
         if not args.baseline_src:
             raise SystemExit("base-* variants need --baseline-src")
@@ -108,7 +110,11 @@ def spawn(variant: str, args: argparse.Namespace) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--variants", default="tp1,tp2", help="tpN or base-tpN, comma-separated")
+    ap.add_argument(
+        "--variants",
+        default="tp1,tp2",
+        help="tpN or base-tpN, optionally @T for T torch threads in all (split over the ranks)",
+    )
     ap.add_argument("--baseline-src", default=None)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
