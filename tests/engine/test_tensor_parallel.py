@@ -9,6 +9,9 @@ partials in another order than one matmul does (observed ~5e-6).
 
 from __future__ import annotations
 
+import os
+import signal
+import time
 from pathlib import Path
 
 import pytest
@@ -21,6 +24,7 @@ from kvpilot.engine.config import ModelConfig
 from kvpilot.engine.model.loader import build_model, load_safetensors_weights, read_hf_config
 from kvpilot.engine.parallel.group import TPGroup
 from kvpilot.engine.parallel.sharding import Shard, check_tensor_parallel_size
+from kvpilot.engine.parallel.workers import WorkerDied
 
 from .reference import save_tiny_hf_model
 from .test_parity_tiny_models import llama_config, qwen2_config
@@ -36,10 +40,9 @@ def llama(heads: int, kv_heads: int, *, tied: bool = False, vocab: int = 512) ->
 
 
 SHAPES = {
-    "llama-kv-split": lambda: llama(4, 4),  # 2 KV heads per rank
     "llama-kv-replicated": lambda: llama(4, 1),  # 1 KV head, held by both ranks
     "llama-tied-odd-vocab": lambda: llama(8, 2, tied=True, vocab=511),  # a padded vocab row
-    "qwen2-bias-untied": qwen2_config,
+    "qwen2-bias-untied": qwen2_config,  # qkv bias; 6 heads and 2 KV heads split evenly
 }
 
 
@@ -193,7 +196,7 @@ def test_tp2_greedy_parity_with_tp1(name: str, tmp_path: Path) -> None:
     assert single < rank0 + rank1 < 2 * single
 
 
-def test_prefix_caching_and_preemption_under_tp(tmp_path: Path) -> None:
+def test_prefix_caching_preemption_and_a_dead_rank_under_tp(tmp_path: Path) -> None:
     path = save_tiny_hf_model(llama(4, 1), tmp_path / "m")
     shared = prompts(7, (32,), 512)[0]
     batch = [shared + tail for tail in prompts(8, (8, 8, 8, 8), 512)]
@@ -208,5 +211,21 @@ def test_prefix_caching_and_preemption_under_tp(tmp_path: Path) -> None:
         assert stats.prefix_cache_hits > 0  # the shared 32 tokens, in full blocks
         again = [o.outputs[0] for o in llm.generate(batch[:1], params)]
         assert llm.engine.stats().prefix_cache_hits > stats.prefix_cache_hits
-    assert_same_generation(first, ref)
-    assert_same_generation(again, ref[:1])
+        assert_same_generation(first, ref)
+        assert_same_generation(again, ref[:1])
+        # A rank that dies while the engine idles is noticed (the serving loop polls this), and
+        # the next step fails naming it instead of waiting on a collective.
+        (worker,) = llm.engine.core.workers.pids
+        os.kill(worker, signal.SIGKILL)
+        died = None
+        deadline = time.monotonic() + 10
+        while died is None:
+            assert time.monotonic() < deadline, "the dead rank went unnoticed"
+            try:
+                llm.engine.core.check_workers()
+            except WorkerDied as exc:
+                died = exc
+            time.sleep(0.02)
+        assert str(died) == f"tensor-parallel rank 1 (pid {worker}) was killed by signal 9"
+        with pytest.raises(WorkerDied, match=rf"rank 1 \(pid {worker}\) was killed"):
+            llm.generate(batch[:1], params)
