@@ -170,6 +170,8 @@ class Reconciler:
         name: str,
         replicas: int | None,
         status_patch: Mapping[str, Any] | None = None,
+        *,
+        only_from: int | None = None,
     ) -> int | None:
         """The autoscaler's hook: set the Deployment's replicas (and write the autoscaler's own
         status keys), under this object's lock so that no reconcile interleaves.
@@ -179,7 +181,7 @@ class Reconciler:
         clamped). Returns the replicas applied, or None when refused (nothing written). Reconcile
         keeps whatever count this sets (see replicas_for). The status patch gets
         desiredReplicas = the count applied, which is what reconcile reports too: the two never
-        rewrite each other's value.
+        rewrite each other's value. With only_from, nothing changes unless the live count is that.
         """
         with self._lock(namespace, name):
             body = self._api.get_inferenceservice(namespace, name)
@@ -198,6 +200,8 @@ class Reconciler:
                 return None
             bounds = spec.autoscaling
             current = (live.get("spec") or {}).get("replicas")
+            if only_from is not None and current != only_from:
+                return None  # it moved meanwhile (a wake at zero finds it already up)
             wanted = current if replicas is None else replicas
             if wanted is None:
                 wanted = bounds.min_replicas
