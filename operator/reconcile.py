@@ -273,6 +273,7 @@ class Reconciler:
             selector=label_selector(name),
             url=service_url(owner),
             model=served_model_name(owner, spec),
+            endpoint=self._config.router_url,
         )
         status = build_status(previous, observed, self._clock())
         if spec.autoscaling is None and previous.get("autoscaling") is not None:

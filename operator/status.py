@@ -31,6 +31,7 @@ OWNED_KEYS = (
     "desiredReplicas",
     "selector",
     "url",
+    "endpoint",
     "model",
 )
 
@@ -80,7 +81,14 @@ class InferenceServiceStatus(KubeModel):
     selector: str | None = Field(
         default=None, description="Label selector of the engine pods (for the scale subresource)."
     )
-    url: str | None = Field(default=None, description="In-cluster OpenAI base URL.")
+    url: str | None = Field(
+        default=None, description="In-cluster OpenAI base URL of this service's own Service."
+    )
+    endpoint: str | None = Field(
+        default=None,
+        description="The OpenAI base URL users call: kvpilot router's when one serves this "
+        "namespace (one URL for every model; `model` picks the service), else url.",
+    )
     model: str | None = Field(default=None, description="Model name to use in requests.")
     autoscaling: FreeForm | None = Field(
         default=None, description="The autoscaler's state and recent decisions."
@@ -98,6 +106,7 @@ class Observed:
     selector: str
     url: str
     model: str
+    endpoint: str | None = None  # None: url
 
 
 def build_invalid_status(
@@ -204,6 +213,7 @@ def build_status(
         "desiredReplicas": desired,
         "selector": observed.selector,
         "url": observed.url,
+        "endpoint": observed.endpoint or observed.url,
         "model": observed.model,
     }
 
