@@ -8,9 +8,10 @@ serve never pays for kopf.
 
 from __future__ import annotations
 
+import importlib.metadata
 import sys
 
-USAGE = """usage: kvpilot {generate,serve,operator,router} [options]
+USAGE = """usage: kvpilot [--version] {generate,serve,operator,router} [options]
 
   generate   run the engine offline on a few chat prompts (default model: bundled
   SmolLM2-135M-Instruct)
@@ -21,10 +22,24 @@ USAGE = """usage: kvpilot {generate,serve,operator,router} [options]
 `kvpilot COMMAND --help` for the options of each command."""
 
 
+def version() -> str:
+    """The installed distribution's version (pyproject.toml's)."""
+    try:
+        return importlib.metadata.version("kvpilot")
+    except importlib.metadata.PackageNotFoundError:  # a checkout on sys.path, not installed
+        return "unknown"
+
+
 def main(argv: list[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
-    if not args or args[0] in ("-h", "--help"):
+    if not args:  # a command is required: usage on stderr, exit 2, as argparse does
+        print(USAGE, file=sys.stderr)
+        return 2
+    if args[0] in ("-h", "--help"):
         print(USAGE)
+        return 0
+    if args[0] in ("-V", "--version"):
+        print(f"kvpilot {version()}")
         return 0
     command, rest = args[0], args[1:]
     # Imported only now (see the module docstring).

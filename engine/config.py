@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -18,6 +17,7 @@ LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
 ATTENTION_BACKEND_NAMES = ("torch", "cpu", "triton")
 ATTENTION_BACKENDS = ("auto", *ATTENTION_BACKEND_NAMES)
 SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2")
+BLOCK_SIZES = (8, 16, 32, 64, 128)  # tokens per KV block the kernels handle
 
 
 @dataclass(frozen=True)
@@ -133,17 +133,23 @@ class ModelConfig:
 
 @dataclass(frozen=True)
 class CacheConfig:
-    block_size: int = 16
+    block_size: int = 16  # one of BLOCK_SIZES
     enable_prefix_caching: bool = True
     kv_cache_gib: float = 1.0  # the budget on CPU
     gpu_memory_utilization: float = (
         0.9  # the fraction of GPU memory the engine may take, KV included
     )
-    num_blocks: int | None = None  # overrides both budgets (tests force tiny pools this way)
+    # An explicit KV budget in bytes on any device (CPU or GPU): overrides kv_cache_gib and the
+    # budget gpu_memory_utilization leaves (what a container's memory limit is sized against).
+    kv_cache_bytes: int | None = None
+    num_blocks: int | None = None  # overrides every budget (tests force tiny pools this way)
 
     def __post_init__(self) -> None:
-        if self.block_size not in (8, 16, 32, 64, 128):
-            raise ValueError(f"block_size must be one of 8, 16, 32, 64, 128, got {self.block_size}")
+        if self.block_size not in BLOCK_SIZES:
+            raise ValueError(
+                f"block_size must be one of {', '.join(map(str, BLOCK_SIZES))}, got "
+                f"{self.block_size}"
+            )
         if self.kv_cache_gib <= 0:
             raise ValueError(f"kv_cache_gib must be > 0, got {self.kv_cache_gib}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
@@ -152,6 +158,8 @@ class CacheConfig:
             )
         if self.num_blocks is not None and self.num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {self.num_blocks}")
+        if self.kv_cache_bytes is not None and self.kv_cache_bytes < 1:
+            raise ValueError(f"kv_cache_bytes must be >= 1, got {self.kv_cache_bytes}")
 
 
 @dataclass(frozen=True)
@@ -178,8 +186,14 @@ class EngineConfig:
     max_model_len: int | None = None  # defaults to the model's max_position_embeddings
     seed: int = 0
     served_model_name: str | None = None
+    # Ranks the model is split over (one process each; one GPU each on CUDA).
+    tensor_parallel_size: int = 1
+    # How long a collective may wait for the other ranks before the engine fails (a dead rank).
+    distributed_timeout_s: float = 120.0
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    # Grammar masks of a step filled on a thread while its forward runs (False: after it).
+    overlap_grammar_masks: bool = True
 
     def __post_init__(self) -> None:
         if self.load_format not in LOAD_FORMATS:
@@ -193,12 +207,24 @@ class EngineConfig:
             )
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
+        if self.distributed_timeout_s <= 0:
+            raise ValueError(f"distributed_timeout_s must be > 0, got {self.distributed_timeout_s}")
 
     @property
     def resolved_device(self) -> torch.device:
         if self.device == "auto":
             return torch.device("cuda" if torch.cuda.is_available() else "cpu")
         return torch.device(self.device)
+
+    def rank_device(self, rank: int) -> torch.device:
+        """The device of tensor-parallel rank `rank`: cuda:rank on GPUs (counting from the
+        configured index), the CPU otherwise."""
+        device = self.resolved_device
+        if device.type != "cuda" or self.tensor_parallel_size == 1:
+            return device
+        return torch.device("cuda", (device.index or 0) + rank)
 
     @property
     def resolved_attention_backend(self) -> str:
@@ -215,12 +241,3 @@ class EngineConfig:
         if device.type == "cpu" and dtype == torch.float16:
             raise ValueError("dtype float16 is not supported on CPU: use float32 or bfloat16")
         return dtype
-
-
-def num_blocks_for_budget(
-    budget_bytes: int, model: ModelConfig, block_size: int, dtype: torch.dtype
-) -> int:
-    """How many KV blocks fit in a byte budget."""
-    itemsize = torch.empty((), dtype=dtype).element_size()
-    per_block = model.kv_bytes_per_token * itemsize * block_size
-    return max(0, math.floor(budget_bytes / per_block))

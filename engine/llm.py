@@ -84,6 +84,16 @@ class LLM:
         """See LLMEngine.reset_prefix_cache."""
         return self.engine.reset_prefix_cache()
 
+    def shutdown(self) -> None:
+        """Stops the tensor-parallel worker processes (tensor_parallel_size > 1), if any."""
+        self.engine.shutdown()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
+
     def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         pending = set(ids)
         done: dict[str, RequestOutput] = {}

@@ -17,7 +17,7 @@ from typing import Any
 from kvpilot.engine.config import EngineConfig
 from kvpilot.engine.core.engine_core import EngineCore
 from kvpilot.engine.core.messages import AddRequest, EngineStats
-from kvpilot.engine.model.loader import has_tokenizer, load_tokenizer
+from kvpilot.engine.model.loader import eos_token_ids, has_tokenizer, load_tokenizer
 from kvpilot.engine.output_processor import OutputProcessor
 from kvpilot.engine.outputs import RequestOutput
 from kvpilot.engine.sampling_params import SamplingParams
@@ -25,14 +25,6 @@ from kvpilot.engine.sampling_params import SamplingParams
 log = logging.getLogger("kvpilot")
 
 __all__ = ["EngineStats", "LLMEngine", "eos_token_ids"]
-
-
-def eos_token_ids(model_eos: tuple[int, ...], tokenizer: Any) -> tuple[int, ...]:
-    """The model config's EOS ids and the tokenizer's, if it names one."""
-    ids = set(model_eos)
-    if tokenizer is not None and tokenizer.eos_token_id is not None:
-        ids.add(tokenizer.eos_token_id)
-    return tuple(sorted(ids))
 
 
 class LLMEngine:
@@ -120,3 +112,7 @@ class LLMEngine:
 
     def stats(self) -> EngineStats:
         return self.core.stats()
+
+    def shutdown(self) -> None:
+        """Stops the tensor-parallel worker processes, if any (they also die with this one)."""
+        self.core.shutdown()

@@ -6,11 +6,12 @@ from __future__ import annotations
 import itertools
 import logging
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
 from kvpilot.engine.attention import AttentionMetadata, get_attention_backend
-from kvpilot.engine.config import EngineConfig, ModelConfig, num_blocks_for_budget
+from kvpilot.engine.config import EngineConfig, ModelConfig
 from kvpilot.engine.model.cpu_linear import pack_linears, packing_available
 from kvpilot.engine.model.layer_ops import LayerOps
 from kvpilot.engine.model.llama import ForwardContext, LlamaForCausalLM
@@ -21,8 +22,11 @@ from kvpilot.engine.model.loader import (
     load_safetensors_weights,
     model_size_gib,
 )
+from kvpilot.engine.parallel.group import TPGroup
 from kvpilot.engine.sampler import SampleResult, SamplerRow, sample
 from kvpilot.engine.scheduler import ScheduledSequence
+from kvpilot.engine.step_input import StepInput, plan_step
+from kvpilot.engine.structured.manager import StructuredOutputs
 
 log = logging.getLogger("kvpilot")
 
@@ -32,7 +36,14 @@ class PreparedBatch:
     input_ids: torch.Tensor  # [T]
     ctx: ForwardContext
     logits_indices: torch.Tensor  # [S_sample]: flat index of each sampling sequence's last token
-    sampling: list[ScheduledSequence]
+
+
+class StepSink(Protocol):
+    """The other tensor-parallel ranks, as rank 0's runner sees them (parallel.workers)."""
+
+    def send(self, step: StepInput) -> None: ...
+
+    def blame(self, error: BaseException) -> None: ...
 
 
 def layer_ops_for(backend: str) -> LayerOps:
@@ -54,12 +65,18 @@ class ModelRunner:
         model_config: ModelConfig,
         source: ResolvedModel,
         max_model_len: int,
+        tp: TPGroup | None = None,
+        workers: StepSink | None = None,
     ) -> None:
+        """tp: this process's rank when the model is split (None: the whole model, no
+        collective); workers: where rank 0 sends each step for the other ranks."""
         self.config = config
         self.model_config = model_config
-        self.device = config.resolved_device
+        self.device = config.rank_device(0 if tp is None else tp.rank)
         self.dtype = config.resolved_dtype
         self.block_size = config.cache.block_size
+        self.tp = tp
+        self.workers = workers
         backend = get_attention_backend(config.resolved_attention_backend)
         self.model: LlamaForCausalLM = build_model(
             model_config,
@@ -68,16 +85,20 @@ class ModelRunner:
             self.device,
             self.dtype,
             layer_ops_for(backend.name),
+            tp,
         )
+        self.bytes_loaded = 0
         if source.load_format == "dummy":
             init_dummy_weights(self.model, config.seed)
         else:
-            load_safetensors_weights(self.model, source.hf_dir)
+            self.bytes_loaded = load_safetensors_weights(self.model, source.hf_dir)
+        self.rank_bytes_loaded = [self.bytes_loaded]  # every rank's, filled in by rank 0 under TP
         log.info(
-            "model weights: %.2f GiB in %s on %s",
+            "model weights: %.2f GiB in %s on %s%s",
             model_size_gib(self.model),
             self.dtype,
             self.device,
+            "" if tp is None else f" (tensor-parallel rank {tp.rank} of {tp.size})",
         )
         # After the size is logged: packed weights are buffers oneDNN owns, not parameters.
         if self.device.type == "cpu" and packing_available(self.dtype):
@@ -87,7 +108,7 @@ class ModelRunner:
         shape = (
             self.num_blocks,
             self.block_size,
-            model_config.num_key_value_heads,
+            self.model.shard.num_kv_heads,
             model_config.head_dim,
         )
         self.kv_caches = [
@@ -106,88 +127,102 @@ class ModelRunner:
 
     @property
     def bytes_per_block(self) -> int:
+        """This rank's bytes of one block (the whole block without tensor parallelism)."""
         itemsize = torch.empty((), dtype=self.dtype).element_size()
-        return self.model_config.kv_bytes_per_token * itemsize * self.block_size
+        cfg = self.model_config
+        per_token = 2 * cfg.num_hidden_layers * self.model.shard.num_kv_heads * cfg.head_dim
+        return per_token * itemsize * self.block_size
 
     def _decide_num_blocks(self) -> int:
         cache = self.config.cache
         if cache.num_blocks is not None:
             return cache.num_blocks
-        if self.device.type == "cuda":
+        if cache.kv_cache_bytes is not None:
+            budget = cache.kv_cache_bytes
+        elif self.device.type == "cuda":
             free, total = torch.cuda.mem_get_info(self.device)
             # Leave room for activations of one full step; the weights are already resident.
             reserve = 0.05 * total + 2**30
             budget = int(cache.gpu_memory_utilization * total - (total - free) - reserve)
+            # Each GPU holds its rank's share of a block; the smallest GPU budget decides.
+            num_blocks = budget // self.bytes_per_block
+            if self.tp is not None:
+                num_blocks = self.tp.min_over_ranks(num_blocks, self.device)
         else:
+            # The CPU budget is the host memory of the whole KV cache, over every rank (ranks
+            # share the host): one block is one block on every rank, replicated KV heads counted
+            # as many times as they are held.
             budget = int(cache.kv_cache_gib * 2**30)
-        num_blocks = num_blocks_for_budget(budget, self.model_config, self.block_size, self.dtype)
+            num_ranks = 1 if self.tp is None else self.tp.size
+            num_blocks = max(0, budget // (num_ranks * self.bytes_per_block))
         if num_blocks < 1:
             raise ValueError(
                 f"no room for the KV cache: the budget of {budget / 2**30:.2f} GiB holds no block "
-                f"of {self.bytes_per_block / 2**20:.1f} MiB (raise kv_cache_gib or "
-                f"gpu_memory_utilization)"
+                f"of {self.bytes_per_block / 2**20:.1f} MiB (raise kv_cache_bytes, "
+                f"kv_cache_gib or gpu_memory_utilization)"
             )
         return num_blocks
 
-    def prepare(self, scheduled: list[ScheduledSequence]) -> PreparedBatch:
-        bs = self.block_size
-        input_ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        query_start = [0]
-        seq_lens: list[int] = []
-        logits_indices: list[int] = []
-        sampling: list[ScheduledSequence] = []
-        for item in scheduled:
-            seq, start = item.seq, item.seq.num_computed_tokens
-            end = start + item.num_new_tokens
-            input_ids.extend(seq.token_ids[start:end])
-            positions.extend(range(start, end))
-            table = seq.block_table
-            slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
-            query_start.append(query_start[-1] + item.num_new_tokens)
-            seq_lens.append(end)
-            if item.will_sample:
-                logits_indices.append(query_start[-1] - 1)
-                sampling.append(item)
-        max_blocks = max(len(item.seq.block_table) for item in scheduled)
-        tables = [
-            item.seq.block_table + [0] * (max_blocks - len(item.seq.block_table))
-            for item in scheduled
-        ]
+    def prepare(self, step: StepInput) -> PreparedBatch:
         dev = self.device
 
         def tensor(values: list[int] | list[list[int]], dtype: torch.dtype) -> torch.Tensor:
             return torch.tensor(values, dtype=dtype).to(dev, non_blocking=True)
 
+        query_start, seq_lens = step.query_start, step.seq_lens
         query_lens = tuple(b - a for a, b in itertools.pairwise(query_start))
         meta = AttentionMetadata(
             query_start_loc=tensor(query_start, torch.int32),
             seq_lens=tensor(seq_lens, torch.int32),
-            block_tables=tensor(tables, torch.int32),
-            slot_mapping=tensor(slots, torch.int64),
+            block_tables=tensor(step.block_tables, torch.int32),
+            slot_mapping=tensor(step.slot_mapping, torch.int64),
             max_query_len=max(query_lens),
             max_seq_len=max(seq_lens),
             query_lens_cpu=query_lens,
             seq_lens_cpu=tuple(seq_lens),
         )
-        ctx = ForwardContext(tensor(positions, torch.int64), meta, self.kv_caches)
+        ctx = ForwardContext(tensor(step.positions, torch.int64), meta, self.kv_caches)
         return PreparedBatch(
-            tensor(input_ids, torch.int64), ctx, tensor(logits_indices, torch.int64), sampling
+            tensor(step.input_ids, torch.int64), ctx, tensor(step.logits_indices, torch.int64)
         )
 
     @torch.inference_mode()
     def execute(
-        self, scheduled: list[ScheduledSequence]
+        self, scheduled: list[ScheduledSequence], structured: StructuredOutputs | None = None
     ) -> tuple[list[ScheduledSequence], SampleResult]:
-        """Runs one step. Returns the sequences that sampled, in order, and what they sampled."""
-        batch = self.prepare(scheduled)
-        hidden = self.model(batch.input_ids, batch.ctx)
-        if not batch.sampling:
+        """Runs one step. Returns the sequences that sampled, in order, and what they sampled.
+        Constrained sequences' token masks are filled by `structured` while the forward runs."""
+        step = plan_step(scheduled, self.block_size)
+        sampling = [item for item in scheduled if item.will_sample]
+        grammars = [item.seq.grammar for item in sampling]
+        masks = structured.start_masks(grammars) if structured is not None else None
+        if self.workers is None:
+            logits = self.forward_step(step)
+        else:
+            self.workers.send(step)
+            try:
+                logits = self.forward_step(step)
+            except RuntimeError as exc:  # a collective failed: name the rank that died, if one did
+                self.workers.blame(exc)
+                raise
+        if logits is None:
             return [], SampleResult([], [])
-        logits = self.model.compute_logits(hidden[batch.logits_indices])
         rows = [
             SamplerRow(item.seq.params, item.seq.output_token_ids, item.seq.generator)
-            for item in batch.sampling
+            for item in sampling
         ]
-        return batch.sampling, sample(logits, rows, self.default_generator)
+        if masks is None:
+            return sampling, sample(logits, rows, self.default_generator)
+        constrained = tuple(i for i, g in enumerate(grammars) if g is not None)
+        bitmask = masks.result().to(logits.device, non_blocking=True)
+        return sampling, sample(logits, rows, self.default_generator, bitmask, constrained)
+
+    @torch.inference_mode()
+    def forward_step(self, step: StepInput) -> torch.Tensor | None:
+        """The forward pass of one step: the sampling rows' logits [S_sample, vocab] (on tensor
+        parallel rank 0; None on the others, and when nothing samples)."""
+        batch = self.prepare(step)
+        hidden = self.model(batch.input_ids, batch.ctx)
+        if not step.logits_indices:
+            return None
+        return self.model.compute_logits(hidden[batch.logits_indices])

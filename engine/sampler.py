@@ -1,6 +1,9 @@
 """Turns one row of logits per sampling sequence into a token (and its logprobs), for the whole
 batch at once.
 
+Rows under a grammar constraint come with a token bitmask, applied first: their logprobs are those
+of the masked distribution (as vLLM reports them), so a forbidden token has logprob -inf.
+
 Randomness comes from each sequence's own torch.Generator when it has a seed, so a seeded request
 samples the same tokens whatever else shares its batch. Logprobs are those of the model's raw
 distribution (before temperature, penalties and truncation), as vLLM and OpenAI report them.
@@ -19,6 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from kvpilot.engine.sampling_params import SamplingParams
+from kvpilot.engine.structured.bitmask import apply_bitmask
 
 
 @dataclass(frozen=True)
@@ -52,6 +56,21 @@ def _put_rows(logits: torch.Tensor, idx: list[int], values: torch.Tensor) -> tor
         return values
     logits[idx] = values
     return logits
+
+
+def apply_logit_bias(logits: torch.Tensor, rows: list[SamplerRow]) -> torch.Tensor:
+    """The logits with each row's logit_bias added: a copy when any row has one, else the same
+    tensor (the caller's logits are never changed)."""
+    idx = [i for i, r in enumerate(rows) if r.params.logit_bias]
+    if not idx:
+        return logits
+    row_ids = [i for i in idx for _ in rows[i].params.logit_bias]
+    token_ids = [t for i in idx for t, _ in rows[i].params.logit_bias]
+    biases = [b for i in idx for _, b in rows[i].params.logit_bias]
+    biased = logits.clone()
+    # Each (row, token) appears once (SamplingParams checks), so this is one add per entry.
+    biased[row_ids, token_ids] += torch.tensor(biases, dtype=logits.dtype, device=logits.device)
+    return biased
 
 
 def apply_penalties(logits: torch.Tensor, rows: list[SamplerRow]) -> torch.Tensor:
@@ -207,13 +226,21 @@ def _logprobs(
 
 
 def sample(
-    logits: torch.Tensor, rows: list[SamplerRow], default_generator: torch.Generator
+    logits: torch.Tensor,
+    rows: list[SamplerRow],
+    default_generator: torch.Generator,
+    bitmask: torch.Tensor | None = None,
+    constrained: tuple[int, ...] = (),
 ) -> SampleResult:
-    """logits: [S, V] float32, one row per sequence that samples this step."""
+    """logits: [S, V] float32, one row per sequence that samples this step. bitmask: [S, V / 32]
+    packed allowed tokens, read for the rows in `constrained` (their logits are masked in place)."""
     if not rows:
         return SampleResult([], [])
+    if bitmask is not None and constrained:
+        idx = list(constrained)
+        apply_bitmask(logits, bitmask[idx], idx)
     raw_logits = logits
-    logits = apply_penalties(logits, rows)
+    logits = apply_penalties(apply_logit_bias(logits, rows), rows)
     token_ids: list[int] = [0] * len(rows)
     greedy = [i for i, r in enumerate(rows) if r.params.is_greedy]
     if greedy:

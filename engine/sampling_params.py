@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from kvpilot.engine.structured.spec import StructuredSpec
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -23,6 +25,11 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     include_stop_str_in_output: bool = False
+    # (token id, bias) added to that token's logit before any other sampling step (OpenAI's
+    # logit_bias: -100 bans a token, +100 all but forces it); the reported logprobs stay raw.
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    # Grammar-constrained decoding (JSON schema, regex, choice, EBNF); None: free text.
+    structured: StructuredSpec | None = None
     extra: dict[str, object] = field(default_factory=dict, compare=False, hash=False)
 
     def __post_init__(self) -> None:
@@ -33,6 +40,8 @@ class SamplingParams:
         else:
             object.__setattr__(self, "stop", tuple(self.stop))
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        bias = self.logit_bias.items() if isinstance(self.logit_bias, dict) else self.logit_bias
+        object.__setattr__(self, "logit_bias", tuple((t, b) for t, b in bias))
         if self.top_k == -1:
             object.__setattr__(self, "top_k", 0)
         self._validate()
@@ -69,6 +78,12 @@ class SamplingParams:
             fail("stop", "must be non-empty strings")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
             fail("stop_token_ids", "must be non-negative integers")
+        if any(
+            not isinstance(t, int) or t < 0 or not -100.0 <= b <= 100.0 for t, b in self.logit_bias
+        ):
+            fail("logit_bias", "must map non-negative token ids to biases in [-100, 100]")
+        if len({t for t, _ in self.logit_bias}) != len(self.logit_bias):
+            fail("logit_bias", "must name each token id once")
 
     @property
     def is_greedy(self) -> bool:

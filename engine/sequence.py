@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 import torch
 
 from kvpilot.engine.sampling_params import SamplingParams
+from kvpilot.engine.structured.manager import SequenceGrammar
 
 _seq_counter = itertools.count()
 
@@ -30,6 +31,7 @@ class Sequence:
     eos_token_ids: tuple[int, ...] = ()
     cache_salt: str | None = None
     generator: torch.Generator | None = None
+    grammar: SequenceGrammar | None = None  # its position in its constraint, if it has one
     seq_id: int = field(default_factory=lambda: next(_seq_counter))
     status: SequenceStatus = SequenceStatus.WAITING
     num_computed_tokens: int = 0  # tokens whose K/V sit in the cache

@@ -33,10 +33,15 @@ from kvpilot.operator.constants import (
     PART_OF,
     PRESTOP_SLEEP_SECONDS,
     READY_PATH,
+    SHM_VOLUME,
     TERMINATION_MARGIN_SECONDS,
+    TMP_MOUNT,
+    TMP_VOLUME,
+    TOPOLOGY_HOSTNAME,
+    TOPOLOGY_ZONE,
 )
 from kvpilot.operator.modeluri import HfModel, ModelSource, PvcModel
-from kvpilot.operator.spec import InferenceServiceSpec
+from kvpilot.operator.spec import API_KEY_ENV, InferenceServiceSpec
 
 DEFAULT_ALLOW_PATTERNS = ("*.json", "*.safetensors", "*.model", "*.txt", "*.tiktoken", "*.jinja")
 STARTUP_PERIOD_SECONDS = 10
@@ -105,6 +110,11 @@ def _metadata(owner: Owner) -> dict[str, Any]:
     }
 
 
+def child_metadata(owner: Owner) -> dict[str, Any]:
+    """The metadata every child carries: its name, our labels, the controller reference."""
+    return _metadata(owner)
+
+
 def build_engine_args(spec: InferenceServiceSpec, served_name: str) -> list[str]:
     """`kvpilot serve` arguments; builtin:// models take no --model at all."""
     args = ["serve", "--host", "0.0.0.0", "--port", str(ENGINE_PORT)]
@@ -120,23 +130,47 @@ def build_engine_args(spec: InferenceServiceSpec, served_name: str) -> list[str]
         ("--max-num-batched-tokens", engine.max_num_batched_tokens),
         ("--dtype", engine.dtype),
         ("--gpu-memory-utilization", engine.gpu_memory_utilization),
+        ("--kv-cache-memory-bytes", spec.kv_cache_bytes),
     )
     for flag, value in options:
         if value is not None:
             args += [flag, str(value)]
     if not engine.enable_prefix_caching:
         args.append("--no-enable-prefix-caching")
+    if spec.effective_tensor_parallel_size > 1:
+        args += ["--tensor-parallel-size", str(spec.effective_tensor_parallel_size)]
     args += ["--shutdown-timeout", str(spec.drain_seconds)]
     return args + list(engine.extra_args)
 
 
+def engine_cache_dir(spec: InferenceServiceSpec) -> str:
+    """Where the engine writes what it derives (converted GGUF weights, compiled CPU kernels):
+    the model-cache volume, shared by the pods when it is a claim; the /tmp volume when the
+    model volume is a read-only pvc:// claim. The root filesystem is read-only."""
+    if isinstance(spec.model.source, PvcModel):
+        return f"{TMP_MOUNT}/kvpilot-cache"
+    return f"{MODEL_CACHE_MOUNT}/.kvpilot-cache"
+
+
 def build_engine_env(spec: InferenceServiceSpec) -> list[dict[str, Any]]:
     # Weights are local by the time the engine starts (downloaded, mounted or bundled): offline
-    # mode keeps tokenizer loading from reaching out to the Hub. User env overrides by name.
-    ours = [{"name": "HF_HUB_OFFLINE", "value": "1"}]
+    # mode keeps tokenizer loading from reaching out to the Hub. HOME on /tmp catches any library
+    # that writes under ~ (the root filesystem is read-only). User env overrides by name.
+    ours: list[dict[str, Any]] = [
+        {"name": "HF_HUB_OFFLINE", "value": "1"},
+        {"name": "HOME", "value": TMP_MOUNT},
+        {"name": "KVPILOT_CACHE_DIR", "value": engine_cache_dir(spec)},
+        {"name": "TRITON_CACHE_DIR", "value": f"{engine_cache_dir(spec)}/triton"},
+    ]
     user = _user_env(spec)
     names = {var["name"] for var in user}
-    return [var for var in ours if var["name"] not in names] + user
+    env = [var for var in ours if var["name"] not in names] + user
+    secret = spec.engine.api_key_secret
+    if secret is not None:
+        # From the Secret at container start: never in the args, the Deployment or an Event.
+        ref = {"secretKeyRef": {"name": secret.name, "key": secret.key}}
+        env.append({"name": API_KEY_ENV, "valueFrom": ref})
+    return env
 
 
 def _user_env(spec: InferenceServiceSpec) -> list[dict[str, Any]]:
@@ -171,7 +205,10 @@ def build_model_fetch_container(
         "args": args,
         "env": env,
         "resources": MODEL_FETCH_RESOURCES,
-        "volumeMounts": [{"name": MODEL_CACHE_VOLUME, "mountPath": MODEL_CACHE_MOUNT}],
+        "volumeMounts": [
+            {"name": MODEL_CACHE_VOLUME, "mountPath": MODEL_CACHE_MOUNT},
+            _tmp_volume_mount(),
+        ],
         "terminationMessagePolicy": "FallbackToLogsOnError",
         "securityContext": _container_security_context(),
     }
@@ -250,7 +287,18 @@ def build_probes(spec: InferenceServiceSpec) -> dict[str, Any]:
 
 
 def _container_security_context() -> dict[str, Any]:
-    return {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}}
+    # PSS "restricted", plus a read-only root: every write goes to a mounted volume.
+    return {
+        "allowPrivilegeEscalation": False,
+        "capabilities": {"drop": ["ALL"]},
+        "readOnlyRootFilesystem": True,
+        "runAsNonRoot": True,
+        "seccompProfile": {"type": "RuntimeDefault"},
+    }
+
+
+def _tmp_volume_mount() -> dict[str, Any]:
+    return {"name": TMP_VOLUME, "mountPath": TMP_MOUNT}
 
 
 def build_engine_container(
@@ -270,7 +318,9 @@ def build_engine_container(
                 "name": MODEL_CACHE_VOLUME,
                 "mountPath": MODEL_CACHE_MOUNT,
                 "readOnly": is_pvc_model,
-            }
+            },
+            _tmp_volume_mount(),
+            *([{"name": SHM_VOLUME, "mountPath": "/dev/shm"}] if needs_shm(spec) else []),
         ],
         **build_probes(spec),
         # The endpoints controller needs a moment to drop the pod from the Service; only then
@@ -285,8 +335,34 @@ def build_engine_container(
     return container
 
 
+def needs_shm(spec: InferenceServiceSpec) -> bool:
+    """Tensor-parallel ranks (processes of one pod) want a memory-backed /dev/shm."""
+    return spec.effective_tensor_parallel_size > 1
+
+
 def termination_grace_seconds(spec: InferenceServiceSpec) -> int:
+    """The drain rule: the kubelet waits preStop (endpoints drop the pod) + the engine's drain
+    (--shutdown-timeout = drainSeconds) + a margin for uvicorn and the engine core to stop, so
+    SIGKILL never lands on a drain still within its time."""
     return PRESTOP_SLEEP_SECONDS + spec.drain_seconds + TERMINATION_MARGIN_SECONDS
+
+
+def build_topology_spread(owner: Owner, spec: InferenceServiceSpec) -> list[dict[str, Any]]:
+    """spec.topologySpreadConstraints, or by default: replicas spread across nodes and zones as
+    far as the scheduler can (ScheduleAnyway: never a reason to leave a pod Pending). Counted per
+    ReplicaSet (matchLabelKeys), so a rollout's new pods spread among themselves."""
+    if spec.topology_spread_constraints is not None:
+        return [dict(constraint) for constraint in spec.topology_spread_constraints]
+    return [
+        {
+            "maxSkew": 1,
+            "topologyKey": key,
+            "whenUnsatisfiable": "ScheduleAnyway",
+            "labelSelector": {"matchLabels": selector_labels(owner.name)},
+            "matchLabelKeys": ["pod-template-hash"],
+        }
+        for key in (TOPOLOGY_HOSTNAME, TOPOLOGY_ZONE)
+    ]
 
 
 def build_pod_template(owner: Owner, spec: InferenceServiceSpec, image: str) -> dict[str, Any]:
@@ -301,7 +377,13 @@ def build_pod_template(owner: Owner, spec: InferenceServiceSpec, image: str) -> 
     }
     pod_spec: dict[str, Any] = {
         "containers": [build_engine_container(spec, image, served_name)],
-        "volumes": [build_model_cache_volume(spec, source)],
+        "volumes": [
+            build_model_cache_volume(spec, source),
+            {"name": TMP_VOLUME, "emptyDir": {}},
+            # NCCL moves data between the ranks' processes through shared memory; a container's
+            # default /dev/shm is 64 MiB.
+            *([{"name": SHM_VOLUME, "emptyDir": {"medium": "Memory"}}] if needs_shm(spec) else []),
+        ],
         "terminationGracePeriodSeconds": termination_grace_seconds(spec),
         # Hundreds of Services in a namespace would otherwise become env vars of every engine.
         "enableServiceLinks": False,
@@ -328,6 +410,11 @@ def build_pod_template(owner: Owner, spec: InferenceServiceSpec, image: str) -> 
         pod_spec["affinity"] = spec.affinity
     if spec.priority_class_name is not None:
         pod_spec["priorityClassName"] = spec.priority_class_name
+    if spec.runtime_class_name is not None:
+        pod_spec["runtimeClassName"] = spec.runtime_class_name
+    spread = build_topology_spread(owner, spec)
+    if spread:
+        pod_spec["topologySpreadConstraints"] = spread
     if spec.image_pull_secrets:
         pod_spec["imagePullSecrets"] = [{"name": name} for name in spec.image_pull_secrets]
     return {

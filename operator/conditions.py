@@ -14,7 +14,14 @@ from typing import Any
 READY = "Ready"
 PROGRESSING = "Progressing"
 DEGRADED = "Degraded"
-CONDITION_TYPES = (READY, PROGRESSING, DEGRADED)
+# kstatus' abnormal-true conditions (sigs.k8s.io/cli-utils/pkg/kstatus), read by Flux, kpt and
+# `kubectl wait`: Reconciling mirrors Progressing, Stalled mirrors Degraded (same reason, so they
+# raise no Events of their own).
+RECONCILING = "Reconciling"
+STALLED = "Stalled"
+CONDITION_TYPES = (READY, PROGRESSING, DEGRADED, RECONCILING, STALLED)
+# Only on objects whose memory request is (or was) below the engine's need.
+MEMORY_SUFFICIENT = "MemorySufficient"
 _CAMEL_CASE = re.compile(r"^[A-Z][A-Za-z0-9]*$")
 
 
@@ -28,6 +35,18 @@ class Condition:
     def __post_init__(self) -> None:
         if not _CAMEL_CASE.fullmatch(self.reason):
             raise ValueError(f"condition reason {self.reason!r} must be CamelCase")
+
+
+def with_kstatus(*conditions: Condition) -> tuple[Condition, ...]:
+    """`conditions` plus kstatus' Reconciling and Stalled, derived from Progressing and Degraded."""
+    by_type = {condition.type: condition for condition in conditions}
+    mirrors = ((PROGRESSING, RECONCILING), (DEGRADED, STALLED))
+    derived = tuple(
+        Condition(kstatus, c.status, c.reason, c.message)
+        for ours, kstatus in mirrors
+        if (c := by_type.get(ours)) is not None
+    )
+    return (*conditions, *derived)
 
 
 def format_time(moment: datetime.datetime) -> str:

@@ -46,8 +46,12 @@ METRICS_PATH = "/metrics"
 
 # The model-cache volume: hf:// downloads land here, pvc:// claims are mounted here.
 MODEL_CACHE_VOLUME = "model-cache"
+SHM_VOLUME = "dshm"  # a memory-backed /dev/shm for tensor-parallel ranks
 MODEL_CACHE_MOUNT = "/models"
 MODEL_FETCH_CONTAINER = "model-fetch"
+# A writable emptyDir at /tmp (HOME too): the containers' root filesystem is read-only.
+TMP_VOLUME = "tmp"
+TMP_MOUNT = "/tmp"
 NVIDIA_GPU = "nvidia.com/gpu"
 
 # Our image runs as this non-root user (see the Dockerfile); pods run with it under PSS restricted.
@@ -64,3 +68,10 @@ DEFAULT_METRICS_PORT = 8081
 
 DEFAULT_ENGINE_IMAGE = "ghcr.io/kvpilot/kvpilot:0.1.0"
 DEFAULT_ANNOTATION_PREFIX = GROUP
+
+# Well-known node labels the default topology spread uses.
+TOPOLOGY_HOSTNAME = "kubernetes.io/hostname"
+TOPOLOGY_ZONE = "topology.kubernetes.io/zone"
+# Pods that may always reach the engines when spec.networkPolicy is set: the operator (its
+# autoscaler scrapes /metrics) and the router carry it.
+NETWORK_PEER_LABELS = {LABEL_PART_OF: PART_OF}

@@ -18,8 +18,9 @@ import hashlib
 import json
 from typing import Any, Final
 
+from kubernetes.utils import parse_quantity
+
 from kvpilot.operator.constants import ANNOTATION_CONFIG_HASH
-from kvpilot.operator.quantity import quantities_equal
 
 # Keys whose values are resource quantities the API server canonicalises ("1024Mi" -> "1Gi").
 QUANTITY_PARENTS = ("limits", "requests")
@@ -35,6 +36,14 @@ class _Absent:
 
 # After our apply such a field is absent, so a live value there is someone else's edit.
 ABSENT: Final = _Absent()
+
+
+def quantities_equal(a: object, b: object) -> bool:
+    """Compares two quantities by value ("1024Mi" is "1Gi"); anything unparsable as plain values."""
+    try:
+        return parse_quantity(a) == parse_quantity(b)
+    except (ValueError, TypeError):
+        return a == b
 
 
 def config_hash(manifest: dict[str, Any]) -> str:

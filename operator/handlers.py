@@ -14,9 +14,10 @@ from typing import Any
 
 import kopf
 
-from kvpilot.operator.autoscaler import Autoscaler
+from kvpilot.operator.autoscaling.autoscaler import Autoscaler
 from kvpilot.operator.autoscaling.metrics import OperatorMetrics
 from kvpilot.operator.autoscaling.scrape import MetricsScraper
+from kvpilot.operator.autoscaling.zero import wake_scope
 from kvpilot.operator.config import OperatorConfig
 from kvpilot.operator.constants import (
     ANNOTATION_WAKE,
@@ -160,9 +161,12 @@ def build_registry(
         registry=registry,
     )  # fmt: skip
     def inferenceservice_wake(body: kopf.Body, new: Any, **_: Any) -> None:
-        if new:
+        scope = wake_scope(body) if new else None
+        if scope is not None:
             meta = body["metadata"]
-            woken = reconciler().apply_scale(meta["namespace"], meta["name"], 1, only_from=0)
+            woken = reconciler().apply_scale(
+                meta["namespace"], meta["name"], 1, seen=scope, only_from=0
+            )
             if woken:
                 post_kopf_event(body, "Normal", "WakeFromZero", f"a router holds requests: {new}")
 

@@ -39,6 +39,14 @@ API_CALLS = (
     ("", "services", "get"),
     ("", "services", "create"),
     ("", "services", "patch"),
+    ("policy", "poddisruptionbudgets", "get"),
+    ("policy", "poddisruptionbudgets", "create"),
+    ("policy", "poddisruptionbudgets", "patch"),
+    ("policy", "poddisruptionbudgets", "delete"),
+    ("networking.k8s.io", "networkpolicies", "get"),
+    ("networking.k8s.io", "networkpolicies", "create"),
+    ("networking.k8s.io", "networkpolicies", "patch"),
+    ("networking.k8s.io", "networkpolicies", "delete"),
     ("", "pods", "list"),
     (GROUP, PLURAL, "get"),
     (GROUP, f"{PLURAL}/status", "patch"),
@@ -75,6 +83,8 @@ class KubeApi:
         self._apps = kubernetes.client.AppsV1Api(client)
         self._core = kubernetes.client.CoreV1Api(client)
         self._custom = kubernetes.client.CustomObjectsApi(client)
+        self._policy = kubernetes.client.PolicyV1Api(client)
+        self._networking = kubernetes.client.NetworkingV1Api(client)
 
     # -- children --------------------------------------------------------------------------
 
@@ -82,8 +92,18 @@ class KubeApi:
         read = {
             "Deployment": self._apps.read_namespaced_deployment,
             "Service": self._core.read_namespaced_service,
+            "PodDisruptionBudget": self._policy.read_namespaced_pod_disruption_budget,
+            "NetworkPolicy": self._networking.read_namespaced_network_policy,
         }[kind]
         return _call_or_none(lambda: read(name, namespace, **_RAW))
+
+    def delete(self, kind: str, namespace: str, name: str) -> None:
+        """Deletes an optional child the spec no longer asks for (gone already is fine)."""
+        remove = {
+            "PodDisruptionBudget": self._policy.delete_namespaced_pod_disruption_budget,
+            "NetworkPolicy": self._networking.delete_namespaced_network_policy,
+        }[kind]
+        _call_or_none(lambda: remove(name, namespace, **_RAW))
 
     def apply(self, manifest: dict[str, Any]) -> dict[str, Any]:
         """Create-or-patch by server-side apply; we own exactly the fields we send. Returns the
@@ -130,6 +150,14 @@ class KubeApi:
             "Service": (
                 self._core.patch_namespaced_service,
                 self._core.create_namespaced_service,
+            ),
+            "PodDisruptionBudget": (
+                self._policy.patch_namespaced_pod_disruption_budget,
+                self._policy.create_namespaced_pod_disruption_budget,
+            ),
+            "NetworkPolicy": (
+                self._networking.patch_namespaced_network_policy,
+                self._networking.create_namespaced_network_policy,
             ),
         }[kind]
 

@@ -7,10 +7,16 @@ from __future__ import annotations
 import re
 from typing import Annotated, Any, Literal
 
+from kubernetes.utils import parse_quantity
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, WithJsonSchema
 from pydantic.alias_generators import to_camel
 
-from kvpilot.operator.quantity import QUANTITY_PATTERN, parse_quantity
+# apimachinery's resource.Quantity grammar, as the CRD pattern controller-gen emits: the API
+# server checks it at apply time, and the operator parses with kubernetes.utils.parse_quantity.
+QUANTITY_PATTERN = (
+    r"^(\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))(([KMGTPE]i)|[numkMGTPE]|([eE](\+|-)?(([0-9]+"
+    r"(\.[0-9]*)?)|(\.[0-9]+))))?$"
+)
 
 
 class KubeModel(BaseModel):
@@ -23,6 +29,12 @@ class KubeModel(BaseModel):
 
 
 def _check_quantity(value: int | str) -> int | str:
+    if isinstance(value, bool) or not (
+        isinstance(value, int) or re.fullmatch(QUANTITY_PATTERN, value)
+    ):
+        raise ValueError(
+            f"{value!r} is not a Kubernetes quantity (examples: 500m, 2, 16Gi, 1.5G, 1e3)"
+        )
     parse_quantity(value)
     return value
 

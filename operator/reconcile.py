@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvpilot.operator.autoscaling.metrics import OperatorMetrics
+from kvpilot.operator.autoscaling.policy import AutoscalingPolicy
 from kvpilot.operator.builders import (
     Owner,
     build_deployment,
@@ -24,7 +25,14 @@ from kvpilot.operator.builders import (
     served_model_name,
     service_url,
 )
-from kvpilot.operator.conditions import DEGRADED, changed_conditions
+from kvpilot.operator.conditions import (
+    DEGRADED,
+    MEMORY_SUFFICIENT,
+    Condition,
+    changed_conditions,
+    find_condition,
+    set_condition,
+)
 from kvpilot.operator.config import OperatorConfig
 from kvpilot.operator.constants import KIND
 from kvpilot.operator.drift import (
@@ -36,6 +44,8 @@ from kvpilot.operator.drift import (
     with_config_hash,
 )
 from kvpilot.operator.kube import KubeApi, KubeError
+from kvpilot.operator.memory import limit_problem, request_shortfall
+from kvpilot.operator.policies import build_network_policy, build_pod_disruption_budget
 from kvpilot.operator.spec import InferenceServiceSpec, InvalidSpecError, parse_spec, validate_name
 from kvpilot.operator.status import (
     Observed,
@@ -52,6 +62,11 @@ PostEvent = Callable[[Mapping[str, Any], str, str, str], None]
 # A child: (kind, namespace, name).
 ChildKey = tuple[str, str, str]
 CHILD_KINDS = ("Deployment", "Service")
+# Children only some specs ask for; a None from the builder deletes one made before.
+OPTIONAL_CHILDREN = (
+    ("PodDisruptionBudget", build_pod_disruption_budget),
+    ("NetworkPolicy", build_network_policy),
+)
 
 
 @dataclass(frozen=True)
@@ -71,11 +86,27 @@ def replicas_for(spec: InferenceServiceSpec, live: Mapping[str, Any] | None) -> 
     """
     if spec.autoscaling is None:
         return spec.effective_replicas
-    bounds = spec.autoscaling
+    policy = spec.autoscaling.policy
     current = None if live is None else (live.get("spec") or {}).get("replicas")
-    if current is None:
-        return bounds.min_replicas
-    return min(max(current, bounds.min_replicas), bounds.max_replicas)
+    return policy.min_replicas if current is None else policy.clamp(current)
+
+
+def check_memory_limit(spec: InferenceServiceSpec) -> None:
+    """InvalidSpec for a memory limit the engine would refuse to start under (known models)."""
+    problem = limit_problem(spec)
+    if problem is not None:
+        raise InvalidSpecError(f"spec.resources: {problem}")
+
+
+def memory_condition(spec: InferenceServiceSpec, previous: Mapping[str, Any]) -> Condition | None:
+    """MemorySufficient=False while the memory request is below the engine's need; set back to
+    True once fixed, and absent for an object that never had the problem."""
+    shortfall = request_shortfall(spec)
+    if shortfall is not None:
+        return Condition(MEMORY_SUFFICIENT, False, "MemoryRequestBelowNeed", shortfall)
+    if find_condition(previous.get("conditions") or [], MEMORY_SUFFICIENT) is None:
+        return None
+    return Condition(MEMORY_SUFFICIENT, True, "MemoryRequestCoversNeed", "requests cover the need")
 
 
 def is_controlled_by(live: Mapping[str, Any], uid: str) -> bool:
@@ -128,6 +159,14 @@ class Reconciler:
         return None
 
     def reconcile_named(self, namespace: str, name: str, uid: str | None = None) -> Outcome:
+        try:
+            return self._reconcile_named(namespace, name, uid)
+        except Exception:
+            if self._metrics is not None:
+                self._metrics.reconcile_errors.labels(namespace, name).inc()
+            raise
+
+    def _reconcile_named(self, namespace: str, name: str, uid: str | None) -> Outcome:
         with self._lock(namespace, name), self._timed():
             # Always from the API, never the caller's copy: kopf hands timers and handlers the
             # body they were triggered with, and a reconcile queued behind another on the lock
@@ -155,8 +194,9 @@ class Reconciler:
 
     def _forget(self, namespace: str, name: str) -> None:
         """Drops what is kept in memory for an InferenceService that is gone or going."""
-        self._forget_metrics(namespace, name)
-        for kind in CHILD_KINDS:
+        if self._metrics is not None:
+            self._metrics.forget_resource(namespace, name)
+        for kind in (*CHILD_KINDS, *(kind for kind, _ in OPTIONAL_CHILDREN)):
             self._stored_forms.pop((kind, namespace, name), None)
 
     def _forget_metrics(self, namespace: str, name: str) -> None:
@@ -171,41 +211,39 @@ class Reconciler:
         replicas: int | None,
         status_patch: Mapping[str, Any] | None = None,
         *,
+        seen: tuple[int | None, AutoscalingPolicy],
         only_from: int | None = None,
     ) -> int | None:
         """The autoscaler's hook: set the Deployment's replicas (and write the autoscaler's own
         status keys), under this object's lock so that no reconcile interleaves.
 
-        Only for an InferenceService with a valid spec.autoscaling and a Deployment it controls;
-        the count is clamped into [minReplicas, maxReplicas] (replicas None keeps the live count,
-        clamped). Returns the replicas applied, or None when refused (nothing written). Reconcile
-        keeps whatever count this sets (see replicas_for). The status patch gets
-        desiredReplicas = the count applied, which is what reconcile reports too: the two never
-        rewrite each other's value. With only_from, nothing changes unless the live count is that.
+        `seen` is the (metadata.generation, spec.autoscaling.policy) the tick decided with:
+        refused (None, nothing written) when the spec has changed since or does not autoscale,
+        when the object is going away, or when it controls no Deployment. The count is clamped
+        by that policy (replicas None keeps the live count, clamped). Returns the replicas
+        applied. Reconcile keeps
+        whatever count this sets (see replicas_for). The status patch gets desiredReplicas = the
+        count applied, which is what reconcile reports too: the two never rewrite each other's
+        value. With only_from, nothing changes unless the live count is that.
         """
+        generation, policy = seen
         with self._lock(namespace, name):
             body = self._api.get_inferenceservice(namespace, name)
-            if body is None or body["metadata"].get("deletionTimestamp"):
-                return None
-            try:
-                spec = parse_spec(body.get("spec"))
-            except InvalidSpecError:
-                return None
-            live = self._api.get("Deployment", namespace, name)
             if (
-                spec.autoscaling is None
-                or live is None
-                or not is_controlled_by(live, body["metadata"]["uid"])
+                body is None
+                or body["metadata"].get("deletionTimestamp")
+                or body["metadata"].get("generation") != generation
+                or not (body.get("spec") or {}).get("autoscaling")
             ):
                 return None
-            bounds = spec.autoscaling
+            live = self._api.get("Deployment", namespace, name)
+            if live is None or not is_controlled_by(live, body["metadata"]["uid"]):
+                return None
             current = (live.get("spec") or {}).get("replicas")
             if only_from is not None and current != only_from:
                 return None  # it moved meanwhile (a wake at zero finds it already up)
             wanted = current if replicas is None else replicas
-            if wanted is None:
-                wanted = bounds.min_replicas
-            bounded = min(max(wanted, bounds.min_replicas), bounds.max_replicas)
+            bounded = policy.min_replicas if wanted is None else policy.clamp(wanted)
             if current != bounded:
                 self._api.scale_deployment(namespace, name, bounded)
             if status_patch:
@@ -222,6 +260,7 @@ class Reconciler:
         try:
             validate_name(name)
             spec = parse_spec(body.get("spec"))
+            check_memory_limit(spec)
         except InvalidSpecError as error:
             message = str(error)
             status = build_invalid_status(previous, generation, message, self._clock())
@@ -231,7 +270,15 @@ class Reconciler:
         owner = Owner(name=name, namespace=namespace, uid=metadata["uid"])
         live_deployment = self._api.get("Deployment", namespace, name)
         live_service = self._api.get("Service", namespace, name)
-        for kind, live in (("Deployment", live_deployment), ("Service", live_service)):
+        optional = {
+            kind: (build(owner, spec), self._api.get(kind, namespace, name))
+            for kind, build in OPTIONAL_CHILDREN
+        }
+        wanted_live = [
+            *(("Deployment", live_deployment), ("Service", live_service)),
+            *((kind, live) for kind, (desired, live) in optional.items() if desired is not None),
+        ]
+        for kind, live in wanted_live:
             if live is not None and not is_controlled_by(live, owner.uid):
                 message = (
                     f"a {kind} named {name} already exists and is not controlled by this "
@@ -255,6 +302,8 @@ class Reconciler:
                 live_deployment,
             )
             self._apply(body, with_config_hash(build_service(owner)), live_service)
+            for kind, (desired, live) in optional.items():
+                self._apply_optional(body, kind, desired, live, owner.uid)
         except KubeError as error:
             if error.status not in (400, 422):
                 raise
@@ -273,9 +322,15 @@ class Reconciler:
             selector=label_selector(name),
             url=service_url(owner),
             model=served_model_name(owner, spec),
+            tensor_parallel_size=spec.effective_tensor_parallel_size,
             endpoint=self._config.router_url,
         )
         status = build_status(previous, observed, self._clock())
+        memory = memory_condition(spec, previous)
+        if memory is not None:
+            status["conditions"] = set_condition(
+                status["conditions"], memory, generation=generation, now=self._clock()
+            )
         if spec.autoscaling is None and previous.get("autoscaling") is not None:
             status["autoscaling"] = None  # a merge patch deletes the autoscaler's stale state
             self._forget_metrics(namespace, name)
@@ -311,6 +366,26 @@ class Reconciler:
         logger.info("applied %s %s/%s", kind, desired["metadata"]["namespace"], name)
         return applied
 
+    def _apply_optional(
+        self,
+        body: Mapping[str, Any],
+        kind: str,
+        desired: dict[str, Any] | None,
+        live: dict[str, Any] | None,
+        uid: str,
+    ) -> None:
+        """Applies an optional child the spec asks for, or deletes ours when it no longer does
+        (one of someone else's under our name is left alone)."""
+        if desired is not None:
+            self._apply(body, with_config_hash(desired), live)
+            return
+        if live is None or not is_controlled_by(live, uid):
+            return
+        metadata = live["metadata"]
+        self._api.delete(kind, metadata["namespace"], metadata["name"])
+        self._stored_forms.pop((kind, metadata["namespace"], metadata["name"]), None)
+        self._post_event(body, "Normal", "Deleted", f"deleted {kind} {metadata['name']}")
+
     def _stored_form(self, desired: dict[str, Any], live: dict[str, Any]) -> dict[str, Any] | None:
         """`desired` as the API server stores it (see drift.stored_fields); None if the child is
         gone.
@@ -340,11 +415,18 @@ class Reconciler:
         self, body: Mapping[str, Any], previous: dict[str, Any], status: dict[str, Any]
     ) -> None:
         """Writes status only when it changed; one Event per changed condition reason."""
+        metadata = body["metadata"]
+        if self._metrics is not None:  # every reconcile, written or not (a restart forgets)
+            degraded = find_condition(status.get("conditions") or [], DEGRADED) or {}
+            self._metrics.set_degraded(
+                metadata["namespace"],
+                metadata["name"],
+                degraded.get("reason") if degraded.get("status") == "True" else None,
+            )
         current = {key: value for key, value in status.items() if value is not None}
         stale = [key for key, value in status.items() if value is None and key in previous]
         if owned_status(previous) == owned_status(current) and not stale:
             return
-        metadata = body["metadata"]
         self._api.patch_inferenceservice_status(metadata["namespace"], metadata["name"], status)
         # One Event per reason (Ready and Degraded often share one): Warning if any says so.
         changed: dict[str, tuple[bool, str]] = {}
@@ -352,8 +434,10 @@ class Reconciler:
             previous.get("conditions") or [], status.get("conditions") or []
         ):
             reason = condition["reason"]
-            is_warning = (condition["type"] == DEGRADED and condition["status"] == "True") or (
-                reason == "InvalidSpec"
+            is_warning = (
+                (condition["type"] == DEGRADED and condition["status"] == "True")
+                or reason == "InvalidSpec"
+                or (condition["type"] == MEMORY_SUFFICIENT and condition["status"] == "False")
             )
             message = f"{condition['type']}={condition['status']}: {condition['message']}"
             if reason not in changed or (is_warning and not changed[reason][0]):

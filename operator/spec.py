@@ -10,6 +10,7 @@ from __future__ import annotations
 import re
 from typing import Annotated, Any, Literal
 
+from kubernetes.utils import parse_quantity
 from pydantic import (
     ConfigDict,
     Field,
@@ -19,6 +20,7 @@ from pydantic import (
     model_validator,
 )
 
+from kvpilot.operator.autoscaling.spec import AutoscalingSpec
 from kvpilot.operator.constants import (
     ENGINE_PORT,
     LABEL_INSTANCE,
@@ -36,9 +38,9 @@ from kvpilot.operator.kubetypes import (
     Toleration,
 )
 from kvpilot.operator.modeluri import URI_PATTERN, ModelSource, parse_model_uri
-from kvpilot.operator.quantity import parse_quantity
-from kvpilot.operator.spec_autoscaling import AutoscalingSpec
 
+# A namespace's name: a DNS-1123 label.
+NAMESPACE_PATTERN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
 # metadata.name names the Service too, so it must be a DNS-1035 label.
 NAME_PATTERN = r"^[a-z]([-a-z0-9]*[a-z0-9])?$"
 MAX_NAME_LENGTH = 63
@@ -46,6 +48,10 @@ MAX_NAME_LENGTH = 63
 # contract (probes and the Service expect the engine on 0.0.0.0:8000).
 RESERVED_ARGS = ("--host", "--port", "--model")
 RESERVED_LABELS = (LABEL_NAME, LABEL_INSTANCE)
+# Set by the operator from engine.apiKeySecret; user env may not shadow it.
+API_KEY_ENV = "KVPILOT_API_KEY"
+MIN_KV_CACHE_BYTES = 2**20
+DEFAULT_DRAIN_SECONDS = 300
 
 
 class InvalidSpecError(ValueError):
@@ -125,8 +131,29 @@ class ModelSpec(KubeModel):
         return parse_model_uri(self.uri)
 
 
+class ApiKeySecret(KubeModel):
+    """A key of a Secret in the InferenceService's namespace that holds the engine's API key."""
+
+    name: str = Field(min_length=1, max_length=253, description="Name of the Secret.")
+    key: str = Field(
+        default="api-key", min_length=1, description="Key in the Secret that holds the API key."
+    )
+
+
 class EngineSpec(KubeModel):
     """The engine container: image and `kvpilot serve` options."""
+
+    model_config = ConfigDict(
+        json_schema_extra={
+            "x-kubernetes-validations": [
+                {
+                    "rule": "!(has(self.kvCacheBytes) && has(self.kvCacheMemoryFraction))",
+                    "message": "engine.kvCacheBytes and engine.kvCacheMemoryFraction are "
+                    "mutually exclusive",
+                }
+            ]
+        }
+    )
 
     image: str | None = Field(
         default=None,
@@ -136,8 +163,9 @@ class EngineSpec(KubeModel):
     image_pull_policy: Literal["Always", "IfNotPresent", "Never"] | None = Field(
         default=None, description="Image pull policy of the engine and model-fetch containers."
     )
-    block_size: int | None = Field(
-        default=None, ge=1, le=1024, description="Tokens per KV-cache block (--block-size)."
+    block_size: Literal[8, 16, 32, 64, 128] | None = Field(
+        default=None,
+        description="Tokens per KV-cache block (--block-size): 8, 16, 32, 64 or 128.",
     )
     max_model_len: int | None = Field(
         default=None,
@@ -165,6 +193,37 @@ class EngineSpec(KubeModel):
         gt=0,
         le=1,
         description="Fraction of GPU memory the engine may use (--gpu-memory-utilization).",
+    )
+    kv_cache_bytes: Quantity | None = Field(
+        default=None,
+        description=(
+            "KV-cache budget in bytes on CPU or GPU, e.g. 768Mi (--kv-cache-memory-bytes). "
+            "Default: 1Gi on CPU; on GPU what gpuMemoryUtilization leaves. At least 1Mi."
+        ),
+    )
+    kv_cache_memory_fraction: float | None = Field(
+        default=None,
+        gt=0,
+        lt=1,
+        description=(
+            "KV-cache budget as a fraction of resources.limits.memory (which must be set); "
+            "exclusive with kvCacheBytes."
+        ),
+    )
+    api_key_secret: ApiKeySecret | None = Field(
+        default=None,
+        description=(
+            "A Secret key holding the API key clients must send as `Authorization: Bearer "
+            "KEY`; it reaches the engine as $KVPILOT_API_KEY, never as an argument."
+        ),
+    )
+    tensor_parallel_size: int | None = Field(
+        default=None,
+        ge=1,
+        le=64,
+        description="Split the model over this many GPUs of one pod (--tensor-parallel-size). "
+        "Default: spec.gpus when above 1. It must divide the model's attention heads and not "
+        "exceed spec.gpus.",
     )
     extra_args: list[str] = Field(
         default_factory=list,
@@ -196,6 +255,23 @@ class EngineSpec(KubeModel):
                 )
         return args
 
+    @field_validator("kv_cache_bytes")
+    @classmethod
+    def _at_least_a_block(cls, value: int | str | None) -> int | str | None:
+        if value is not None and parse_quantity(value) < MIN_KV_CACHE_BYTES:
+            raise ValueError(
+                f"kvCacheBytes {value} is below 1Mi: too small for one KV block of any model"
+            )
+        return value
+
+    @model_validator(mode="after")
+    def _one_kv_budget(self) -> EngineSpec:
+        if self.kv_cache_bytes is not None and self.kv_cache_memory_fraction is not None:
+            raise ValueError(
+                "engine.kvCacheBytes and engine.kvCacheMemoryFraction are mutually exclusive"
+            )
+        return self
+
     @field_validator("env")
     @classmethod
     def _unique_env(cls, env: list[EnvVar]) -> list[EnvVar]:
@@ -226,6 +302,17 @@ class RolloutSpec(KubeModel):
         return self
 
 
+class NetworkPolicySpec(KubeModel):
+    """A NetworkPolicy that admits to the engine port only kvpilot's own pods (the operator's
+    autoscaler, the router: any pod labelled app.kubernetes.io/part-of=kvpilot) and the pods
+    of the namespaces listed."""
+
+    allow_namespaces: list[Annotated[str, Field(pattern=NAMESPACE_PATTERN, max_length=63)]] = Field(
+        default_factory=list,
+        description="Namespaces whose pods may call the engines (your clients, Prometheus).",
+    )
+
+
 class InferenceServiceSpec(KubeModel):
     """An OpenAI-compatible endpoint serving one model with kvpilot's engine."""
 
@@ -236,7 +323,26 @@ class InferenceServiceSpec(KubeModel):
                     "rule": "!(has(self.replicas) && has(self.autoscaling))",
                     "message": "spec.replicas and spec.autoscaling are mutually exclusive: set "
                     "replicas for a fixed size, or autoscaling to let the operator scale",
-                }
+                },
+                {
+                    "rule": "!(has(self.engine) && has(self.engine.dtype) && "
+                    "self.engine.dtype == 'float16') || (has(self.gpus) && self.gpus > 0)",
+                    "message": "engine.dtype float16 needs a GPU (gpus > 0): on CPU use float32 "
+                    "or bfloat16",
+                },
+                {
+                    "rule": "!(has(self.engine) && has(self.engine.kvCacheMemoryFraction)) || "
+                    "(has(self.resources) && has(self.resources.limits) && "
+                    "'memory' in self.resources.limits)",
+                    "message": "engine.kvCacheMemoryFraction needs resources.limits.memory",
+                },
+                {
+                    "rule": "!has(self.engine) || !has(self.engine.tensorParallelSize) || "
+                    "!has(self.gpus) || self.gpus == 0 || "
+                    "self.engine.tensorParallelSize <= self.gpus",
+                    "message": "spec.engine.tensorParallelSize cannot exceed spec.gpus: each "
+                    "rank needs a GPU of its own",
+                },
             ]
         }
     )
@@ -277,6 +383,17 @@ class InferenceServiceSpec(KubeModel):
     pod_labels: dict[str, str] = Field(
         default_factory=dict, description="Extra labels on the engine pods."
     )
+    runtime_class_name: str | None = Field(
+        default=None, description="RuntimeClass of the engine pods (e.g. nvidia)."
+    )
+    topology_spread_constraints: list[FreeForm] | None = Field(
+        default=None,
+        description="Topology spread of the engine pods (as in a Pod). Default: spread across "
+        "nodes and zones where possible (ScheduleAnyway); [] for none.",
+    )
+    network_policy: NetworkPolicySpec | None = Field(
+        default=None, description=NetworkPolicySpec.__doc__
+    )
     replicas: int | None = Field(
         default=None,
         ge=0,
@@ -285,11 +402,13 @@ class InferenceServiceSpec(KubeModel):
     autoscaling: AutoscalingSpec | None = Field(default=None, description=AutoscalingSpec.__doc__)
     rollout: RolloutSpec = Field(default_factory=RolloutSpec, description=RolloutSpec.__doc__)
     drain_seconds: int = Field(
-        default=30,
+        default=DEFAULT_DRAIN_SECONDS,
         ge=0,
         le=3600,
         description="On shutdown, how long the engine finishes in-flight requests "
-        "(--shutdown-timeout); the pod's grace period adds a margin to it.",
+        "(--shutdown-timeout). The pod's terminationGracePeriodSeconds is preStop (5) + this + "
+        "a margin (10). Default: 300, room for a long generation on CPU (4096 tokens at "
+        "~15 tokens/s); a drain ends as soon as the last request is done.",
     )
 
     @model_validator(mode="after")
@@ -307,6 +426,25 @@ class InferenceServiceSpec(KubeModel):
                         f"resources.{kind}[{NVIDIA_GPU}] = {given} contradicts gpus = "
                         f"{self.gpus}: set only gpus"
                     )
+        if self.engine.dtype == "float16" and not self.gpus:
+            raise ValueError(
+                "engine.dtype float16 needs a GPU (gpus > 0): on CPU use float32 or bfloat16"
+            )
+        if self.engine.kv_cache_memory_fraction is not None:
+            if self.memory_limit is None:
+                raise ValueError("engine.kvCacheMemoryFraction needs resources.limits.memory")
+            if (self.kv_cache_bytes or 0) < MIN_KV_CACHE_BYTES:
+                raise ValueError(
+                    f"engine.kvCacheMemoryFraction {self.engine.kv_cache_memory_fraction} of "
+                    f"the memory limit is below 1Mi: too small for one KV block of any model"
+                )
+        if self.engine.api_key_secret is not None and any(
+            var.name == API_KEY_ENV for var in self.engine.env
+        ):
+            raise ValueError(
+                f"engine.env may not set {API_KEY_ENV} together with engine.apiKeySecret"
+            )
+        check_tensor_parallel_size(self)
         reserved = sorted(set(self.pod_labels) & set(RESERVED_LABELS))
         if reserved:
             raise ValueError(
@@ -316,9 +454,74 @@ class InferenceServiceSpec(KubeModel):
         return self
 
     @property
+    def memory_limit(self) -> int | None:
+        """resources.limits.memory in bytes (None when not set)."""
+        given = None if self.resources is None else self.resources.limits.get("memory")
+        return None if given is None else int(parse_quantity(given))
+
+    @property
+    def memory_request(self) -> int | None:
+        given = None if self.resources is None else self.resources.requests.get("memory")
+        return None if given is None else int(parse_quantity(given))
+
+    @property
+    def kv_cache_bytes(self) -> int | None:
+        """The engine's KV budget in bytes, when the spec sets one (either way)."""
+        engine = self.engine
+        if engine.kv_cache_bytes is not None:
+            return int(parse_quantity(engine.kv_cache_bytes))
+        if engine.kv_cache_memory_fraction is not None and self.memory_limit is not None:
+            return int(engine.kv_cache_memory_fraction * self.memory_limit)
+        return None
+
+    @property
+    def effective_tensor_parallel_size(self) -> int:
+        """engine.tensorParallelSize, else every GPU of the pod (1 without GPUs)."""
+        size = self.engine.tensor_parallel_size
+        return size if size is not None else max(1, self.gpus)
+
+    @property
     def effective_replicas(self) -> int:
         """The replica count of a fixed-size service (1 when neither field is set)."""
         return 1 if self.replicas is None else self.replicas
+
+
+# (attention heads, KV heads, MLP width) of the models the operator knows without reading them.
+BUILTIN_MODEL_SHAPES = {"builtin://smollm2-135m-instruct": (9, 3, 1536)}
+
+
+def tensor_parallel_sizes(num_heads: int, num_kv_heads: int, intermediate: int) -> list[int]:
+    """The sizes the engine can split such a model over: dividing the heads and the MLP, with
+    the KV heads split evenly or replicated evenly."""
+    return [
+        n
+        for n in range(1, num_heads + 1)
+        if not num_heads % n
+        and not intermediate % n
+        and (not num_kv_heads % n if n <= num_kv_heads else not n % num_kv_heads)
+    ]
+
+
+def check_tensor_parallel_size(spec: InferenceServiceSpec) -> None:
+    """ValueError, with the numbers, for a tensor-parallel size the pod or a known model cannot
+    take (the engine checks every model again, before it starts any rank)."""
+    given, size = spec.engine.tensor_parallel_size, spec.effective_tensor_parallel_size
+    if given is not None and spec.gpus and given > spec.gpus:
+        raise ValueError(
+            f"engine.tensorParallelSize {given} exceeds gpus {spec.gpus}: each rank needs a GPU "
+            "of its own"
+        )
+    shape = BUILTIN_MODEL_SHAPES.get(spec.model.uri)
+    if shape is None:
+        return
+    allowed = tensor_parallel_sizes(*shape)
+    if size not in allowed:
+        source = "engine.tensorParallelSize" if given is not None else "gpus (the default size)"
+        raise ValueError(
+            f"tensor-parallel size {size} from {source} does not split {spec.model.uri} "
+            f"({shape[0]} attention heads, {shape[1]} KV heads): it takes {allowed}; set "
+            "engine.tensorParallelSize"
+        )
 
 
 def validate_name(name: str) -> None:

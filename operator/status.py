@@ -16,6 +16,7 @@ from kvpilot.operator.conditions import (
     READY,
     Condition,
     set_condition,
+    with_kstatus,
 )
 from kvpilot.operator.diagnose import PodProblem, most_pressing
 from kvpilot.operator.kubetypes import FreeForm, KubeModel
@@ -33,15 +34,20 @@ OWNED_KEYS = (
     "url",
     "endpoint",
     "model",
+    "tensorParallelSize",
 )
 
 
 class StatusCondition(KubeModel):
     """One aspect of the service's state, as Kubernetes conditions are."""
 
-    type: Literal["Ready", "Progressing", "Degraded"] = Field(
+    type: Literal[
+        "Ready", "Progressing", "Degraded", "Reconciling", "Stalled", "MemorySufficient"
+    ] = Field(
         description="Ready: serving requests. Progressing: a rollout or scale is under way. "
-        "Degraded: something needs attention."
+        "Degraded: something needs attention. Reconciling and Stalled: kstatus' names of "
+        "Progressing and Degraded (for Flux, kpt, kubectl wait). MemorySufficient (only when it "
+        "was ever False): resources.requests.memory covers what the engine needs."
     )
     status: Literal["True", "False", "Unknown"] = Field(description="True, False or Unknown.")
     reason: str = Field(description="CamelCase reason, e.g. Serving, CrashLoopBackOff.")
@@ -67,7 +73,7 @@ class InferenceServiceStatus(KubeModel):
             "x-kubernetes-list-type": "map",
             "x-kubernetes-list-map-keys": ["type"],
         },
-        description="Ready, Progressing and Degraded.",
+        description="Ready, Progressing, Degraded, and kstatus' Reconciling and Stalled.",
     )
     replicas: int | None = Field(default=None, description="Engine pods that exist.")
     ready_replicas: int | None = Field(default=None, description="Engine pods ready to serve.")
@@ -90,6 +96,9 @@ class InferenceServiceStatus(KubeModel):
         "namespace (one URL for every model; `model` picks the service), else url.",
     )
     model: str | None = Field(default=None, description="Model name to use in requests.")
+    tensor_parallel_size: int | None = Field(
+        default=None, description="Ranks (GPUs) each engine pod splits the model over."
+    )
     autoscaling: FreeForm | None = Field(
         default=None, description="The autoscaler's state and recent decisions."
     )
@@ -106,6 +115,7 @@ class Observed:
     selector: str
     url: str
     model: str
+    tensor_parallel_size: int = 1
     endpoint: str | None = None  # None: url
 
 
@@ -145,7 +155,7 @@ def _with_conditions(
     previous: dict[str, Any], generation: int | None, now: datetime.datetime, *new: Condition
 ) -> dict[str, Any]:
     conditions = list(previous.get("conditions") or [])
-    for condition in new:
+    for condition in with_kstatus(*new):
         conditions = set_condition(conditions, condition, generation=generation, now=now)
     status = {key: previous[key] for key in OWNED_KEYS if key in previous}
     return {**status, "observedGeneration": generation, "conditions": conditions}
@@ -202,7 +212,7 @@ def build_status(
     ready_condition = _ready(desired, ready, degraded)
 
     conditions = list(previous.get("conditions") or [])
-    for condition in (ready_condition, rollout, degraded):
+    for condition in with_kstatus(ready_condition, rollout, degraded):
         conditions = set_condition(conditions, condition, generation=observed.generation, now=now)
     return {
         "observedGeneration": observed.generation,
@@ -215,6 +225,7 @@ def build_status(
         "url": observed.url,
         "endpoint": observed.endpoint or observed.url,
         "model": observed.model,
+        "tensorParallelSize": observed.tensor_parallel_size,
     }
 
 

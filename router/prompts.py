@@ -12,7 +12,7 @@ from kvpilot.engine.server import errors
 from kvpilot.engine.server.preprocess import (
     PromptLimits,
     RequestKind,
-    chat_prompt,
+    chat_request_prompt,
     completion_prompts,
 )
 from kvpilot.engine.server.protocol import (
@@ -50,7 +50,7 @@ def prompt_token_ids(parsed: ParsedRequest, tokenizer: Any) -> list[int] | None:
         if isinstance(parsed.request, ChatCompletionRequest):
             if tokenizer is None:
                 return None
-            return chat_prompt(parsed.request, tokenizer, limits).token_ids
+            return chat_request_prompt(parsed.request, tokenizer, limits)[0].token_ids
         prompts = completion_prompts(parsed.request, tokenizer, limits)
     except errors.APIError:
         return None

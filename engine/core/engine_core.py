@@ -24,10 +24,20 @@ from kvpilot.engine.core.messages import (
     SeqUpdate,
     StepOutputs,
 )
+from kvpilot.engine.memory_fit import (
+    RUNTIME_BYTES,
+    MemoryNeed,
+    activation_bytes,
+    check_memory_fit,
+    memory_limit,
+)
 from kvpilot.engine.model.loader import read_hf_config, resolve_model, set_offline_defaults
 from kvpilot.engine.model_runner import ModelRunner
+from kvpilot.engine.parallel.workers import TPWorkers
+from kvpilot.engine.sampling_params import SamplingParams
 from kvpilot.engine.scheduler import Scheduler
 from kvpilot.engine.sequence import Sequence
+from kvpilot.engine.structured.manager import SequenceGrammar, StructuredOutputs
 
 log = logging.getLogger("kvpilot")
 
@@ -48,6 +58,14 @@ def check_prompt(
     )
 
 
+def check_logit_bias(params: SamplingParams, vocab_size: int) -> None:
+    """Raise ValueError unless every logit_bias token id is in the vocabulary (an id past it
+    would fail the whole batch's sampling step, not just this request)."""
+    bad = [t for t, _ in params.logit_bias if t >= vocab_size]
+    if bad:
+        raise ValueError(f"logit_bias token ids must be in [0, {vocab_size}); got {bad[0]}")
+
+
 def check_prompt_fits(
     num_tokens: int, *, max_model_len: int, num_blocks: int, block_size: int
 ) -> None:
@@ -66,8 +84,29 @@ def check_prompt_fits(
         )
 
 
+def cpu_memory_need(config: EngineConfig, model: ModelConfig) -> MemoryNeed:
+    """What a CPU engine with this config holds in RAM at its peak, both processes together."""
+    itemsize = torch.empty((), dtype=config.resolved_dtype).element_size()
+    cache = config.cache
+    if cache.num_blocks is not None:
+        kv = cache.num_blocks * cache.block_size * model.kv_bytes_per_token * itemsize
+    elif cache.kv_cache_bytes is not None:
+        kv = cache.kv_cache_bytes
+    else:
+        kv = int(cache.kv_cache_gib * 2**30)
+    working = RUNTIME_BYTES + activation_bytes(
+        max_num_batched_tokens=config.scheduler.max_num_batched_tokens,
+        max_num_seqs=config.scheduler.max_num_seqs,
+        hidden_size=model.hidden_size,
+        intermediate_size=model.intermediate_size,
+        vocab_size=model.vocab_size,
+        itemsize=itemsize,
+    )
+    return MemoryNeed(weights=model.num_params * itemsize, kv_cache=kv, working=working)
+
+
 class EngineCore:
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, log_level: int = logging.INFO) -> None:
         set_offline_defaults()
         self.config = config
         started = time.monotonic()
@@ -75,7 +114,18 @@ class EngineCore:
         source = resolve_model(config.model, config.load_format)
         self.model_config = ModelConfig.from_hf_config(read_hf_config(source.hf_dir))
         self.max_model_len = config.max_model_len or self.model_config.max_position_embeddings
-        self.runner = ModelRunner(config, self.model_config, source, self.max_model_len)
+        if config.resolved_device.type == "cpu":
+            # Before the weights and the KV cache are allocated: a clear error, not an OOM kill.
+            check_memory_fit(cpu_memory_need(config, self.model_config), memory_limit())
+        self.workers: TPWorkers | None = None
+        if config.tensor_parallel_size == 1:
+            self.runner = ModelRunner(config, self.model_config, source, self.max_model_len)
+        else:
+            from kvpilot.engine.parallel.launch import start_tensor_parallel
+
+            self.runner, self.workers = start_tensor_parallel(
+                config, self.model_config, source, self.max_model_len, log_level
+            )
         self.block_size = config.cache.block_size
         self.num_blocks = self.runner.num_blocks
         self.block_manager = BlockManager(
@@ -86,6 +136,12 @@ class EngineCore:
         # hanging.
         self.max_seq_len = min(self.max_model_len, self.num_blocks * self.block_size)
         self.requests: dict[str, list[Sequence]] = {}
+        self.structured = StructuredOutputs(
+            source.hf_dir,
+            self.model_config.vocab_size,
+            tuple(self.model_config.eos_token_ids),
+            overlap=config.overlap_grammar_masks,
+        )
         self.num_prompt_tokens = 0
         self.num_generation_tokens = 0
         self.description = ModelDescription(
@@ -97,6 +153,7 @@ class EngineCore:
             num_blocks=self.num_blocks,
             enable_prefix_caching=config.cache.enable_prefix_caching,
             eos_token_ids=tuple(self.model_config.eos_token_ids),
+            tensor_parallel_size=config.tensor_parallel_size,
         )
         log.info(
             "engine core ready in %.1f s: %s",
@@ -118,6 +175,10 @@ class EngineCore:
             block_size=self.block_size,
         )
         params = request.params
+        check_logit_bias(params, self.model_config.vocab_size)
+        grammars: list[SequenceGrammar | None] = [None] * params.n
+        if params.structured is not None:
+            grammars = list(self.structured.grammars_for(params.structured, params.n))
         seqs = []
         for index in range(params.n):
             generator = None
@@ -134,6 +195,7 @@ class EngineCore:
                     eos_token_ids=request.eos_token_ids,
                     cache_salt=request.cache_salt,
                     generator=generator,
+                    grammar=grammars[index],
                 )
             )
         self.requests[request.request_id] = seqs
@@ -175,7 +237,7 @@ class EngineCore:
             for item in plan.scheduled
             if item.seq.index == 0 and item.seq.num_output_tokens == 0
         ]
-        sampled, result = self.runner.execute(plan.scheduled)
+        sampled, result = self.runner.execute(plan.scheduled, self.structured)
         for item in plan.scheduled:
             item.seq.num_computed_tokens += item.num_new_tokens
             self.block_manager.cache_full_blocks(item.seq)
@@ -224,13 +286,33 @@ class EngineCore:
     def _append_token(self, seq: Sequence, token: int) -> None:
         seq.token_ids.append(token)
         params = seq.params
+        if seq.grammar is not None:
+            seq.grammar.accept(token)
         is_eos = token in seq.eos_token_ids and not params.ignore_eos
         if is_eos or token in params.stop_token_ids:
             seq.finish_reason, seq.stop_reason = "stop", (None if is_eos else token)
+        elif seq.grammar is not None and (seq.grammar.is_terminated or seq.grammar.is_broken):
+            # Its mask allowed only a stop token (ignore_eos cannot keep a finished grammar going).
+            seq.finish_reason = "stop"
         elif (
             params.max_tokens is not None and seq.num_output_tokens >= params.max_tokens
         ) or seq.num_tokens >= self.max_seq_len:
             seq.finish_reason = "length"
+
+    def check_workers(self) -> None:
+        """Raises WorkerDied when a tensor-parallel rank is gone (called while idle: a step finds
+        out by itself)."""
+        if self.workers is not None:
+            self.workers.check_alive()
+
+    def shutdown(self, timeout_s: float = 10.0) -> None:
+        """Stops the other tensor-parallel ranks and leaves their group (nothing to do alone)."""
+        if self.workers is not None:
+            from kvpilot.engine.parallel.group import leave_group
+
+            workers, self.workers = self.workers, None
+            workers.stop(timeout_s)
+            leave_group()
 
     # ---- observability -------------------------------------------------------------------------
     def stats(self) -> EngineStats:

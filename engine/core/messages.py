@@ -102,6 +102,7 @@ class ModelDescription(msgspec.Struct, frozen=True, array_like=True):
     num_blocks: int
     enable_prefix_caching: bool
     eos_token_ids: tuple[int, ...]  # from the model's config (the tokenizer may add one)
+    tensor_parallel_size: int = 1
 
 
 class CoreReady(msgspec.Struct, frozen=True, array_like=True, tag=True):

@@ -105,7 +105,7 @@ def run_engine_core(
     try:
         from kvpilot.engine.core.engine_core import EngineCore
 
-        core = EngineCore(config)
+        core = EngineCore(config, log_level)
     except BaseException as exc:
         log.exception("loading the model failed")
         outbox.put(CoreFailed(f"loading the model failed: {exc}", during_load=True))
@@ -122,8 +122,22 @@ def run_engine_core(
     except BaseException as exc:
         log.exception("the engine core crashed")
         outbox.put(CoreFailed(f"the engine core crashed: {exc!r}", during_load=False))
+        _stop_workers(core, timeout_s=0)
         _flush_and_exit(context, sender, outbox, 1)
+    _stop_workers(core, timeout_s=None)
     _flush_and_exit(context, sender, outbox, 0)
+
+
+def _stop_workers(core: EngineCore, timeout_s: float | None) -> None:
+    """Tensor-parallel ranks stop with the core (they would die with it anyway, by
+    PR_SET_PDEATHSIG; this lets them leave cleanly)."""
+    try:
+        if timeout_s is None:
+            core.shutdown()
+        else:
+            core.shutdown(timeout_s)
+    except Exception:
+        log.exception("stopping the tensor-parallel workers failed")
 
 
 def _step_loop(
@@ -140,6 +154,7 @@ def _step_loop(
         except queue.Empty:
             if not busy and os.getppid() != parent_pid:
                 return
+            core.check_workers()  # a rank that died while idle ends the core now
             command = None
         applied_any = False
         while command is not None:

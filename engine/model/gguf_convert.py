@@ -1,18 +1,19 @@
 """GGUF -> an HF-style directory (config.json, model.safetensors, tokenizer files) in a local cache.
 
-Dequantizing takes seconds and the tokenizer conversion more; both are done once per file, so a
-second start loads a plain safetensors directory. The cache key covers the file's path, size and
-modification time.
+Dequantizing takes seconds and the tokenizer conversion more; both are done once per file
+content, so a second start, another pod on a shared cache volume, or the same file under another
+path loads the plain safetensors directory. The cache key is the SHA-256 of the GGUF's bytes,
+computed once per (path, size, mtime, inode) and remembered in the cache; the directory is
+published once under a lock (publish.py).
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
 import os
-import shutil
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +21,8 @@ import numpy as np
 import torch
 from safetensors.torch import save_file
 from tqdm import tqdm
+
+from kvpilot.engine.model.publish import publish_once
 
 log = logging.getLogger("kvpilot")
 
@@ -56,10 +59,37 @@ def cache_root() -> Path:
     return Path(os.environ.get("KVPILOT_CACHE_DIR", Path.home() / ".cache" / "kvpilot"))
 
 
+def content_digest(path: Path) -> str:
+    """SHA-256 of the file's bytes. Hashing ~100 MB-10 GB takes a while, so the digest is kept
+    under a key of what identifies this version of the file cheaply (a new file at the same path,
+    or a rewrite, changes size, mtime or inode: that key then misses and the bytes are hashed
+    again; the same bytes give the same digest whatever the path)."""
+    st = path.stat()
+    identity = f"{path.resolve()}:{st.st_size}:{st.st_mtime_ns}:{st.st_ino}"
+    memo = cache_root() / "gguf" / "digests" / hashlib.sha256(identity.encode()).hexdigest()[:32]
+    with contextlib.suppress(OSError):
+        known = memo.read_text().strip()
+        if len(known) == 64:
+            return known
+    sha = hashlib.sha256()
+    with open(path, "rb") as handle:
+        while chunk := handle.read(1 << 20):
+            sha.update(chunk)
+    digest = sha.hexdigest()
+    with contextlib.suppress(OSError):  # a read-only cache only loses the memo
+        memo.parent.mkdir(parents=True, exist_ok=True)
+        tmp = memo.with_name(f".{memo.name}.{os.getpid()}")
+        tmp.write_text(digest)
+        tmp.replace(memo)
+    return digest
+
+
 def gguf_cache_dir(gguf_path: Path) -> Path:
-    st = gguf_path.stat()
-    key = f"{gguf_path.resolve()}:{st.st_size}:{st.st_mtime_ns}"
-    return cache_root() / "gguf" / hashlib.sha256(key.encode()).hexdigest()[:24]
+    return cache_root() / "gguf" / f"sha256-{content_digest(gguf_path)[:32]}"
+
+
+def is_converted(out_dir: Path) -> bool:
+    return (out_dir / "model.safetensors").exists() and (out_dir / "config.json").exists()
 
 
 def hf_name(gguf_name: str) -> str:
@@ -125,6 +155,7 @@ def _dequantize(tensor: Any) -> torch.Tensor:
 
 
 def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
+    """Writes the HF-style directory for gguf_path into out_dir (an empty directory)."""
     from gguf import GGUFReader
     from transformers import AutoTokenizer
 
@@ -145,22 +176,12 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
         elif permute and name.endswith("k_proj.weight"):
             w = unpermute_qk(w, cfg["num_key_value_heads"])
         tensors[name] = w.contiguous()
-    tmp = Path(tempfile.mkdtemp(prefix=".partial-", dir=out_dir.parent))
-    try:
-        save_file(tensors, str(tmp / "model.safetensors"))
-        (tmp / "config.json").write_text(json.dumps(cfg, indent=2))
-        log.info("converting the tokenizer of %s", gguf_path.name)
-        tokenizer = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
-        tokenizer.save_pretrained(str(tmp))
-        (tmp / "SOURCE").write_text(str(gguf_path.resolve()))
-        # Atomic publish: a half-written cache directory is never seen by another process.
-        try:
-            tmp.rename(out_dir)
-        except OSError:
-            if not (out_dir / "model.safetensors").exists():
-                raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+    save_file(tensors, str(out_dir / "model.safetensors"))
+    (out_dir / "config.json").write_text(json.dumps(cfg, indent=2))
+    log.info("converting the tokenizer of %s", gguf_path.name)
+    tokenizer = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
+    tokenizer.save_pretrained(str(out_dir))
+    (out_dir / "SOURCE").write_text(str(gguf_path.resolve()))
 
 
 def gguf_to_hf_dir(gguf_path: str | os.PathLike[str]) -> Path:
@@ -169,10 +190,11 @@ def gguf_to_hf_dir(gguf_path: str | os.PathLike[str]) -> Path:
     if not path.is_file():
         raise ModelFileError(f"model file not found: {path}")
     out = gguf_cache_dir(path)
-    if (out / "model.safetensors").exists() and (out / "config.json").exists():
+
+    def build(tmp: Path) -> None:
+        log.info("converting %s (dequantizing to float32; cached in %s)", path, out)
+        convert_gguf(path, tmp)
+
+    if not publish_once(out, build, is_converted):
         log.info("using the converted GGUF cached at %s", out)
-        return out
-    out.parent.mkdir(parents=True, exist_ok=True)
-    log.info("converting %s (dequantizing to float32; cached in %s)", path, out)
-    convert_gguf(path, out)
     return out

@@ -3,6 +3,11 @@ KV cache.
 
 Parameter names follow HF's, except that q/k/v and gate/up are merged (qkv_proj, gate_up_proj): one
 matmul each instead of three and two. The loader does the merging.
+
+Under tensor parallelism (a TPGroup) each rank builds the same modules at its shard's sizes
+(kvpilot.engine.parallel.sharding) and adds the three collectives: an all-reduce after o_proj, after
+down_proj and after the vocab-parallel embedding, and a gather of the logits to rank 0. Without one
+the model is the single-device model, with no collective and no extra op.
 """
 
 from __future__ import annotations
@@ -17,6 +22,8 @@ from kvpilot.engine.attention.base import AttentionBackend, AttentionMetadata
 from kvpilot.engine.config import ModelConfig
 from kvpilot.engine.model import layers
 from kvpilot.engine.model.layer_ops import LayerOps
+from kvpilot.engine.parallel.group import TPGroup
+from kvpilot.engine.parallel.sharding import Shard
 
 
 @dataclass
@@ -38,10 +45,17 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, backend: AttentionBackend, ops: LayerOps) -> None:
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        backend: AttentionBackend,
+        ops: LayerOps,
+        shard: Shard,
+        tp: TPGroup | None,
+    ) -> None:
         super().__init__()
-        self.num_heads = cfg.num_attention_heads
-        self.num_kv_heads = cfg.num_key_value_heads
+        self.num_heads = shard.num_heads
+        self.num_kv_heads = shard.num_kv_heads
         self.head_dim = cfg.head_dim
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
@@ -52,6 +66,7 @@ class Attention(nn.Module):
         self.scale = self.head_dim**-0.5
         self.backend = backend
         self.ops = ops
+        self.tp = tp
 
     def forward(
         self,
@@ -69,25 +84,36 @@ class Attention(nn.Module):
         k_cache, v_cache = kv_cache
         self.backend.write_kv(k, v, k_cache, v_cache, ctx.attn.slot_mapping)
         out = self.backend.forward(q, k_cache, v_cache, ctx.attn, self.scale)
-        return self.o_proj(out.reshape(num_tokens, self.q_size))
+        out = self.o_proj(out.reshape(num_tokens, self.q_size))
+        return out if self.tp is None else self.tp.all_reduce(out)
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig, ops: LayerOps) -> None:
+    def __init__(self, cfg: ModelConfig, ops: LayerOps, shard: Shard, tp: TPGroup | None) -> None:
         super().__init__()
-        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        inter = shard.intermediate_size
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * inter, bias=False)
+        self.down_proj = nn.Linear(inter, cfg.hidden_size, bias=False)
         self.ops = ops
+        self.tp = tp
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.ops.silu_and_mul(self.gate_up_proj(x)))
+        out = self.down_proj(self.ops.silu_and_mul(self.gate_up_proj(x)))
+        return out if self.tp is None else self.tp.all_reduce(out)
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, backend: AttentionBackend, ops: LayerOps) -> None:
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        backend: AttentionBackend,
+        ops: LayerOps,
+        shard: Shard,
+        tp: TPGroup | None,
+    ) -> None:
         super().__init__()
-        self.self_attn = Attention(cfg, backend, ops)
-        self.mlp = MLP(cfg, ops)
+        self.self_attn = Attention(cfg, backend, ops, shard, tp)
+        self.mlp = MLP(cfg, ops, shard, tp)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.ops = ops
@@ -109,11 +135,18 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, cfg: ModelConfig, backend: AttentionBackend, ops: LayerOps) -> None:
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        backend: AttentionBackend,
+        ops: LayerOps,
+        shard: Shard,
+        tp: TPGroup | None,
+    ) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens = nn.Embedding(shard.vocab_per_rank, cfg.hidden_size)
         self.layers = nn.ModuleList(
-            DecoderLayer(cfg, backend, ops) for _ in range(cfg.num_hidden_layers)
+            DecoderLayer(cfg, backend, ops, shard, tp) for _ in range(cfg.num_hidden_layers)
         )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.ops = ops
@@ -126,12 +159,15 @@ class LlamaForCausalLM(nn.Module):
         backend: AttentionBackend,
         max_positions: int,
         ops: LayerOps | None = None,
+        tp: TPGroup | None = None,
     ) -> None:
         super().__init__()
         self.config = cfg
+        self.tp = tp
+        self.shard = Shard(cfg) if tp is None else Shard(cfg, tp.rank, tp.size)
         ops = ops or LayerOps()
-        self.model = LlamaModel(cfg, backend, ops)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.model = LlamaModel(cfg, backend, ops, self.shard, tp)
+        self.lm_head = nn.Linear(cfg.hidden_size, self.shard.vocab_per_rank, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         # A plain attribute, not a buffer: it must stay float32 when the weights move to bf16/fp16.
@@ -141,7 +177,7 @@ class LlamaForCausalLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         """input_ids: [T] -> final hidden states [T, hidden]."""
-        h = self.model.embed_tokens(input_ids)
+        h = self.model.embed_tokens(input_ids) if self.tp is None else self._embed_shard(input_ids)
         residual = None
         cos_sin = self.cos_sin_cache
         for layer, kv_cache in zip(self.model.layers, ctx.kv_caches, strict=True):
@@ -150,6 +186,19 @@ class LlamaForCausalLM(nn.Module):
         h, _ = self.model.ops.rms_norm(h, norm.weight, norm.eps, residual)
         return h
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """[S, hidden] -> [S, vocab] in float32 (sampling and logprobs want full precision)."""
-        return self.lm_head(hidden).float()
+    def _embed_shard(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Vocab-parallel lookup: each rank embeds the ids in its rows, zeros elsewhere, summed."""
+        local = input_ids - self.shard.vocab_start
+        outside = (local < 0) | (local >= self.shard.vocab_per_rank)
+        h = self.model.embed_tokens(local.masked_fill(outside, 0))
+        h.masked_fill_(outside.unsqueeze(-1), 0.0)
+        assert self.tp is not None
+        return self.tp.all_reduce(h)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """[S, hidden] -> [S, vocab] in float32 (sampling and logprobs want full precision); under
+        tensor parallelism on rank 0 only (every rank must call it: it gathers), None elsewhere."""
+        logits = self.lm_head(hidden).float()
+        if self.tp is None:
+            return logits
+        return self.tp.gather_vocab(logits, self.config.vocab_size)

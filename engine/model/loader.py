@@ -17,10 +17,11 @@ from tqdm import tqdm
 
 from kvpilot.engine.attention.base import AttentionBackend
 from kvpilot.engine.config import ModelConfig
-from kvpilot.engine.model.gguf_convert import ModelFileError, gguf_to_hf_dir
+from kvpilot.engine.model.gguf_convert import ModelFileError, gguf_to_hf_dir, hf_config_from_gguf
 from kvpilot.engine.model.layer_ops import LayerOps
 from kvpilot.engine.model.layers import rope_cos_sin_cache
 from kvpilot.engine.model.llama import LlamaForCausalLM
+from kvpilot.engine.parallel.group import TPGroup
 
 log = logging.getLogger("kvpilot")
 
@@ -76,6 +77,23 @@ def resolve_model(model: str | None, load_format: str) -> ResolvedModel:
     return ResolvedModel(path, path.name, _fmt(load_format))
 
 
+def peek_model_config(model: str | None) -> ModelConfig:
+    """The model's shape from its config.json or GGUF header alone: nothing converted or loaded
+    (checks that must pass before any process starts)."""
+    path = bundled_gguf_path() if model is None else Path(model).expanduser()
+    if path.is_dir():
+        return ModelConfig.from_hf_config(read_hf_config(path))
+    if not path.is_file():
+        raise ModelFileError(f"model path not found: {path}")
+    from gguf import GGUFReader
+
+    try:
+        reader = GGUFReader(str(path))
+    except Exception as exc:  # the gguf package raises assorted errors on a damaged file
+        raise ModelFileError(f"{path}: not a readable GGUF file ({exc})") from exc
+    return ModelConfig.from_hf_config(hf_config_from_gguf(reader))
+
+
 def _fmt(load_format: str) -> str:
     return "dummy" if load_format == "dummy" else "safetensors"
 
@@ -94,14 +112,20 @@ def build_model(
     device: torch.device,
     dtype: torch.dtype,
     ops: LayerOps | None = None,
+    tp: TPGroup | None = None,
 ) -> LlamaForCausalLM:
     # Built on the meta device, then given uninitialised storage: no time spent on random init.
     with torch.device("meta"):
-        model = LlamaForCausalLM(cfg, backend, max_positions, ops)
+        model = LlamaForCausalLM(cfg, backend, max_positions, ops, tp)
     # dtype first, on meta: the device then only ever holds the weights in their final dtype.
     model = model.to(dtype).to_empty(device=device)
     if cfg.tie_word_embeddings:  # to_empty re-creates parameters, which unties them
         model.lm_head.weight = model.model.embed_tokens.weight
+    if tp is not None:  # the vocab padding of the last rank: rows no checkpoint fills
+        start, stop = model.shard.vocab_rows
+        with torch.no_grad():
+            model.model.embed_tokens.weight[stop - start :].zero_()
+            model.lm_head.weight[stop - start :].zero_()
     # The rotary table was built on meta like the rest: build it for real (float32, on the device).
     model.cos_sin_cache = rope_cos_sin_cache(
         cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling
@@ -109,19 +133,23 @@ def build_model(
     return model.eval().requires_grad_(False)
 
 
-def load_safetensors_weights(model: LlamaForCausalLM, hf_dir: Path) -> None:
+def load_safetensors_weights(model: LlamaForCausalLM, hf_dir: Path) -> int:
+    """Fills the model's parameters from hf_dir's safetensors files; returns the bytes read.
+
+    Under tensor parallelism each rank reads only its shard's slice of each tensor
+    (safe_open(...).get_slice, over the memory-mapped file), so host memory per rank holds that
+    rank's weights, not the model's."""
     files = sorted(hf_dir.glob("*.safetensors"))
     if not files:
         raise ModelFileError(f"{hf_dir}: no *.safetensors weight files")
     params = dict(model.named_parameters(remove_duplicate=False))
-    cfg = model.config
-    q, kv = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
+    cfg, shard = model.config, model.shard
+    q, kv = shard.num_heads * cfg.head_dim, shard.num_kv_heads * cfg.head_dim
     qkv_slices = [(0, q), (q, q + kv), (q + kv, q + 2 * kv)]
-    gate_up_slices = [
-        (0, cfg.intermediate_size),
-        (cfg.intermediate_size, 2 * cfg.intermediate_size),
-    ]
+    inter = shard.intermediate_size
+    gate_up_slices = [(0, inter), (inter, 2 * inter)]
     loaded: set[str] = set()
+    num_bytes = 0
     for file in tqdm(files, desc="loading weights", unit="file", leave=False):
         try:
             handle = safe_open(str(file), framework="pt", device="cpu")
@@ -136,10 +164,13 @@ def load_safetensors_weights(model: LlamaForCausalLM, hf_dir: Path) -> None:
                 target, rows = _target(name, qkv_slices, gate_up_slices)
                 if target not in params:
                     raise ModelFileError(f"{file}: unexpected tensor {name!r}")
-                tensor = f.get_tensor(name)
+                tensor = _read_shard(f, name, shard.source_slice(name))
+                num_bytes += tensor.numel() * tensor.element_size()
                 dest = (
                     params[target].data if rows is None else params[target].data[rows[0] : rows[1]]
                 )
+                if target in ("model.embed_tokens.weight", "lm_head.weight"):
+                    dest = dest[: tensor.shape[0]]  # the last rank's padding rows stay zero
                 if dest.shape != tensor.shape:
                     raise ModelFileError(
                         f"{file}: tensor {name!r} has shape {tuple(tensor.shape)}, "
@@ -151,6 +182,15 @@ def load_safetensors_weights(model: LlamaForCausalLM, hf_dir: Path) -> None:
     missing = sorted(expected - loaded)
     if missing:
         raise ModelFileError(f"{hf_dir}: missing weights, e.g. {missing[:3]}")
+    return num_bytes
+
+
+def _read_shard(f: Any, name: str, part: tuple[int, int, int] | None) -> torch.Tensor:
+    if part is None:
+        return f.get_tensor(name)
+    dim, start, stop = part
+    view = f.get_slice(name)
+    return view[start:stop] if dim == 0 else view[:, start:stop]
 
 
 def _target(
@@ -213,6 +253,14 @@ def load_tokenizer(hf_dir: Path) -> Any:
         return AutoTokenizer.from_pretrained(str(hf_dir))
     except Exception as exc:
         raise ModelFileError(f"{hf_dir}: no usable tokenizer ({exc})") from exc
+
+
+def eos_token_ids(model_eos: tuple[int, ...], tokenizer: Any) -> tuple[int, ...]:
+    """The model config's EOS ids and the tokenizer's, if it names one."""
+    ids = set(model_eos)
+    if tokenizer is not None and tokenizer.eos_token_id is not None:
+        ids.add(tokenizer.eos_token_id)
+    return tuple(sorted(ids))
 
 
 def model_size_gib(model: torch.nn.Module) -> float:

@@ -15,6 +15,7 @@ from starlette.responses import FileResponse, JSONResponse, Response, StreamingR
 
 from kvpilot.engine.server import errors
 from kvpilot.engine.server.kv_events import TOKENIZER_FILES, KvEventHub, encode_lines
+from kvpilot.engine.server.request_id import HEADER, RequestIdMiddleware, request_id_of
 from kvpilot.engine.server.serving import create_chat_completion, create_completion
 from kvpilot.engine.server.state import ServerState
 
@@ -31,10 +32,14 @@ def create_app(state: ServerState) -> FastAPI:
     app.state.kvpilot = state
     created = int(time.time())
 
+    app.add_middleware(RequestIdMiddleware)
+
     @app.exception_handler(errors.APIError)
-    async def api_error(_: Request, exc: errors.APIError) -> JSONResponse:
+    async def api_error(request: Request, exc: errors.APIError) -> JSONResponse:
         if exc.status_code == 400:
             state.reject("invalid_request", exc)
+        if exc.status_code == 500:
+            logger.error("request %s failed: %s", request_id_of(request), exc.message)
         return error_response(exc)
 
     @app.exception_handler(StarletteHTTPException)
@@ -47,9 +52,13 @@ def create_app(state: ServerState) -> FastAPI:
         return error_response(errors.bad_request(str(exc.errors()[0]["msg"])))
 
     @app.exception_handler(Exception)
-    async def unexpected(_: Request, exc: Exception) -> JSONResponse:
-        logger.exception("unhandled error")
-        return error_response(errors.internal_error(f"Internal server error: {exc!r}"))
+    async def unexpected(request: Request, exc: Exception) -> JSONResponse:
+        # This handler runs outside every middleware: it names the request itself.
+        request_id = request_id_of(request)
+        logger.exception("request %s: unhandled error", request_id)
+        error = errors.internal_error(f"Internal server error (request {request_id}): {exc!r}")
+        error.headers[HEADER] = request_id
+        return error_response(error)
 
     def check_auth(request: Request) -> None:
         key = state.settings.api_key

@@ -49,7 +49,7 @@ from kvpilot.engine.sampling_params import SamplingParams
 from kvpilot.engine.server.kv_events import KvEventHub
 from kvpilot.engine.server.limits import RequestLimits
 from kvpilot.engine.server.metrics import EngineCounters, ServerMetrics, finished_reason
-from kvpilot.engine.server.preprocess import PromptLimits, max_chars_per_token
+from kvpilot.engine.server.preprocess import ChatOptions, PromptLimits, max_chars_per_token
 
 logger = logging.getLogger("kvpilot.server")
 
@@ -127,6 +127,7 @@ class _Live:
     """Output-side bookkeeping of one request in the engine."""
 
     stream: RequestStream
+    params: SamplingParams | None = None  # for the request_params_* metrics
     num_tokens: int = 0
     last_token_time: float | None = None
 
@@ -155,9 +156,14 @@ class ModelInfo:
     hf_dir: str = ""  # the tokenizer's files
     max_chars_per_token: int | None = None  # see preprocess.py; None without a tokenizer
 
-    def limits(self, requests: RequestLimits) -> PromptLimits:
+    def limits(self, requests: RequestLimits, chat: ChatOptions | None = None) -> PromptLimits:
         return PromptLimits(
-            self.model_name, self.max_model_len, self.vocab_size, self.max_chars_per_token, requests
+            self.model_name,
+            self.max_model_len,
+            self.vocab_size,
+            self.max_chars_per_token,
+            requests,
+            chat or ChatOptions(),
         )
 
     def check_prompt_fits(self, num_tokens: int) -> None:
@@ -293,7 +299,7 @@ class AsyncEngine:
             if self.error is not None:
                 raise EngineDeadError(f"the engine is not running: {self.error}")
             self._processor.add_request(request_id, prompt_text, prompt_ids, params, arrival)
-            self._live[request_id] = _Live(stream)
+            self._live[request_id] = _Live(stream, params)
             # Numbered and sent under the lock, so numbers follow the order the core sees.
             self._num_commands_sent += 1
             self._pending_adds.append(self._num_commands_sent)
@@ -382,7 +388,9 @@ class AsyncEngine:
                 block_size=model.block_size,
                 num_gpu_blocks=model.num_blocks,
                 enable_prefix_caching=model.enable_prefix_caching,
+                max_model_len=model.max_model_len,
                 vllm_names=self._vllm_metrics,
+                tensor_parallel_size=model.tensor_parallel_size,
             )
             self.metrics.bind_engine_state(
                 lambda: self.num_waiting, lambda: self.num_running, lambda: self.kv_cache_usage
@@ -433,7 +441,7 @@ class AsyncEngine:
                 if output.finished:
                     del self._live[output.request_id]
                     if metrics is not None:
-                        metrics.record_finished(output, finished_reason(output))
+                        metrics.record_finished(output, finished_reason(output), entry.params)
                 by_loop.setdefault(entry.stream.loop, []).append((entry.stream, output))
         for stream, exc in failed:
             with contextlib.suppress(RuntimeError):

@@ -51,25 +51,27 @@ def build_parser() -> argparse.ArgumentParser:
         description="Serve one model over an OpenAI-compatible HTTP API.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    p.add_argument(
+    m = p.add_argument_group("model")
+    m.add_argument(
         "--model",
         default=None,
         help="HF model directory or .gguf file (default: bundled SmolLM2-135M-Instruct)",
     )
-    p.add_argument(
+    m.add_argument(
         "--served-model-name",
         default=None,
         help="the name clients pass as `model` (default: derived from the model)",
     )
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000, help="0 picks a free port (logged at startup)")
-    p.add_argument(
+    h = p.add_argument_group("HTTP")
+    h.add_argument("--host", default="127.0.0.1")
+    h.add_argument("--port", type=int, default=8000, help="0 picks a free port (logged at startup)")
+    h.add_argument(
         "--api-key",
         default=None,
         help="require `Authorization: Bearer KEY` on /v1/*; visible to `ps`: prefer "
         f"--api-key-file or ${API_KEY_ENV}",
     )
-    p.add_argument(
+    h.add_argument(
         "--api-key-file", default=None, help="read the API key from this file (a mounted Secret)"
     )
     g = p.add_argument_group("engine")
@@ -77,52 +79,85 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
     g.add_argument("--load-format", default="auto", choices=LOAD_FORMATS)
     g.add_argument("--attention-backend", default="auto", choices=ATTENTION_BACKENDS)
-    g.add_argument(
+    sched = p.add_argument_group("scheduler")
+    sched.add_argument(
         "--max-model-len", type=int, default=None, help="default: the model's context length"
     )
     g.add_argument("--seed", type=int, default=0)
-    g.add_argument("--block-size", type=int, default=16, choices=[8, 16, 32, 64, 128])
-    g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
-    g.add_argument("--kv-cache-gib", type=float, default=1.0, help="KV-cache budget on CPU")
-    g.add_argument(
+    kv = p.add_argument_group("KV cache")
+    kv.add_argument("--block-size", type=int, default=16, choices=[8, 16, 32, 64, 128])
+    kv.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
+    kv.add_argument("--kv-cache-gib", type=float, default=1.0, help="KV-cache budget on CPU")
+    kv.add_argument(
+        "--kv-cache-memory-bytes",
+        type=int,
+        default=None,
+        help="KV-cache budget in bytes on CPU or GPU (overrides --kv-cache-gib and the budget "
+        "--gpu-memory-utilization leaves)",
+    )
+    kv.add_argument(
         "--gpu-memory-utilization",
         type=float,
         default=0.9,
         help="fraction of GPU memory the engine may use",
     )
-    g.add_argument(
+    kv.add_argument(
         "--num-gpu-blocks-override",
         type=int,
         default=None,
         help="exact number of KV blocks (overrides both budgets)",
     )
-    g.add_argument("--max-num-seqs", type=int, default=128)
-    g.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    s = p.add_argument_group("server")
-    s.add_argument(
+    par = p.add_argument_group("parallelism")
+    par.add_argument(
+        "--tensor-parallel-size",
+        "-tp",
+        type=int,
+        default=1,
+        help="split the model over this many ranks (processes; one GPU each on CUDA)",
+    )
+    par.add_argument(
+        "--distributed-timeout",
+        type=float,
+        default=120.0,
+        help="seconds a tensor-parallel collective waits for the other ranks before failing",
+    )
+    sched.add_argument("--max-num-seqs", type=int, default=128)
+    sched.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    r = p.add_argument_group("request limits")
+    r.add_argument(
         "--max-queue",
         type=int,
         default=None,
         help="429 when this many requests wait (default: no limit)",
     )
-    s.add_argument("--retry-after", type=int, default=1, help="seconds a 429 tells clients to wait")
+    r.add_argument("--retry-after", type=int, default=1, help="seconds a 429 tells clients to wait")
     limits = RequestLimits()
-    s.add_argument(
+    r.add_argument(
         "--max-request-body-bytes", type=int, default=limits.max_body_bytes, help="413 above this"
     )
-    s.add_argument(
+    r.add_argument(
         "--max-json-depth",
         type=int,
         default=limits.max_json_depth,
         help="400 for a body nested deeper",
     )
-    s.add_argument(
+    r.add_argument(
         "--max-sequences-per-request",
         type=int,
         default=limits.max_sequences,
         help="400 when prompts x n exceeds it",
     )
-    s.add_argument("--max-stop-strings", type=int, default=limits.max_stop, help="per request")
+    r.add_argument("--max-stop-strings", type=int, default=limits.max_stop, help="per request")
+    r.add_argument(
+        "--max-logit-bias", type=int, default=limits.max_logit_bias, help="entries per request"
+    )
+    r.add_argument(
+        "--max-tokens-limit",
+        type=int,
+        default=limits.max_tokens,
+        help="400 for a larger max_tokens; also caps an absent one (default: the context)",
+    )
+    s = p.add_argument_group("server")
     s.add_argument(
         "--shutdown-timeout",
         type=float,
@@ -170,16 +205,33 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         max_model_len=args.max_model_len,
         seed=args.seed,
         served_model_name=args.served_model_name,
+        tensor_parallel_size=args.tensor_parallel_size,
+        distributed_timeout_s=args.distributed_timeout,
         cache=CacheConfig(
             block_size=args.block_size,
             enable_prefix_caching=args.enable_prefix_caching,
             kv_cache_gib=args.kv_cache_gib,
+            kv_cache_bytes=args.kv_cache_memory_bytes,
             gpu_memory_utilization=args.gpu_memory_utilization,
             num_blocks=args.num_gpu_blocks_override,
         ),
         scheduler=SchedulerConfig(
             max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs
         ),
+    )
+
+
+def check_parallelism(config: EngineConfig) -> None:
+    """ValueError, with the numbers, for a tensor-parallel size this model or machine cannot
+    take: checked here so that no process starts for it."""
+    if config.tensor_parallel_size == 1:
+        return
+    from kvpilot.engine.model.loader import peek_model_config
+    from kvpilot.engine.parallel.launch import visible_gpus
+    from kvpilot.engine.parallel.sharding import check_tensor_parallel_size
+
+    check_tensor_parallel_size(
+        peek_model_config(config.model), config.tensor_parallel_size, num_gpus=visible_gpus(config)
     )
 
 
@@ -239,6 +291,7 @@ def main(argv: list[str]) -> int:
     logging.basicConfig(level=args.log_level.upper(), format=LOG_FORMAT, stream=sys.stderr)
     try:
         config = engine_config(args)
+        check_parallelism(config)
         settings = ServerSettings(
             max_queue=args.max_queue,
             retry_after_s=args.retry_after,
@@ -248,6 +301,8 @@ def main(argv: list[str]) -> int:
                 max_json_depth=args.max_json_depth,
                 max_sequences=args.max_sequences_per_request,
                 max_stop=args.max_stop_strings,
+                max_logit_bias=args.max_logit_bias,
+                max_tokens=args.max_tokens_limit,
             ),
         )
     except ValueError as exc:

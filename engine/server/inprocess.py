@@ -20,12 +20,15 @@ from kvpilot.engine.server.state import ServerState
 
 
 def scrape_metrics(url: str) -> dict[str, float]:
-    """`url/metrics` as {"name{label=value,...}": value}; labels sorted, model_name left out."""
+    """`url/metrics` as {"name{label=value,...}": value}; labels sorted, model_name and vLLM's
+    engine index left out (so vllm:x and kvpilot:x read alike)."""
     text = httpx.get(f"{url}/metrics", timeout=10).text
     samples: dict[str, float] = {}
     for family in text_string_to_metric_families(text):
         for s in family.samples:
-            labels = ",".join(f"{k}={v}" for k, v in sorted(s.labels.items()) if k != "model_name")
+            labels = ",".join(
+                f"{k}={v}" for k, v in sorted(s.labels.items()) if k not in ("model_name", "engine")
+            )
             samples[f"{s.name}{{{labels}}}" if labels else s.name] = s.value
     return samples
 

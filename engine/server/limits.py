@@ -17,11 +17,18 @@ class RequestLimits:
     max_json_depth: int = 32  # an OpenAI body nests 5-6 deep
     max_sequences: int = 256  # prompts x n per request
     max_stop: int = 16  # stop strings per request (OpenAI allows 4)
+    max_logit_bias: int = 300  # logit_bias entries per request (OpenAI's own limit)
+    # Tokens one sequence may generate; None: only the model's context bounds it.
+    max_tokens: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("max_body_bytes", "max_json_depth", "max_sequences", "max_stop"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.max_logit_bias < 0:
+            raise ValueError(f"max_logit_bias must be >= 0, got {self.max_logit_bias}")
+        if self.max_tokens is not None and self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
 
 
 def check_json(value: Any, max_depth: int) -> None:
@@ -60,10 +67,11 @@ def too_deep(max_depth: int) -> errors.APIError:
 
 
 def check_fan_out(num_prompts: int, n: int, limits: RequestLimits) -> None:
+    """n here is the sequences generated per prompt: max(n, best_of) where best_of is allowed."""
     if num_prompts * n > limits.max_sequences:
         raise errors.bad_request(
-            f"This request asks for {num_prompts} prompt(s) x n={n} = {num_prompts * n} "
-            f"sequences; the limit is {limits.max_sequences} per request.",
+            f"This request asks for {num_prompts} prompt(s) x {n} sequence(s) each = "
+            f"{num_prompts * n} sequences; the limit is {limits.max_sequences} per request.",
             param="n",
             code="too_many_sequences",
         )
@@ -73,4 +81,38 @@ def check_stop(stop: str | list[str] | None, limits: RequestLimits) -> None:
     if isinstance(stop, list) and len(stop) > limits.max_stop:
         raise errors.bad_request(
             f"{len(stop)} stop strings; the limit is {limits.max_stop}.", param="stop"
+        )
+
+
+def check_logit_bias(
+    logit_bias: dict[str, float] | None, vocab_size: int, limits: RequestLimits
+) -> tuple[tuple[int, float], ...]:
+    """OpenAI's logit_bias ({"token id": bias}) as (id, bias) pairs, or a 400: too many entries,
+    a key that is not a token id of this model's vocabulary."""
+    if not logit_bias:
+        return ()
+    if len(logit_bias) > limits.max_logit_bias:
+        raise errors.bad_request(
+            f"logit_bias has {len(logit_bias)} entries; the limit is {limits.max_logit_bias}.",
+            param="logit_bias",
+            code="too_many_logit_bias",
+        )
+    pairs = []
+    for key, bias in logit_bias.items():
+        token = int(key) if key.isascii() and key.isdecimal() else -1
+        if not 0 <= token < vocab_size:
+            raise errors.bad_request(
+                f"logit_bias: {key[:32]!r} is not a token id of this model (an integer in "
+                f"[0, {vocab_size})).",
+                param="logit_bias",
+            )
+        pairs.append((token, bias))
+    return tuple(pairs)
+
+
+def check_max_tokens(requested: int | None, limits: RequestLimits) -> None:
+    if limits.max_tokens is not None and requested is not None and requested > limits.max_tokens:
+        raise errors.bad_request(
+            f"max_tokens is {requested}; this server allows at most {limits.max_tokens}.",
+            param="max_tokens",
         )

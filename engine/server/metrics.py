@@ -17,9 +17,12 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from kvpilot.engine.outputs import RequestOutput
+from kvpilot.engine.sampling_params import SamplingParams
 
 KVPILOT = "kvpilot"
 VLLM = "vllm"
+# vLLM labels its metrics with the index of the engine core (data parallelism); kvpilot runs one.
+VLLM_ENGINE_INDEX = "0"
 
 # vLLM's buckets, so dashboards built for vLLM's histograms render the same quantiles.
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
@@ -28,9 +31,26 @@ TOKEN_LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5
                          5.0, 7.5, 10.0, 20.0, 40.0, 80.0)  # fmt: skip
 REQUEST_LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0,
                            50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)  # fmt: skip
+# vLLM's buckets of vllm:iteration_tokens_total (tokens per engine step), vllm:request_params_n
+# and vllm:time_per_prefill_token_request_seconds.
+ITERATION_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+N_BUCKETS = (1, 2, 5, 10, 20)
+PREFILL_TOKEN_LATENCY_BUCKETS = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0)
 STEP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 FINISHED_REASONS = ("stop", "length", "abort")
 REJECT_REASONS = ("invalid_request", "model_not_found", "queue_full", "draining", "loading")
+
+
+def build_1_2_5_buckets(max_value: int) -> tuple[int, ...]:
+    """1, 2, 5, 10, 20, 50 ... up to max_value: vLLM's buckets of token counts per request."""
+    buckets: list[int] = []
+    scale = 1
+    while True:
+        for mantissa in (1, 2, 5):
+            if mantissa * scale > max_value:
+                return tuple(buckets)
+            buckets.append(mantissa * scale)
+        scale *= 10
 
 
 @dataclass(frozen=True)
@@ -87,7 +107,9 @@ class ServerMetrics:
         block_size: int,
         num_gpu_blocks: int,
         enable_prefix_caching: bool,
+        max_model_len: int,
         vllm_names: bool = True,
+        tensor_parallel_size: int = 1,
     ) -> None:
         self.registry = registry
         self.model_name = model_name
@@ -108,12 +130,13 @@ class ServerMetrics:
         if vllm_names:
             # vLLM's pre-0.9 name of kv_cache_usage_perc, still read by many KEDA and HPA recipes.
             self.kv_cache_usage.children.append(
-                Gauge(
-                    "vllm:gpu_cache_usage_perc",
+                self._family(
+                    Gauge,
+                    VLLM,
+                    "gpu_cache_usage_perc",
                     "Deprecated alias of vllm:kv_cache_usage_perc.",
-                    ["model_name"],
-                    registry=registry,
-                ).labels(model_name)
+                    [],
+                )()
             )
 
         # Engine counters, advanced by deltas of the engine's cumulative stats.
@@ -123,6 +146,14 @@ class ServerMetrics:
         self.prefix_cache_hits = self._counter(
             "prefix_cache_hits", "Prompt tokens served from the prefix cache."
         )
+        if vllm_names:
+            # vLLM's pre-0.9 names of prefix_cache_queries/hits, still read by older dashboards.
+            for fanout, old_name in (
+                (self.prefix_cache_queries, "gpu_prefix_cache_queries"),
+                (self.prefix_cache_hits, "gpu_prefix_cache_hits"),
+            ):
+                doc = f"Deprecated alias of {VLLM}:{old_name.removeprefix('gpu_')}."
+                fanout.children.append(self._family(Counter, VLLM, old_name, doc, [])())
         self.num_preemptions = self._counter("num_preemptions", "Requests preempted by the engine.")
         self.prompt_tokens = self._counter("prompt_tokens", "Prompt tokens computed (prefilled).")
         self.generation_tokens = self._counter("generation_tokens", "Tokens generated.")
@@ -130,8 +161,7 @@ class ServerMetrics:
             Counter, "request_success", "Finished requests by finish reason.", ["finished_reason"]
         )
         self.request_success = {
-            reason: _Fanout([c.labels(model_name, reason) for c in success])
-            for reason in FINISHED_REASONS
+            reason: _Fanout([bind(reason) for bind in success]) for reason in FINISHED_REASONS
         }
 
         # Per-request latencies, observed when a request finishes (ITL per token-producing step).
@@ -158,6 +188,54 @@ class ServerMetrics:
             "Arrival to first scheduling (time spent waiting).",
             REQUEST_LATENCY_BUCKETS,
         )
+        self.request_inference_time = self._histogram(
+            "request_inference_time_seconds",
+            "First scheduling to last token (time spent running).",
+            REQUEST_LATENCY_BUCKETS,
+        )
+        self.request_prefill_time = self._histogram(
+            "request_prefill_time_seconds",
+            "First scheduling to first token (time spent in prefill).",
+            REQUEST_LATENCY_BUCKETS,
+        )
+        self.request_decode_time = self._histogram(
+            "request_decode_time_seconds",
+            "First token to last token (time spent in decode).",
+            REQUEST_LATENCY_BUCKETS,
+        )
+        self.time_per_prefill_token = self._histogram(
+            "time_per_prefill_token_request_seconds",
+            "Per request: prefill time / prompt tokens.",
+            PREFILL_TOKEN_LATENCY_BUCKETS,
+        )
+
+        # Per-request sizes, observed when a request finishes (vLLM's 1-2-5 buckets up to the
+        # model's context), and tokens per engine step.
+        token_buckets = build_1_2_5_buckets(max_model_len)
+        self.request_prompt_tokens = self._histogram(
+            "request_prompt_tokens", "Prompt tokens of a finished request.", token_buckets
+        )
+        self.request_generation_tokens = self._histogram(
+            "request_generation_tokens",
+            "Tokens a finished request generated (all its choices).",
+            token_buckets,
+        )
+        self.request_max_num_generation_tokens = self._histogram(
+            "request_max_num_generation_tokens",
+            "Tokens generated by a finished request's longest choice.",
+            token_buckets,
+        )
+        self.request_params_max_tokens = self._histogram(
+            "request_params_max_tokens", "The max_tokens parameter of a request.", token_buckets
+        )
+        self.request_params_n = self._histogram(
+            "request_params_n", "The n parameter of a request.", N_BUCKETS
+        )
+        self.iteration_tokens = self._histogram(
+            "iteration_tokens_total",
+            "Tokens per engine step: prompts that got their first token, plus tokens generated.",
+            ITERATION_TOKEN_BUCKETS,
+        )
 
         info = self._labelled(
             Gauge,
@@ -165,13 +243,18 @@ class ServerMetrics:
             "KV-cache configuration; the value is always 1.",
             ["block_size", "num_gpu_blocks", "enable_prefix_caching"],
         )
-        for gauge in info:
-            gauge.labels(
-                model_name, str(block_size), str(num_gpu_blocks), str(enable_prefix_caching)
-            ).set(1)
+        for bind in info:
+            bind(str(block_size), str(num_gpu_blocks), str(enable_prefix_caching)).set(1)
 
         # kvpilot's own server-level metrics (no vLLM equivalent).
         own = {"registry": registry}
+        Gauge(
+            f"{KVPILOT}:parallel_config_info",
+            "How the model is split; the value is always 1. KV-cache blocks and usage count the "
+            "whole model (one block is one block on every rank).",
+            ["model_name", "tensor_parallel_size"],
+            **own,
+        ).labels(model_name, str(tensor_parallel_size)).set(1)
         self.engine_step_duration = Histogram(
             f"{KVPILOT}:engine_step_duration_seconds",
             "Wall time of one engine-core step (scheduling, forward, sampling).",
@@ -199,23 +282,32 @@ class ServerMetrics:
             **own,
         ).labels(model_name)
 
+    def _family(
+        self, kind: type, prefix: str, name: str, doc: str, labels: list[str], **kwargs: Any
+    ) -> Callable[..., Any]:
+        """One metric `prefix:name`; returns (label values) -> its child, with model_name (and,
+        under vllm:, vLLM's `engine` label: one engine core, index 0) filled in."""
+        fixed = [self.model_name, *([VLLM_ENGINE_INDEX] if prefix == VLLM else [])]
+        names = ["model_name", *(["engine"] if prefix == VLLM else []), *labels]
+        metric = kind(f"{prefix}:{name}", doc, names, registry=self.registry, **kwargs)
+        return lambda *values: metric.labels(*fixed, *values)
+
     def _labelled(
         self, kind: type, name: str, doc: str, labels: list[str], **kwargs: Any
-    ) -> list[Any]:
+    ) -> list[Callable[..., Any]]:
         return [
-            kind(f"{prefix}:{name}", doc, ["model_name", *labels], registry=self.registry, **kwargs)
-            for prefix in self._prefixes
+            self._family(kind, prefix, name, doc, labels, **kwargs) for prefix in self._prefixes
         ]
 
     def _gauge(self, name: str, doc: str) -> _Fanout:
-        return _Fanout([g.labels(self.model_name) for g in self._labelled(Gauge, name, doc, [])])
+        return _Fanout([bind() for bind in self._labelled(Gauge, name, doc, [])])
 
     def _counter(self, name: str, doc: str) -> _Fanout:
-        return _Fanout([c.labels(self.model_name) for c in self._labelled(Counter, name, doc, [])])
+        return _Fanout([bind() for bind in self._labelled(Counter, name, doc, [])])
 
     def _histogram(self, name: str, doc: str, buckets: Sequence[float]) -> _Fanout:
         hists = self._labelled(Histogram, name, doc, [], buckets=buckets)
-        return _Fanout([h.labels(self.model_name) for h in hists])
+        return _Fanout([bind() for bind in hists])
 
     def bind_engine_state(
         self,
@@ -236,15 +328,32 @@ class ServerMetrics:
         self.prefix_cache_hits.inc(max(0, counters.prefix_cache_hits - last.prefix_cache_hits))
         self.num_preemptions.inc(max(0, counters.num_preemptions - last.num_preemptions))
         self.prompt_tokens.inc(max(0, counters.num_prompt_tokens - last.num_prompt_tokens))
-        self.generation_tokens.inc(
-            max(0, counters.num_generation_tokens - last.num_generation_tokens)
-        )
+        num_generated = max(0, counters.num_generation_tokens - last.num_generation_tokens)
+        self.generation_tokens.inc(num_generated)
+        # vLLM counts an iteration's prompt tokens when their first token comes, as the engine
+        # core does: the step's tokens are the two deltas. Steps that produced nothing are idle.
+        if num_generated:
+            num_prompt = max(0, counters.num_prompt_tokens - last.num_prompt_tokens)
+            self.iteration_tokens.observe(num_prompt + num_generated)
 
-    def record_finished(self, output: RequestOutput, finished_reason: str) -> None:
-        """Observe the latencies of a finished request (output thread only)."""
+    def record_finished(
+        self,
+        output: RequestOutput,
+        finished_reason: str,
+        params: SamplingParams | None = None,
+    ) -> None:
+        """Observe the sizes and latencies of a finished request (output thread only)."""
         self.request_success[
             finished_reason if finished_reason in FINISHED_REASONS else "stop"
         ].inc()
+        generated = [len(o.token_ids) for o in output.outputs]
+        self.request_prompt_tokens.observe(len(output.prompt_token_ids))
+        self.request_generation_tokens.observe(sum(generated))
+        self.request_max_num_generation_tokens.observe(max(generated, default=0))
+        if params is not None:
+            self.request_params_n.observe(params.n)
+            if params.max_tokens is not None:
+                self.request_params_max_tokens.observe(params.max_tokens)
         m = output.metrics
         if m is None:
             return
@@ -254,6 +363,17 @@ class ServerMetrics:
             self.request_queue_time.observe(max(0.0, m.first_scheduled_time - m.arrival_time))
         if m.finished_time is not None:
             self.e2e_request_latency.observe(max(0.0, m.finished_time - m.arrival_time))
+        if m.first_scheduled_time is not None and m.first_token_time is not None:
+            prefill = max(0.0, m.first_token_time - m.first_scheduled_time)
+            self.request_prefill_time.observe(prefill)
+            if output.prompt_token_ids:
+                self.time_per_prefill_token.observe(prefill / len(output.prompt_token_ids))
+            if m.last_token_time is not None:
+                self.request_inference_time.observe(
+                    max(0.0, m.last_token_time - m.first_scheduled_time)
+                )
+        if m.first_token_time is not None and m.last_token_time is not None:
+            self.request_decode_time.observe(max(0.0, m.last_token_time - m.first_token_time))
         num_generated = max((len(o.token_ids) for o in output.outputs), default=0)
         if num_generated > 1 and m.first_token_time is not None and m.last_token_time is not None:
             decode = max(0.0, m.last_token_time - m.first_token_time)

@@ -23,12 +23,25 @@ from pathlib import Path
 from typing import Any, Literal
 
 from kvpilot.engine.server import errors
-from kvpilot.engine.server.limits import RequestLimits, check_fan_out, check_stop
+from kvpilot.engine.server.constraints import request_constraint
+from kvpilot.engine.server.limits import (
+    RequestLimits,
+    check_fan_out,
+    check_logit_bias,
+    check_max_tokens,
+    check_stop,
+)
 from kvpilot.engine.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     parse_request,
+    requested_max_tokens,
+    sequences_per_prompt,
 )
+from kvpilot.engine.server.tools.parsers import PARSER_NAMES, parser_for_template
+from kvpilot.engine.server.tools.plan import ToolPlan, plan_tools
+from kvpilot.engine.server.tools.prompt import template_inputs
+from kvpilot.engine.structured.spec import StructuredSpec
 
 BIG_BODY_BYTES = 1 << 20
 # Where the tokenizer normalizes its input (NFC/NFKC can merge up to 3-4 characters into one),
@@ -36,6 +49,21 @@ BIG_BODY_BYTES = 1 << 20
 _NORMALIZER_FACTOR = 4
 
 RequestKind = Literal["completion", "chat"]
+
+
+@dataclass(frozen=True)
+class ChatOptions:
+    """The server's chat settings: a template to use instead of the model's, and the tool-call
+    format to parse (None: the one the template speaks)."""
+
+    chat_template: str | None = None
+    tool_call_parser: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.tool_call_parser not in (None, *PARSER_NAMES):
+            raise ValueError(
+                f"tool_call_parser must be one of {PARSER_NAMES}, got {self.tool_call_parser!r}"
+            )
 
 
 @dataclass(frozen=True)
@@ -47,6 +75,7 @@ class PromptLimits:
     vocab_size: int
     max_chars_per_token: int | None  # None without a tokenizer
     requests: RequestLimits = field(default_factory=RequestLimits)
+    chat: ChatOptions = field(default_factory=ChatOptions)
 
 
 @dataclass(frozen=True)
@@ -59,6 +88,10 @@ class Prompt:
 class Preprocessed:
     request: CompletionRequest | ChatCompletionRequest
     prompts: list[Prompt]
+    logit_bias: tuple[tuple[int, float], ...] = ()  # checked against the vocabulary
+    # The output's grammar (response_format, structured_outputs, guided_*, or a forced tool call).
+    constraint: StructuredSpec | None = None
+    tools: ToolPlan | None = None  # chat requests
 
 
 def max_chars_per_token(tokenizer: Any) -> int:
@@ -80,11 +113,15 @@ def preprocess(
     depth = limits.requests.max_json_depth
     if kind == "chat":
         chat = parse_request(ChatCompletionRequest, body, depth)
-        _check_request(chat, 1, limits)
-        return Preprocessed(chat, [chat_prompt(chat, tokenizer, limits)])
+        bias = _check_request(chat, 1, limits)
+        constraint = request_constraint(chat)
+        prompt, tools = chat_request_prompt(chat, tokenizer, limits)
+        return Preprocessed(chat, [prompt], bias, tools.constraint or constraint, tools)
     request = parse_request(CompletionRequest, body, depth)
-    _check_request(request, len(prompt_items(request)), limits)
-    return Preprocessed(request, completion_prompts(request, tokenizer, limits))
+    bias = _check_request(request, len(prompt_items(request)), limits)
+    constraint = request_constraint(request)
+    prompts = completion_prompts(request, tokenizer, limits)
+    return Preprocessed(request, prompts, bias, constraint)
 
 
 def prompt_items(request: CompletionRequest) -> list[str | list[int]]:
@@ -99,11 +136,14 @@ def prompt_items(request: CompletionRequest) -> list[str | list[int]]:
 
 def _check_request(
     request: CompletionRequest | ChatCompletionRequest, prompts: int, limits: PromptLimits
-) -> None:
-    """Before any tokenizing: the model asked for and the request's own limits."""
+) -> tuple[tuple[int, float], ...]:
+    """Before any tokenizing: the model asked for and the request's own limits. Returns the
+    logit_bias as (token id, bias) pairs."""
     _check_model(request.model, limits)
     check_stop(request.stop, limits.requests)
-    check_fan_out(prompts, request.n, limits.requests)
+    check_fan_out(prompts, sequences_per_prompt(request), limits.requests)
+    check_max_tokens(requested_max_tokens(request), limits.requests)
+    return check_logit_bias(request.logit_bias, limits.vocab_size, limits.requests)
 
 
 def _check_model(requested: str | None, limits: PromptLimits) -> None:
@@ -142,14 +182,40 @@ def completion_prompts(
     return prompts
 
 
-def chat_prompt(request: ChatCompletionRequest, tokenizer: Any, limits: PromptLimits) -> Prompt:
-    if tokenizer is None or not getattr(tokenizer, "chat_template", None):
+def _chat_template(tokenizer: Any, chat: ChatOptions) -> str | None:
+    if chat.chat_template is not None:
+        return chat.chat_template
+    template = getattr(tokenizer, "chat_template", None) if tokenizer is not None else None
+    return template if isinstance(template, str) else None
+
+
+def chat_request_prompt(
+    chat: ChatCompletionRequest, tokenizer: Any, limits: PromptLimits
+) -> tuple[Prompt, ToolPlan]:
+    """The chat request's prompt as the server renders it (template, tools) and its tool plan;
+    the router hashes the same tokens."""
+    template = _chat_template(tokenizer, limits.chat)
+    tools = plan_tools(chat, limits.chat.tool_call_parser or parser_for_template(template))
+    return chat_prompt(chat, tokenizer, limits, template, tools.parser_name), tools
+
+
+def chat_prompt(
+    request: ChatCompletionRequest,
+    tokenizer: Any,
+    limits: PromptLimits,
+    template: str | None,
+    tool_format: str,
+) -> Prompt:
+    if tokenizer is None or not template:
         raise errors.bad_request(
             "This model has no chat template; use /v1/completions.", param="messages"
         )
+    messages, tools = template_inputs(request, template, tool_format)
     try:
         text = tokenizer.apply_chat_template(
-            request.chat_messages(),
+            messages,
+            tools=tools,
+            chat_template=template,
             add_generation_prompt=request.add_generation_prompt,
             continue_final_message=request.continue_final_message,
             tokenize=False,

@@ -2,7 +2,7 @@
 
 Strict mode on purpose: OpenAI answers `"temperature": "0.5"` or `"n": true` with a 400, and so do
 we (pydantic's lax mode would coerce them). Unknown fields are ignored, as OpenAI does; known OpenAI
-fields we cannot honour (tools, logit_bias, suffix, ...) are a 400 rather than silently dropped.
+fields we cannot honour (suffix, ...) are a 400 rather than silently dropped.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from kvpilot.engine.sampling_params import SamplingParams
 from kvpilot.engine.server.errors import APIError, bad_request
 from kvpilot.engine.server.limits import RequestLimits, check_json, too_deep
+from kvpilot.engine.structured.spec import StructuredSpec
 
 MAX_LOGPROBS = 20  # the engine returns at most 20 top logprobs per token
 MAX_N = 128  # OpenAI's own limit on n
@@ -28,6 +29,28 @@ class _Strict(BaseModel):
 
 class StreamOptions(_Strict):
     include_usage: bool = False
+
+
+class JsonSchemaFormat(_Strict):
+    name: str = "response"
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None  # the output always follows the schema, strict or not
+
+
+class ResponseFormat(_Strict):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputs(_Strict):
+    """vLLM's `structured_outputs` extra parameter (one of its members)."""
+
+    json_: dict[str, Any] | str | None = Field(default=None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
 
 
 class _SamplingRequest(_Strict):
@@ -52,8 +75,18 @@ class _SamplingRequest(_Strict):
     user: str | None = None
     # kvpilot/vLLM extension: requests with different salts never share prefix-cache blocks.
     cache_salt: Annotated[str, Field(min_length=1)] | None = None
+    # {"token id": bias}; the keys are checked against the vocabulary while preprocessing.
+    logit_bias: dict[str, Annotated[float, Field(ge=-100.0, le=100.0)]] | None = None
+    # Output constraints (constraints.py): OpenAI's response_format (chat and, as vLLM has it,
+    # completions), vLLM's structured_outputs and its older guided_* names.
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    guided_decoding_backend: str | None = None
     # OpenAI fields we do not implement: accepted only at their neutral value.
-    logit_bias: dict[str, float] | None = None
     repetition_penalty: float | None = None
 
     @property
@@ -72,6 +105,38 @@ class CompletionRequest(_SamplingRequest):
     best_of: Annotated[int, Field(ge=1)] | None = None
 
 
+class FunctionDef(_Strict):
+    name: Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.-]+$")]
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class Tool(_Strict):
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class FunctionName(_Strict):
+    name: str
+
+
+class NamedToolChoice(_Strict):
+    type: Literal["function"]
+    function: FunctionName
+
+
+class FunctionCall(_Strict):
+    name: str
+    arguments: str
+
+
+class ToolCall(_Strict):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class TextPart(_Strict):
     type: Literal["text"]
     text: str
@@ -81,6 +146,8 @@ class ChatMessage(_Strict):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None  # assistant messages
+    tool_call_id: str | None = None  # tool messages
 
     def text(self) -> str:
         if self.content is None:
@@ -90,27 +157,25 @@ class ChatMessage(_Strict):
         return "".join(part.text for part in self.content)
 
 
-class ResponseFormat(_Strict):
-    type: Literal["text"]
-
-
 class ChatCompletionRequest(_SamplingRequest):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
     logprobs: bool = False
     top_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
-    response_format: ResponseFormat | None = None
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: str | dict[str, Any] | None = None
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
     add_generation_prompt: bool = True
     continue_final_message: bool = False
 
-    def chat_messages(self) -> list[dict[str, str]]:
-        """Messages as HF chat templates want them; `developer` is OpenAI's new name for system."""
-        return [
-            {"role": "system" if m.role == "developer" else m.role, "content": m.text()}
-            for m in self.messages
-        ]
+    @property
+    def forces_tool_call(self) -> bool:
+        """tool_choice asks for a call whatever the model would say (required or named)."""
+        return self.tool_choice == "required" or isinstance(self.tool_choice, NamedToolChoice)
+
+    @property
+    def parses_tool_calls(self) -> bool:
+        return bool(self.tools) and self.tool_choice != "none"
 
 
 def parse_request(
@@ -154,8 +219,6 @@ def _is_type_tag(part: str) -> bool:
 
 def check_unsupported(request: _SamplingRequest) -> None:
     """Reject OpenAI features we do not implement instead of silently ignoring them."""
-    if request.logit_bias:
-        raise bad_request("logit_bias is not supported.", param="logit_bias")
     if request.repetition_penalty not in (None, 1.0):
         raise bad_request(
             "repetition_penalty is not supported; use presence_penalty or frequency_penalty.",
@@ -173,10 +236,6 @@ def check_unsupported(request: _SamplingRequest) -> None:
         if request.echo and request.logprobs is not None:
             raise bad_request("echo together with logprobs is not supported.", param="echo")
     if isinstance(request, ChatCompletionRequest):
-        if request.tools:
-            raise bad_request("Tool calling is not supported.", param="tools")
-        if request.tool_choice not in (None, "none", "auto"):
-            raise bad_request("Tool calling is not supported.", param="tool_choice")
         if request.top_logprobs is not None and not request.logprobs:
             raise bad_request("top_logprobs requires logprobs to be true.", param="top_logprobs")
         if request.continue_final_message and request.add_generation_prompt:
@@ -205,7 +264,19 @@ def num_logprobs(request: _SamplingRequest) -> int | None:
     return request.logprobs
 
 
-def to_sampling_params(request: _SamplingRequest, max_tokens: int) -> SamplingParams:
+def sequences_per_prompt(request: _SamplingRequest) -> int:
+    """Sequences the engine generates per prompt: n, or best_of where that is larger (best_of
+    is accepted only equal to n today, so the two agree)."""
+    best_of = request.best_of if isinstance(request, CompletionRequest) else None
+    return max(request.n, best_of or 0)
+
+
+def to_sampling_params(
+    request: _SamplingRequest,
+    max_tokens: int,
+    logit_bias: tuple[tuple[int, float], ...] = (),
+    structured: StructuredSpec | None = None,
+) -> SamplingParams:
     """Map validated request fields onto SamplingParams (OpenAI defaults for absent fields)."""
     stop = [request.stop] if isinstance(request.stop, str) else (request.stop or [])
     try:
@@ -224,6 +295,8 @@ def to_sampling_params(request: _SamplingRequest, max_tokens: int) -> SamplingPa
             presence_penalty=request.presence_penalty,
             frequency_penalty=request.frequency_penalty,
             include_stop_str_in_output=request.include_stop_str_in_output,
+            logit_bias=logit_bias,
+            structured=structured,
         )
     except ValueError as exc:
         # SamplingParams names the field first in its message.

@@ -24,7 +24,7 @@ from kvpilot.engine.server.async_engine import (
     RequestFailed,
     RequestStream,
 )
-from kvpilot.engine.server.preprocess import Prompt
+from kvpilot.engine.server.preprocess import Preprocessed, Prompt
 from kvpilot.engine.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -34,12 +34,23 @@ from kvpilot.engine.server.protocol import (
 )
 from kvpilot.engine.server.sse import ClientGone, SSEResponse, unless_disconnected
 from kvpilot.engine.server.state import InFlight, ServerState
+from kvpilot.engine.server.tools import render as tool_render
+from kvpilot.engine.server.tools.parsers import ToolParser
+from kvpilot.engine.server.tools.plan import ToolPlan
+from kvpilot.engine.structured.spec import StructuredSpec
 
 
 def resolve_max_tokens(
-    requested: int | None, prompt_len: int, max_model_len: int, *, what: str, param: str
+    requested: int | None,
+    prompt_len: int,
+    max_model_len: int,
+    *,
+    what: str,
+    param: str,
+    limit: int | None = None,
 ) -> int:
-    """max_tokens to use, or a 400 with OpenAI's context-length message and the numbers."""
+    """max_tokens to use, or a 400 with OpenAI's context-length message and the numbers. Without
+    a request's own max_tokens: what the context leaves, at most `limit` (the server's cap)."""
     if prompt_len >= max_model_len:
         raise errors.bad_request(
             f"This model's maximum context length is {max_model_len} tokens. However, your "
@@ -49,7 +60,7 @@ def resolve_max_tokens(
             code="context_length_exceeded",
         )
     if requested is None:
-        return max_model_len - prompt_len
+        return min(max_model_len - prompt_len, limit or max_model_len)
     if prompt_len + requested > max_model_len:
         raise errors.bad_request(
             f"This model's maximum context length is {max_model_len} tokens. However, you "
@@ -129,6 +140,8 @@ async def start_generation(
     prompts: list[Prompt],
     request_id: str,
     arrival_time: float,
+    logit_bias: tuple[tuple[int, float], ...] = (),
+    constraint: StructuredSpec | None = None,
 ) -> Generation:
     info = state.engine.info
     assert info is not None
@@ -143,7 +156,10 @@ async def start_generation(
                 info.max_model_len,
                 what=what,
                 param=param,
+                limit=state.settings.limits.max_tokens,
             ),
+            logit_bias,
+            constraint,
         )
         for p in prompts
     ]
@@ -182,7 +198,9 @@ async def create_completion(state: ServerState, http: Request) -> Response:
     request, prompts = pre.request, pre.prompts
     assert isinstance(request, CompletionRequest)
     header = render.ResponseHeader(f"cmpl-{uuid.uuid4().hex}", int(time.time()), info.model_name)
-    generation = await start_generation(state, request, prompts, header.id, arrival)
+    generation = await start_generation(
+        state, request, prompts, header.id, arrival, pre.logit_bias, pre.constraint
+    )
     if request.stream:
         return SSEResponse(
             _completion_events(generation, request, prompts, header), on_close=generation.close
@@ -264,10 +282,13 @@ async def create_chat_completion(state: ServerState, http: Request) -> Response:
     header = render.ResponseHeader(
         f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), info.model_name
     )
-    generation = await start_generation(state, request, prompts, header.id, arrival)
+    generation = await start_generation(
+        state, request, prompts, header.id, arrival, pre.logit_bias, pre.constraint
+    )
+    tools = _tool_reading(pre)
     if request.stream:
         return SSEResponse(
-            _chat_events(generation, request, prompts, header), on_close=generation.close
+            _chat_events(generation, request, prompts, header, tools), on_close=generation.close
         )
     try:
         (final,) = await unless_disconnected(generation.final_outputs(), http.receive)
@@ -283,8 +304,28 @@ async def create_chat_completion(state: ServerState, http: Request) -> Response:
         logprobs = None
         if num_top is not None and o.logprobs is not None:
             logprobs = render.chat_logprobs(o.token_ids, o.logprobs, num_top)
-        choices.append(render.chat_choice(o.index, o.text, logprobs, o))
+        choice = render.chat_choice(o.index, o.text, logprobs, o)
+        if tools is not None:
+            parsed = tool_render.parse_final(tools.parser, o.text, tools.max_calls)
+            choice["message"] = tool_render.tool_message(parsed, o.text)
+            choice["finish_reason"] = tool_render.finish_reason(parsed, o.finish_reason)
+        choices.append(choice)
     return JSONResponse(render.chat_body(header, choices, usage_of(prompts, [final])))
+
+
+class ToolReading:
+    """How a chat request's outputs are read for tool calls."""
+
+    def __init__(self, plan: ToolPlan, parser: ToolParser) -> None:
+        self.parser = parser
+        self.max_calls = None if plan.parallel else 1
+
+
+def _tool_reading(pre: Preprocessed) -> ToolReading | None:
+    if pre.tools is None:
+        return None
+    parser = pre.tools.parser()
+    return None if parser is None else ToolReading(pre.tools, parser)
 
 
 async def _chat_events(
@@ -292,9 +333,11 @@ async def _chat_events(
     request: ChatCompletionRequest,
     prompts: list[Prompt],
     header: render.ResponseHeader,
+    tools: ToolReading | None = None,
 ) -> AsyncIterator[str]:
     num_top, with_usage = num_logprobs(request), request.include_usage
     cursors = [render.ChoiceCursor() for _ in range(request.n)]
+    tool_cursors = [tool_render.ToolStreamCursor() for _ in range(request.n)]
     latest: list[RequestOutput | None] = [None]
 
     def chunk(choice: dict[str, Any]) -> str:
@@ -313,14 +356,29 @@ async def _chat_events(
                 logprobs = None
                 if num_top is not None and delta.logprobs is not None and delta.token_ids:
                     logprobs = render.chat_logprobs(delta.token_ids, delta.logprobs, num_top)
-                if delta.text or logprobs is not None:
+                finish_reason = delta.finish_reason
+                if tools is not None:
+                    deltas, parsed = tool_render.tool_deltas(
+                        tool_cursors[o.index],
+                        tools.parser,
+                        o.text,
+                        final=finish_reason is not None,
+                        max_calls=tools.max_calls,
+                    )
+                    for i, piece in enumerate(deltas):
+                        yield chunk(
+                            render.chat_chunk_choice(o.index, piece, logprobs if i == 0 else None)
+                        )
+                    if finish_reason is not None:
+                        finish_reason = tool_render.finish_reason(parsed, finish_reason)
+                elif delta.text or logprobs is not None:
                     yield chunk(
                         render.chat_chunk_choice(o.index, {"content": delta.text}, logprobs)
                     )
-                if delta.finish_reason is not None:
+                if finish_reason is not None:
                     yield chunk(
                         render.chat_chunk_choice(
-                            o.index, {}, None, delta.finish_reason, delta.stop_reason
+                            o.index, {}, None, finish_reason, delta.stop_reason
                         )
                     )
     except RequestFailed as exc:

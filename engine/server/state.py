@@ -21,6 +21,7 @@ from kvpilot.engine.server.async_engine import AsyncEngine, ModelInfo
 from kvpilot.engine.server.limits import RequestLimits
 from kvpilot.engine.server.preprocess import (
     BIG_BODY_BYTES,
+    ChatOptions,
     Preprocessed,
     RequestKind,
     init_worker,
@@ -38,6 +39,7 @@ class ServerSettings:
     retry_after_s: int = 1  # the Retry-After a 429 carries
     api_key: str | None = None
     limits: RequestLimits = field(default_factory=RequestLimits)
+    chat: ChatOptions = field(default_factory=ChatOptions)
 
     def __post_init__(self) -> None:
         if self.max_queue is not None and self.max_queue < 0:
@@ -115,7 +117,10 @@ class ServerState:
             return await loop.run_in_executor(
                 self._tokenizer_pool,
                 lambda: preprocess(
-                    kind, body, self._thread_tokenizer(info), info.limits(self.settings.limits)
+                    kind,
+                    body,
+                    self._thread_tokenizer(info),
+                    info.limits(self.settings.limits, self.settings.chat),
                 ),
             )
         except errors.APIError as exc:
@@ -136,7 +141,7 @@ class ServerState:
                 initializer=init_worker,
                 initargs=(
                     info.hf_dir if info.tokenizer is not None else None,
-                    info.limits(self.settings.limits),
+                    info.limits(self.settings.limits, self.settings.chat),
                     os.getpid(),
                 ),
             )

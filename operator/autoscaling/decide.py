@@ -38,6 +38,14 @@ class Decision:
     is_panic: bool
     load: float | None  # summed saturation this tick; None when no pod reported
     state: AutoscalerState
+    num_ready: int = 0
+
+    @property
+    def saturation(self) -> float | None:
+        """Mean saturation per Ready pod this tick."""
+        if self.load is None or not self.num_ready:
+            return None
+        return round(self.load / self.num_ready, 4)
 
     @property
     def direction(self) -> str:
@@ -148,6 +156,7 @@ def decide(
         is_panic=panic_since is not None,
         load=load,
         state=new_state,
+        num_ready=num_ready,
     )
 
 
@@ -181,7 +190,7 @@ def _limit(
     limited = min(max(target, step_down), step_up)
     if limited != target:
         message += f"; rate limit: {target} -> {limited}"
-    clamped = min(max(limited, policy.min_replicas), policy.max_replicas)
+    clamped = policy.clamp(limited)
     if clamped != limited:
         message += f"; clamped to [{policy.min_replicas}, {policy.max_replicas}]: {clamped}"
         if limited == current:  # nothing but the bounds (changed by the user) moves it

@@ -63,10 +63,60 @@ class OperatorMetrics:
             RESOURCE_LABELS,
             registry=registry,
         )
+        # What dashboards and alerts compare desired_replicas with.
+        self.current_replicas = Gauge(
+            "kvpilot_operator_current_replicas",
+            "The Deployment's replicas an autoscaler tick found.",
+            RESOURCE_LABELS,
+            registry=registry,
+        )
+        self.max_replicas = Gauge(
+            "kvpilot_operator_max_replicas",
+            "spec.autoscaling.maxReplicas of an InferenceService.",
+            RESOURCE_LABELS,
+            registry=registry,
+        )
+        self.saturation = Gauge(
+            "kvpilot_operator_saturation",
+            "Mean saturation per Ready pod (1.0 = at target) of an InferenceService.",
+            RESOURCE_LABELS,
+            registry=registry,
+        )
+        self.reconcile_errors = Counter(
+            "kvpilot_operator_reconcile_errors",
+            "Reconciles that failed (API errors, retried by kopf with backoff).",
+            RESOURCE_LABELS,
+            registry=registry,
+        )
+        self.degraded = Gauge(
+            "kvpilot_operator_degraded",
+            "1 while an InferenceService's Degraded condition is True, labelled with its reason.",
+            [*RESOURCE_LABELS, "reason"],
+            registry=registry,
+        )
+        self._degraded_reasons: dict[tuple[str, str], str] = {}
+
+    def set_degraded(self, namespace: str, name: str, reason: str | None) -> None:
+        """The one series of the current Degraded reason (None: not degraded, no series)."""
+        previous = self._degraded_reasons.pop((namespace, name), None)
+        if previous is not None and previous != reason:
+            with contextlib.suppress(KeyError):
+                self.degraded.remove(namespace, name, previous)
+        if reason is not None:
+            self.degraded.labels(namespace, name, reason).set(1)
+            self._degraded_reasons[(namespace, name)] = reason
 
     def forget(self, namespace: str, name: str) -> None:
         """Drops the per-InferenceService series once it is deleted."""
-        for gauge in (self.desired_replicas, self.load, self.panic):
+        gauges = (
+            self.desired_replicas,
+            self.load,
+            self.panic,
+            self.current_replicas,
+            self.max_replicas,
+            self.saturation,
+        )
+        for gauge in gauges:
             with contextlib.suppress(KeyError):  # never set for this resource
                 gauge.remove(namespace, name)
         series = [(self.scale_decisions, d) for d in ("up", "down")]
@@ -74,3 +124,11 @@ class OperatorMetrics:
         for counter, value in series:
             with contextlib.suppress(KeyError):
                 counter.remove(namespace, name, value)
+
+    def forget_resource(self, namespace: str, name: str) -> None:
+        """Drops every series of an InferenceService that is gone (forget: only the
+        autoscaler's, for one that stopped autoscaling)."""
+        self.forget(namespace, name)
+        self.set_degraded(namespace, name, None)
+        with contextlib.suppress(KeyError):
+            self.reconcile_errors.remove(namespace, name)

@@ -157,6 +157,10 @@ class AutoscalingPolicy:
             raise ValueError("autoscaling.maxReplicas is required")
         return cls(**kwargs)
 
+    def clamp(self, replicas: int) -> int:
+        """The count within [min_replicas, max_replicas]: the only place the bounds apply."""
+        return min(max(replicas, self.min_replicas), self.max_replicas)
+
     def saturation(self, num_waiting: float, kv_cache_usage: float) -> float:
         """One pod's saturation; 1.0 is exactly at target."""
         return max(

@@ -41,27 +41,22 @@ class TickResult:
     decision: Decision | None = None
 
 
-def is_tick_due(body: Mapping[str, Any], now: float) -> bool:
-    """Whether the InferenceService autoscales and its interval has passed since the last tick.
+def is_tick_due(policy: AutoscalingPolicy, status: Mapping[str, Any] | None, now: float) -> bool:
+    """Whether the policy's interval has passed since the last tick `status` records.
 
     Lets a kopf timer fire more often than the slowest per-resource intervalSeconds.
     """
-    autoscaling = (body.get("spec") or {}).get("autoscaling")
-    if not autoscaling:
-        return False
     try:
-        interval_s = AutoscalingPolicy.from_spec(autoscaling).interval_s
-        last_tick = AutoscalerState.from_dict(
-            (body.get("status") or {}).get("autoscaling")
-        ).last_tick
+        last_tick = AutoscalerState.from_dict((status or {}).get("autoscaling")).last_tick
     except ValueError:
         return True  # the tick reports the problem
     # 10 % slack: timers jitter, and skipping a tick by a hair would double the interval.
-    return last_tick is None or now - last_tick >= 0.9 * interval_s
+    return last_tick is None or now - last_tick >= 0.9 * policy.interval_s
 
 
 async def autoscale_tick(
     body: Mapping[str, Any],
+    policy: AutoscalingPolicy,
     pods: Sequence[Mapping[str, Any]],
     current_replicas: int,
     *,
@@ -72,6 +67,7 @@ async def autoscale_tick(
 ) -> TickResult:
     """Scrapes the Ready pods of `body` (an InferenceService) and decides its replicas.
 
+    policy: its spec.autoscaling, parsed once by the caller (spec.autoscaling.policy).
     pods: the InferenceService's pods as the API returns them (any phase; terminating ones are
         ignored). current_replicas: the Deployment's spec.replicas. now: epoch seconds.
     """
@@ -81,17 +77,6 @@ async def autoscale_tick(
     previous = (body.get("status") or {}).get("autoscaling") or {}
     if not isinstance(previous, Mapping):  # hand-edited status: from_dict reports it below
         previous = {"window": previous}
-    autoscaling_spec = (body.get("spec") or {}).get("autoscaling")
-    if not autoscaling_spec:
-        return TickResult(replicas=None)
-    try:
-        policy = AutoscalingPolicy.from_spec(autoscaling_spec)
-    except ValueError as exc:
-        # Warn once per distinct error, not on every tick.
-        is_new = previous.get("error") != str(exc)
-        events = (EventSpec("Warning", "InvalidAutoscaling", str(exc)),) if is_new else ()
-        return TickResult(None, {"autoscaling": {"error": str(exc)}}, events)
-
     events: list[EventSpec] = []
     try:
         state = AutoscalerState.from_dict(previous)
@@ -142,7 +127,7 @@ async def autoscale_tick(
             )
         )
     if metrics is not None:
-        _record(metrics, namespace, name, decision, errors)
+        _record(metrics, namespace, name, policy, decision, errors)
         metrics.autoscale_tick_duration.observe(time.perf_counter() - started)
     return TickResult(
         replicas=decision.replicas if decision.direction != "none" else None,
@@ -176,7 +161,7 @@ def build_status_patch(
             else None
         ),
         "load": decision.load,
-        "saturation": None if decision.load is None else round(decision.load / num_ready, 4),
+        "saturation": decision.saturation,
     }
     return {
         "desiredReplicas": decision.replicas,
@@ -194,6 +179,7 @@ def _record(
     metrics: OperatorMetrics,
     namespace: str,
     name: str,
+    policy: AutoscalingPolicy,
     decision: Decision,
     errors: Mapping[str, ScrapeError],
 ) -> None:
@@ -202,6 +188,11 @@ def _record(
     for error in errors.values():
         metrics.scrape_errors.labels(namespace, name, error.kind).inc()
     metrics.desired_replicas.labels(namespace, name).set(decision.replicas)
+    metrics.current_replicas.labels(namespace, name).set(decision.previous_replicas)
+    metrics.max_replicas.labels(namespace, name).set(policy.max_replicas)
     metrics.panic.labels(namespace, name).set(1 if decision.is_panic else 0)
     if decision.load is not None:
         metrics.load.labels(namespace, name).set(decision.load)
+    saturation = decision.saturation
+    if saturation is not None:
+        metrics.saturation.labels(namespace, name).set(saturation)

@@ -10,7 +10,26 @@ InferenceService (WAKE_ANNOTATION), and the operator scales it to one replica at
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from typing import Any
+
 from kvpilot.operator.autoscaling.policy import AutoscalingPolicy
+
+
+def wake_scope(body: Mapping[str, Any]) -> tuple[int | None, AutoscalingPolicy] | None:
+    """(generation, policy) to scale a woken InferenceService with, or None when it cannot
+    scale to zero (no autoscaling, minReplicas above 0, or an invalid spec: reconcile reports
+    that)."""
+    autoscaling = (body.get("spec") or {}).get("autoscaling")
+    if not autoscaling:
+        return None
+    try:
+        policy = AutoscalingPolicy.from_spec(autoscaling)
+    except ValueError:
+        return None
+    if policy.min_replicas != 0:
+        return None
+    return (body.get("metadata") or {}).get("generation"), policy
 
 
 def last_replica(

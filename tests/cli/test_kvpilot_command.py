@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.metadata
 import subprocess
 import sys
 
@@ -17,9 +18,12 @@ def run_python(*args: str) -> subprocess.CompletedProcess[str]:
 
 
 def test_usage_and_unknown_command(capsys: pytest.CaptureFixture[str]) -> None:
-    assert main([]) == 0
     assert main(["--help"]) == 0
     assert "generate,serve,operator" in capsys.readouterr().out
+    # No command: usage on stderr and exit status 2, as argparse does for a missing argument.
+    assert main([]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and "usage: kvpilot" in captured.err
     assert main(["bogus"]) == 2
     assert "unknown command 'bogus'" in capsys.readouterr().err
 
@@ -49,6 +53,33 @@ def test_each_command_imports_only_its_side(
     result = run_python("-c", code)
     assert result.returncode == 0, result.stderr[-4000:]
     assert usage in result.stdout
+
+
+def test_version_is_the_installed_packages() -> None:
+    result = run_python("-m", "kvpilot.cli", "--version")
+    assert result.returncode == 0, result.stderr[-4000:]
+    assert result.stdout.strip() == f"kvpilot {importlib.metadata.version('kvpilot')}"
+    assert importlib.metadata.version("kvpilot")[0].isdigit()
+
+
+def test_serve_help_is_grouped() -> None:
+    from kvpilot.engine.server.cli import build_parser
+
+    groups = {
+        group.title: {action.dest for action in group._group_actions}
+        for group in build_parser()._action_groups
+    }
+    expected = {
+        "model": {"model", "served_model_name"},
+        "HTTP": {"host", "port", "api_key", "api_key_file"},
+        "KV cache": {"block_size", "kv_cache_gib", "gpu_memory_utilization"},
+        "scheduler": {"max_num_seqs", "max_num_batched_tokens", "max_model_len"},
+        "request limits": {"max_queue", "max_request_body_bytes", "max_stop_strings"},
+    }
+    for title, dests in expected.items():
+        assert dests <= groups.get(title, set()), (title, groups.get(title))
+    # Every option sits in a named group; only -h is left among argparse's own "options".
+    assert groups["options"] == {"help"}
 
 
 def test_python_dash_m() -> None:

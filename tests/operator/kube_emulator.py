@@ -24,8 +24,8 @@ from typing import Any
 import aiohttp.web
 import jsonpatch
 import kmock
-from kmock._internal import dicts, rendering
 
+from .autoscaling_helpers import merge_patch
 from .server_defaults import stored
 
 # (resource, kind, namespaced, subresources): every resource the operator or kopf touches must be
@@ -35,6 +35,8 @@ RESOURCES = (
     ("kvpilot.dev/v1alpha1/inferenceservices", "InferenceService", True, {"status", "scale"}),
     ("apps/v1/deployments", "Deployment", True, {"status", "scale"}),
     ("v1/services", "Service", True, {"status"}),
+    ("policy/v1/poddisruptionbudgets", "PodDisruptionBudget", True, {"status"}),
+    ("networking.k8s.io/v1/networkpolicies", "NetworkPolicy", True, set()),
     ("v1/pods", "Pod", True, {"status"}),
     ("v1/events", "Event", True, set()),
     ("v1/namespaces", "Namespace", False, {"status"}),
@@ -57,7 +59,7 @@ class KubeEmulator(kmock.KubernetesEmulator):
         self._last_version = next(self._versions)
         return str(self._last_version)
 
-    async def _handle(self, request: rendering.Request) -> aiohttp.web.StreamResponse:
+    async def _handle(self, request: kmock.Request) -> aiohttp.web.StreamResponse:
         if request.resource is not None and request.params.get("dryRun"):
             return aiohttp.web.json_response(self._dry_run(request))
         if request.resource is not None:
@@ -71,13 +73,13 @@ class KubeEmulator(kmock.KubernetesEmulator):
                 self._prepare_delete(request)
         return await super()._handle(request)
 
-    async def _serve_list(self, request: rendering.Request) -> Any:
+    async def _serve_list(self, request: kmock.Request) -> Any:
         # A real list carries the resourceVersion a watch continues from.
         listing = await super()._serve_list(request)
         listing["metadata"]["resourceVersion"] = str(self._last_version)
         return listing
 
-    async def _serve_watch(self, request: rendering.Request) -> AsyncIterator[Any]:
+    async def _serve_watch(self, request: kmock.Request) -> AsyncIterator[Any]:
         # A watch from a resourceVersion sends only what changed after it; the stock emulator
         # replays every object as ADDED, and kopf then handles a stale copy twice.
         since = request.params.get("resourceVersion", "")
@@ -88,7 +90,7 @@ class KubeEmulator(kmock.KubernetesEmulator):
                     continue
             yield event
 
-    def _prepare_delete(self, request: rendering.Request) -> None:
+    def _prepare_delete(self, request: kmock.Request) -> None:
         """Marking a finalized object for deletion is a change too: a new resourceVersion."""
         key = (request.resource, request.namespace, request.name)
         if key in self._objects and not self._objects[key].deleted:
@@ -96,19 +98,19 @@ class KubeEmulator(kmock.KubernetesEmulator):
             if metadata.get("finalizers") and not metadata.get("deletionTimestamp"):
                 self._objects[key].patch({"metadata": {"resourceVersion": self._next_version()}})
 
-    def _has_status(self, request: rendering.Request) -> bool:
+    def _has_status(self, request: kmock.Request) -> bool:
         for resource, _, _, subresources in RESOURCES:
             if kmock.resource(resource) == request.resource:
                 return "status" in subresources
         return False
 
-    def _kind(self, request: rendering.Request) -> str | None:
+    def _kind(self, request: kmock.Request) -> str | None:
         for resource, kind, _, _ in RESOURCES:
             if kmock.resource(resource) == request.resource:
                 return kind
         return None
 
-    def _dry_run(self, request: rendering.Request) -> dict[str, Any]:
+    def _dry_run(self, request: kmock.Request) -> dict[str, Any]:
         """A dry-run patch: the object as the patch would leave it, nothing stored or sent."""
         if request.action != kmock.action.UPDATE or request.data is None:
             raise kmock.KubernetesError(
@@ -119,18 +121,18 @@ class KubeEmulator(kmock.KubernetesEmulator):
             raise kmock.KubernetesObjectNotFoundError()
         return self._patched(request, copy.deepcopy(self._objects[key].raw))
 
-    def _patched(self, request: rendering.Request, old: dict[str, Any]) -> dict[str, Any]:
+    def _patched(self, request: kmock.Request, old: dict[str, Any]) -> dict[str, Any]:
         """`old` with the request's patch applied, in the server's stored form."""
         patch = request.data
         if self._has_status(request):
             patch = _isolate(patch, to_status=request.subresource == "status")
         try:
-            new = dict(dicts.patch_dict(copy.deepcopy(old), copy.deepcopy(patch)))
+            new = _apply_patch(copy.deepcopy(old), copy.deepcopy(patch))
         except jsonpatch.JsonPatchException as error:  # e.g. kopf's resourceVersion "test"
             raise kmock.KubernetesError(status=422, reason="Invalid", message=str(error)) from None
         return stored(self._kind(request) or "", new)
 
-    def _prepare_create(self, request: rendering.Request) -> None:
+    def _prepare_create(self, request: kmock.Request) -> None:
         data = request.data
         metadata = data.setdefault("metadata", {})
         if not metadata.get("name") and metadata.get("generateName"):
@@ -147,7 +149,7 @@ class KubeEmulator(kmock.KubernetesEmulator):
             data.pop("status", None)  # status is written through /status only
         object.__setattr__(request, "data", stored(self._kind(request) or "", data))
 
-    def _prepare_patch(self, request: rendering.Request) -> dict[str, Any] | None:
+    def _prepare_patch(self, request: kmock.Request) -> dict[str, Any] | None:
         """Adds the server's metadata changes to a patch; returns the object if it is a no-op.
 
         The patch stays a patch (applied later, under the emulator's lock, to whatever the object
@@ -210,3 +212,11 @@ def _merge_diff(old: dict[str, Any], new: dict[str, Any]) -> dict[str, Any]:
 
 def _now() -> str:
     return datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def _apply_patch(old: dict[str, Any], patch: dict[str, Any] | list[Any]) -> dict[str, Any]:
+    """A merge patch (a mapping) or a JSON patch (a list of operations), as the API server."""
+    if isinstance(patch, list):
+        return jsonpatch.apply_patch(old, patch)
+    merge_patch(old, patch)
+    return old

@@ -22,7 +22,7 @@ import re
 from decimal import Decimal
 from typing import Any
 
-from kvpilot.operator.quantity import parse_quantity
+from kubernetes.utils import parse_quantity
 
 # Non-pointer `bool ... omitempty` fields the pod template can carry: false is not stored.
 OMITTED_FALSE = {"readOnly", "stdin", "stdinOnce", "tty", "hostNetwork", "hostPID", "hostIPC"}

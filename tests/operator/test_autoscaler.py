@@ -12,8 +12,8 @@ from typing import Any
 
 import pytest
 
-from kvpilot.operator.autoscaler import Autoscaler
-from kvpilot.operator.autoscaling import PodMetrics, ScrapeTarget
+from kvpilot.operator.autoscaling import AutoscalingPolicy, PodMetrics, ScrapeTarget
+from kvpilot.operator.autoscaling.autoscaler import Autoscaler
 from kvpilot.operator.autoscaling.scrape import ScrapeResult
 from kvpilot.operator.builders import selector_labels
 from kvpilot.operator.config import OperatorConfig
@@ -26,11 +26,11 @@ NOW = 1_750_000_000.0
 UID = "uid-chat"
 
 
-def isvc(**autoscaling: Any) -> dict[str, Any]:
+def isvc(generation: int = 1, **autoscaling: Any) -> dict[str, Any]:
     return {
         "apiVersion": "kvpilot.dev/v1alpha1",
         "kind": "InferenceService",
-        "metadata": {"name": "chat", "namespace": "serving", "uid": UID, "generation": 1},
+        "metadata": {"name": "chat", "namespace": "serving", "uid": UID, "generation": generation},
         "spec": {
             "model": {"uri": "builtin://smollm2-135m-instruct"},
             "autoscaling": {"minReplicas": 1, "maxReplicas": 4, **autoscaling},
@@ -155,7 +155,7 @@ async def test_the_fresh_object_decides_not_kopfs_copy() -> None:
     ("fresh", "live"),
     [
         (None, deployment(2)),  # deleted meanwhile
-        ({**isvc(), "spec": {"model": {"uri": "builtin://smollm2-135m-instruct"}}}, deployment(2)),
+        ({**isvc(2), "spec": {"model": {"uri": "builtin://smollm2-135m-instruct"}}}, deployment(2)),
         (isvc(), None),  # reconcile has not created the Deployment yet
         (isvc(), deployment(2, owner_uid="someone-else")),  # not ours
     ],
@@ -174,11 +174,50 @@ async def test_nothing_is_written_when_there_is_nothing_to_scale(
 async def test_a_spec_broken_under_the_tick_is_left_to_reconcile() -> None:
     # Valid in kopf's copy; the fresh one is invalid (the panic window exceeds the stable one):
     # the tick computes nothing to apply, and reconcile reports InvalidSpec.
-    api = MemoryApi(isvc(panicWindowSeconds=30), deployment(2))
+    api = MemoryApi(isvc(2, panicWindowSeconds=30), deployment(2))
     scaler, events = autoscaler(api, num_waiting=50)
     assert await scaler.run(isvc()) is None
     assert not {"scale_deployment", "patch_status"} & set(api.calls)
     assert events == []
+    # Invalid in kopf's copy too: not even a read.
+    api.calls.clear()
+    assert await scaler.run(isvc(2, panicWindowSeconds=30)) is None
+    assert api.calls == []
+
+
+class EditedDuringTheTick(MemoryApi):
+    """The user edits the spec (generation 2) while the tick scrapes its pods."""
+
+    def list_pods(self, namespace: str, selector: dict[str, str]) -> list[dict[str, Any]]:
+        pods = super().list_pods(namespace, selector)
+        assert self.body is not None
+        self.body = isvc(2, maxReplicas=2)
+        return pods
+
+
+async def test_a_decision_on_a_spec_edited_meanwhile_is_not_applied() -> None:
+    api = EditedDuringTheTick(isvc(), deployment(2))
+    scaler, events = autoscaler(api, num_waiting=50)
+    assert await scaler.run(isvc()) is None
+    assert not {"scale_deployment", "patch_status"} & set(api.calls)
+    assert events == []
+
+
+async def test_one_tick_parses_the_settings_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    num_parses = 0
+    original = AutoscalingPolicy.from_spec.__func__  # type: ignore[attr-defined]
+
+    def counting(cls: type[AutoscalingPolicy], autoscaling: Any) -> AutoscalingPolicy:
+        nonlocal num_parses
+        num_parses += 1
+        return original(cls, autoscaling)
+
+    monkeypatch.setattr(AutoscalingPolicy, "from_spec", classmethod(counting))
+    api = MemoryApi(isvc(), deployment(2))
+    scaler, _ = autoscaler(api, num_waiting=50)
+    result = await scaler.run(isvc())
+    assert result is not None and result.replicas == 4
+    assert num_parses == 1
 
 
 @pytest.mark.parametrize("failing", ["get_inferenceservice", "list_pods", "scale_deployment"])

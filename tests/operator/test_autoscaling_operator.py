@@ -201,6 +201,9 @@ async def test_replicas_follow_the_engines_queue(
         up = series(namespace, direction="up")
         assert metrics[("kvpilot_operator_scale_decisions_total", up)] == 1
         assert metrics[("kvpilot_operator_desired_replicas", series(namespace))] == 2
+        assert metrics[("kvpilot_operator_current_replicas", series(namespace))] == 2
+        assert metrics[("kvpilot_operator_max_replicas", series(namespace))] == 3
+        assert metrics[("kvpilot_operator_saturation", series(namespace))] > 0
 
         # An operator restart keeps the windows and decisions: they live in status.
         await stop_operator(running)

@@ -182,6 +182,7 @@ def test_reads_what_the_kvpilot_engine_exports(vllm_names: bool) -> None:
         block_size=16,
         num_gpu_blocks=64,
         enable_prefix_caching=True,
+        max_model_len=2048,
         vllm_names=vllm_names,
     )
     metrics.num_requests_waiting.set(4)

@@ -17,6 +17,7 @@ import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 
 from kvpilot.operator.autoscaling import (
+    AutoscalingPolicy,
     EventSpec,
     MetricsScraper,
     OperatorMetrics,
@@ -24,6 +25,7 @@ from kvpilot.operator.autoscaling import (
     autoscale_tick,
     is_tick_due,
 )
+from kvpilot.operator.spec import parse_spec
 
 from .autoscaling_helpers import FakeEnginePod, merge_patch, pod_dict, serve_pods
 
@@ -90,8 +92,11 @@ class Cluster:
     async def tick(self) -> TickResult:
         body = self.body()
         spec_before = copy.deepcopy(body["spec"])
+        autoscaling = parse_spec(body["spec"]).autoscaling
+        assert autoscaling is not None
         result = await autoscale_tick(
             body,
+            autoscaling.policy,
             self.pods(),
             self.replicas,
             now=self.now,
@@ -269,21 +274,6 @@ async def test_windows_survive_an_operator_restart(cluster: Cluster) -> None:
     assert cluster.replicas == 3
 
 
-async def test_invalid_policy_warns_once_and_leaves_replicas(cluster: Cluster) -> None:
-    cluster.spec["autoscaling"] = {"maxReplicas": 4, "panicWindowSeconds": 90}
-    first = await cluster.tick()
-    second = await cluster.tick()
-    assert first.replicas is None and second.replicas is None
-    assert [e.reason for e in cluster.events] == ["InvalidAutoscaling"]
-    assert "panicWindowSeconds" in cluster.status["autoscaling"]["error"]
-    assert "desiredReplicas" not in cluster.status
-
-    cluster.spec["autoscaling"] = {"maxReplicas": 4}  # fixed by the user
-    await cluster.tick()
-    assert "error" not in cluster.status["autoscaling"]
-    assert cluster.status["desiredReplicas"] == 2
-
-
 async def test_corrupt_state_in_status_starts_afresh(cluster: Cluster) -> None:
     cluster.status = {"autoscaling": {"window": {"samples": [["yesterday", 1]]}}}
     await cluster.tick()
@@ -291,23 +281,16 @@ async def test_corrupt_state_in_status_starts_afresh(cluster: Cluster) -> None:
     assert len(cluster.status["autoscaling"]["window"]["samples"]) == 1
 
 
-async def test_without_autoscaling_the_tick_does_nothing(cluster: Cluster) -> None:
-    del cluster.spec["autoscaling"]
-    result = await cluster.tick()
-    assert result == TickResult(replicas=None)
-    assert all(engine.num_scrapes == 0 for engine in cluster.engines)
-
-
 def test_is_tick_due() -> None:
-    body: dict[str, Any] = {"spec": copy.deepcopy(SPEC), "status": {}}
-    assert is_tick_due(body, T0)
-    body["status"] = {"autoscaling": {"window": {"lastTick": T0}}}
-    assert not is_tick_due(body, T0 + 4.0)
-    assert is_tick_due(body, T0 + 4.6)  # 10 % slack for timer jitter
-    body["spec"]["autoscaling"]["intervalSeconds"] = 30
-    assert not is_tick_due(body, T0 + 20)
-    assert not is_tick_due({"spec": {}}, T0)
-    assert is_tick_due({"spec": {"autoscaling": {"maxReplicas": 0}}}, T0)  # the tick reports it
+    policy = AutoscalingPolicy(max_replicas=4)  # intervalSeconds 5
+    assert is_tick_due(policy, {}, T0)
+    assert is_tick_due(policy, None, T0)
+    status = {"autoscaling": {"window": {"lastTick": T0}}}
+    assert not is_tick_due(policy, status, T0 + 4.0)
+    assert is_tick_due(policy, status, T0 + 4.6)  # 10 % slack for timer jitter
+    assert not is_tick_due(AutoscalingPolicy(max_replicas=4, interval_s=30), status, T0 + 20)
+    corrupt = {"autoscaling": {"window": {"lastTick": "yesterday"}}}
+    assert is_tick_due(policy, corrupt, T0)  # the tick reports it and starts afresh
 
 
 def test_forget_drops_the_series_of_a_deleted_service() -> None:

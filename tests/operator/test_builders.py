@@ -45,6 +45,13 @@ def flag(args: list[str], name: str) -> str | None:
 
 
 # (spec fields, path in the Deployment, expected value)
+# What the operator sets in every engine container (before the user's env).
+ENGINE_ENV = [
+    {"name": "HF_HUB_OFFLINE", "value": "1"},
+    {"name": "HOME", "value": "/tmp"},
+    {"name": "KVPILOT_CACHE_DIR", "value": "/models/.kvpilot-cache"},
+    {"name": "TRITON_CACHE_DIR", "value": "/models/.kvpilot-cache/triton"},
+]
 FIELD_TABLE: list[tuple[dict[str, Any], str, Any]] = [
     ({}, f"{ENGINE}.image", IMAGE),
     ({"engine": {"image": "mine:2"}}, f"{ENGINE}.image", "mine:2"),
@@ -90,12 +97,12 @@ FIELD_TABLE: list[tuple[dict[str, Any], str, Any]] = [
     (
         {"engine": {"env": [{"name": "LOG", "value": "debug"}]}},
         f"{ENGINE}.env",
-        [{"name": "HF_HUB_OFFLINE", "value": "1"}, {"name": "LOG", "value": "debug"}],
+        [*ENGINE_ENV, {"name": "LOG", "value": "debug"}],
     ),
     (
         {"engine": {"env": [{"name": "HF_HUB_OFFLINE", "value": "0"}]}},
         f"{ENGINE}.env",
-        [{"name": "HF_HUB_OFFLINE", "value": "0"}],
+        [*ENGINE_ENV[1:], {"name": "HF_HUB_OFFLINE", "value": "0"}],
     ),
     (
         {"model": {**BUILTIN, "cache": {"sizeLimit": "20Gi"}}},
@@ -130,10 +137,10 @@ def test_spec_field_reaches_the_deployment(
 
 # (spec fields, expected `kvpilot serve` arguments after the fixed head)
 ARGS_TABLE: list[tuple[dict[str, Any], list[str]]] = [
-    ({}, ["--served-model-name", "chat", "--shutdown-timeout", "30"]),
+    ({}, ["--served-model-name", "chat", "--shutdown-timeout", "300"]),
     (
         {"model": {**BUILTIN, "servedName": "smol"}},
-        ["--served-model-name", "smol", "--shutdown-timeout", "30"],
+        ["--served-model-name", "smol", "--shutdown-timeout", "300"],
     ),
     (
         {"model": {"uri": "hf://Qwen/Qwen2.5-7B@v1"}},
@@ -149,6 +156,11 @@ ARGS_TABLE: list[tuple[dict[str, Any], list[str]]] = [
     ({"engine": {"gpuMemoryUtilization": 0.85}}, ["--gpu-memory-utilization", "0.85"]),
     ({"engine": {"enablePrefixCaching": False}}, ["--no-enable-prefix-caching"]),
     ({"drainSeconds": 90}, ["--shutdown-timeout", "90"]),
+    ({"engine": {"kvCacheBytes": "768Mi"}}, ["--kv-cache-memory-bytes", str(768 * 2**20)]),
+    (
+        {"engine": {"kvCacheMemoryFraction": 0.25}, "resources": {"limits": {"memory": "4Gi"}}},
+        ["--kv-cache-memory-bytes", str(2**30)],
+    ),
 ]
 
 
@@ -208,7 +220,10 @@ def test_hf_model_downloads_in_an_init_container_with_the_token() -> None:
     assert env["HF_TOKEN"]["valueFrom"] == {"secretKeyRef": {"name": "hf", "key": "token"}}
     assert env["HF_ENDPOINT"]["value"] == "http://mirror"
     assert "HF_HUB_OFFLINE" not in env  # the download must reach the Hub
-    assert fetch["volumeMounts"] == [{"name": "model-cache", "mountPath": "/models"}]
+    assert fetch["volumeMounts"] == [
+        {"name": "model-cache", "mountPath": "/models"},
+        {"name": "tmp", "mountPath": "/tmp"},
+    ]
     assert flag(args_of(manifest), "--model") == "/models/hf/meta-llama/Llama-3.1-8B/main"
     # The engine never sees the token.
     assert "HF_TOKEN" not in {var["name"] for var in at(manifest, f"{ENGINE}.env")}
@@ -289,7 +304,59 @@ def test_pods_run_under_the_restricted_security_profile() -> None:
         assert container["securityContext"] == {
             "allowPrivilegeEscalation": False,
             "capabilities": {"drop": ["ALL"]},
+            "readOnlyRootFilesystem": True,
+            "runAsNonRoot": True,
+            "seccompProfile": {"type": "RuntimeDefault"},
         }
+        # With a read-only root, every write goes to a volume: /tmp (HOME) and the model cache.
+        mounts = {m["mountPath"]: m for m in container["volumeMounts"]}
+        assert "/tmp" in mounts and mounts["/models"].get("readOnly") is not True
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    assert volumes["tmp"] == {"name": "tmp", "emptyDir": {}}
+    assert pod["securityContext"]["runAsUser"] != 0
+
+
+@pytest.mark.parametrize(
+    ("model", "cache_dir"),
+    [
+        ({"uri": "builtin://smollm2-135m-instruct"}, "/models/.kvpilot-cache"),
+        ({"uri": "hf://o/m", "cache": {"claimName": "shared"}}, "/models/.kvpilot-cache"),
+        ({"uri": "pvc://weights/llama"}, "/tmp/kvpilot-cache"),  # /models is read-only there
+    ],
+)
+def test_the_engine_writes_its_cache_to_a_writable_volume(
+    model: dict[str, Any], cache_dir: str
+) -> None:
+    container = at(deployment(model=model), ENGINE)
+    env = {var["name"]: var.get("value") for var in container["env"]}
+    assert env["KVPILOT_CACHE_DIR"] == cache_dir and env["HOME"] == "/tmp"
+    mount = next(m for m in container["volumeMounts"] if cache_dir.startswith(m["mountPath"]))
+    assert mount.get("readOnly") is not True
+
+
+def test_the_api_key_comes_from_the_secret_never_the_arguments() -> None:
+    manifest = deployment(engine={"apiKeySecret": {"name": "keys", "key": "chat"}})
+    container = at(manifest, ENGINE)
+    env = {var["name"]: var for var in container["env"]}
+    assert env["KVPILOT_API_KEY"] == {
+        "name": "KVPILOT_API_KEY",
+        "valueFrom": {"secretKeyRef": {"name": "keys", "key": "chat"}},
+    }
+    assert not any("api-key" in arg for arg in container["args"])
+    default_key = deployment(engine={"apiKeySecret": {"name": "keys"}})
+    ref = {v["name"]: v for v in at(default_key, ENGINE)["env"]}["KVPILOT_API_KEY"]
+    assert ref["valueFrom"]["secretKeyRef"] == {"name": "keys", "key": "api-key"}
+
+
+@pytest.mark.parametrize("drain", [0, 10, 300, 3600])
+def test_the_grace_period_covers_prestop_drain_and_a_margin(drain: int) -> None:
+    pod = at(deployment(drainSeconds=drain), POD)
+    container = pod["containers"][0]
+    prestop = int(container["lifecycle"]["preStop"]["exec"]["command"][-1])
+    assert flag(container["args"], "--shutdown-timeout") == str(drain)
+    assert pod["terminationGracePeriodSeconds"] >= prestop + drain + 10
+    default = at(deployment(), POD)
+    assert default["terminationGracePeriodSeconds"] >= 5 + 300 + 10  # long generations drain
 
 
 def test_service_exposes_port_8000_named_http_to_the_engine_pods() -> None:

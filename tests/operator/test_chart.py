@@ -39,7 +39,8 @@ def test_default_render_is_one_recreate_replica_with_a_liveness_probe() -> None:
         {"name": "health", "containerPort": 8080, "protocol": "TCP"},
         {"name": "metrics", "containerPort": 8081, "protocol": "TCP"},
     ]
-    annotations = deployment["spec"]["template"]["metadata"]["annotations"]
+    annotations = dict(deployment["spec"]["template"]["metadata"]["annotations"])
+    assert len(annotations.pop("checksum/values")) == 64  # see test_chart_values.py
     assert annotations == {
         "prometheus.io/scrape": "true",
         "prometheus.io/port": "8081",
@@ -80,7 +81,9 @@ def test_metrics_can_be_turned_off_or_moved() -> None:
     docs = render({"metricsPort": 0, "podAnnotations": {"team": "ml"}})
     (deployment,) = of_kind(docs, "Deployment")
     template = deployment["spec"]["template"]
-    assert template["metadata"]["annotations"] == {"team": "ml"}
+    annotations = dict(template["metadata"]["annotations"])
+    assert annotations.pop("checksum/values")
+    assert annotations == {"team": "ml"}
     assert [p["name"] for p in template["spec"]["containers"][0]["ports"]] == ["health"]
     assert operator_config({"metricsPort": 0}).metrics_port == 0
     (deployment,) = of_kind(render({"metricsPort": 9100}), "Deployment")

@@ -4,7 +4,12 @@ import datetime
 
 import pytest
 
-from kvpilot.operator.conditions import Condition, changed_conditions, set_condition
+from kvpilot.operator.conditions import (
+    Condition,
+    changed_conditions,
+    set_condition,
+    with_kstatus,
+)
 
 T0 = datetime.datetime(2026, 1, 1, 12, 0, 0, tzinfo=datetime.timezone.utc)
 T1 = T0 + datetime.timedelta(minutes=5)
@@ -68,3 +73,17 @@ def test_changed_conditions_ignore_message_only_updates() -> None:
     flipped = set_condition(old, Condition("Ready", True, "Serving", ""), generation=1, now=T1)
     assert [c["reason"] for c in changed_conditions(old, flipped)] == ["Serving"]
     assert [c["type"] for c in changed_conditions([], old)] == ["Ready"]
+
+
+def test_kstatus_conditions_mirror_progressing_and_degraded() -> None:
+    ready = Condition("Ready", True, "Serving", "1/1 replica(s) ready")
+    rollout = Condition("Progressing", False, "RolloutComplete", "1 replica(s) up to date")
+    degraded = Condition("Degraded", True, "OOMKilled", "pod x was OOMKilled")
+    assert with_kstatus(ready, rollout, degraded) == (
+        ready,
+        rollout,
+        degraded,
+        Condition("Reconciling", False, "RolloutComplete", "1 replica(s) up to date"),
+        Condition("Stalled", True, "OOMKilled", "pod x was OOMKilled"),
+    )
+    assert with_kstatus(ready) == (ready,)

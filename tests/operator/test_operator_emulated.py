@@ -10,6 +10,7 @@ import asyncio
 import aiohttp
 import pytest
 
+from kvpilot.operator.autoscaling import AutoscalingPolicy
 from kvpilot.operator.kube import KubeApi, connect
 from kvpilot.operator.reconcile import Reconciler
 
@@ -77,7 +78,10 @@ async def test_lifecycle_create_status_update_drift_delete(
     # Status: observedGeneration, the three conditions, where to reach the model.
     status = await eventually(lambda: (live(kmock, ISVC, "chat") or {}).get("status"))
     assert status["observedGeneration"] == 1
-    assert {c["type"] for c in status["conditions"]} == {"Ready", "Progressing", "Degraded"}
+    assert {c["type"] for c in status["conditions"]} == {
+        *("Ready", "Progressing", "Degraded"),
+        *("Reconciling", "Stalled"),  # kstatus
+    }
     assert condition(kmock, "chat", "Ready")[:2] == ("False", "WaitingForReplicas")  # type: ignore[index]
     assert status["url"] == f"http://chat.{NAMESPACE}.svc:8000/v1"
     assert status["model"] == "chat"
@@ -292,15 +296,26 @@ async def test_autoscaled_replicas_are_left_to_the_autoscaler(
 
     # The autoscaler's hook scales the Deployment (clamped to the bounds) and writes its status.
     autoscaler = Reconciler(KubeApi(connect()), operator.config, lambda *_: None)
+    generation = live(kmock, ISVC, "auto")["metadata"]["generation"]  # type: ignore[index]
+    seen = (generation, AutoscalingPolicy(min_replicas=2, max_replicas=4))
     applied = await asyncio.to_thread(
-        autoscaler.apply_scale, NAMESPACE, "auto", 3, {"autoscaling": {"mode": "stable"}}
+        autoscaler.apply_scale,
+        NAMESPACE,
+        "auto",
+        3,
+        {"autoscaling": {"mode": "stable"}},
+        seen=seen,
     )
     assert applied == 3
     assert live(kmock, DEPLOYMENT, "auto")["spec"]["replicas"] == 3  # type: ignore[index]
-    assert await asyncio.to_thread(autoscaler.apply_scale, NAMESPACE, "auto", 99) == 4
-    assert await asyncio.to_thread(autoscaler.apply_scale, NAMESPACE, "auto", 3) == 3
+    scale = autoscaler.apply_scale
+    assert await asyncio.to_thread(scale, NAMESPACE, "auto", 99, seen=seen) == 4
+    assert await asyncio.to_thread(scale, NAMESPACE, "auto", 3, seen=seen) == 3
+    # A decision made on an older spec is refused: the next tick decides on the new one.
+    stale = (generation - 1, seen[1])
+    assert await asyncio.to_thread(scale, NAMESPACE, "auto", 4, seen=stale) is None
     # A fixed-size service is not the autoscaler's to scale.
-    assert await asyncio.to_thread(autoscaler.apply_scale, NAMESPACE, "fixed", 3) is None
+    assert await asyncio.to_thread(scale, NAMESPACE, "fixed", 3, seen=seen) is None
     assert live(kmock, DEPLOYMENT, "fixed")["spec"]["replicas"] == 1  # type: ignore[index]
 
     # Reconcile (timer, child events) leaves the count alone, and keeps the autoscaler's status...
@@ -337,3 +352,44 @@ async def test_api_errors_are_retried(kmock: KubeEmulator, operator: RunningOper
     ]
     assert len(failed) > 3  # three 503s, then the retries that went through
     assert operator.thread.is_alive()
+
+
+PDB = "policy/v1/poddisruptionbudgets"
+NETWORK_POLICY = "networking.k8s.io/v1/networkpolicies"
+
+
+async def test_disruption_budget_and_network_policy_follow_the_spec(
+    kmock: KubeEmulator, operator: RunningOperator
+) -> None:
+    model = {"uri": "builtin://smollm2-135m-instruct"}
+    await create_isvc(kmock, "pdb", {"model": model, "replicas": 2})
+    budget = await eventually(lambda: live(kmock, PDB, "pdb"))
+    assert budget["spec"]["maxUnavailable"] == 1
+    assert budget["metadata"]["ownerReferences"][0]["kind"] == "InferenceService"
+    assert live(kmock, NETWORK_POLICY, "pdb") is None  # not asked for
+
+    # Down to one replica: the budget goes (it would only ever block drains).
+    await api(kmock, "PATCH", f"{ISVC_PATH}/pdb", {"spec": {"replicas": 1}})
+    await eventually(lambda: live(kmock, PDB, "pdb") is None)
+    await eventually(lambda: "Deleted" in reasons(kmock, "pdb"))  # kopf posts Events async
+    # Autoscaled up to 3 (at 1 replica now): a budget again; and a NetworkPolicy on request.
+    patch = {
+        "replicas": None,
+        "autoscaling": {"maxReplicas": 3},
+        "networkPolicy": {"allowNamespaces": ["web"]},
+    }
+    await api(kmock, "PATCH", f"{ISVC_PATH}/pdb", {"spec": patch})
+    await eventually(lambda: live(kmock, PDB, "pdb"))
+    policy = await eventually(lambda: live(kmock, NETWORK_POLICY, "pdb"))
+    assert policy["spec"]["ingress"][0]["from"][1]["namespaceSelector"]["matchExpressions"][0][
+        "values"
+    ] == ["web"]
+    await api(kmock, "PATCH", f"{ISVC_PATH}/pdb", {"spec": {"networkPolicy": None}})
+    await eventually(lambda: live(kmock, NETWORK_POLICY, "pdb") is None)
+    assert live(kmock, PDB, "pdb") is not None
+
+    # Every call it made for them is in the chart's ClusterRole.
+    rules = operator_rules()
+    calls = {call for call in map(rbac_call, kmock._requests) if call is not None}
+    assert ("policy", "poddisruptionbudgets", "delete") in calls
+    assert [call for call in calls if not rbac_allows(rules, *call)] == []

@@ -24,7 +24,7 @@ def test_defaults_of_a_minimal_spec() -> None:
     assert parsed.engine.enable_prefix_caching is True
     assert parsed.engine.startup_timeout_seconds == 1800
     assert (parsed.rollout.max_surge, parsed.rollout.max_unavailable) == (1, 0)
-    assert parsed.drain_seconds == 30
+    assert parsed.drain_seconds == 300
     assert parsed.gpus == 0
 
 
@@ -39,7 +39,7 @@ def test_defaults_of_a_minimal_spec() -> None:
         ({"model": {"uri": "s3://b/m"}}, "spec.model.uri: model uri 's3://b/m' has the unknown"),
         ({}, "spec.model: Field required"),
         (spec(replica=1), "spec.replica: Extra inputs are not permitted"),
-        (spec(engine={"blockSize": 0}), "spec.engine.blockSize: Input should be greater than"),
+        (spec(engine={"blockSize": 0}), "spec.engine.blockSize: Input should be 8, 16, 32, 64"),
         (
             spec(engine={"gpuMemoryUtilization": 1.5}),
             "spec.engine.gpuMemoryUtilization: Input should be less than or equal to 1",
@@ -161,7 +161,7 @@ def test_autoscaling_defaults_we_document_are_the_autoscalers() -> None:
     from dataclasses import fields
 
     from kvpilot.operator.autoscaling.policy import SPEC_PATHS, AutoscalingPolicy
-    from kvpilot.operator.spec_autoscaling import AutoscalingSpec, ScaleDown, ScaleUp
+    from kvpilot.operator.autoscaling.spec import AutoscalingSpec, ScaleDown, ScaleUp
 
     models = {"": AutoscalingSpec, "scaleUp.": ScaleUp, "scaleDown.": ScaleDown}
     checked = 0

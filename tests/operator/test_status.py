@@ -40,7 +40,13 @@ def observe(
 
 
 def summary(status: dict[str, Any]) -> dict[str, tuple[str, str]]:
-    return {c["type"]: (c["status"], c["reason"]) for c in status["conditions"]}
+    """Ready, Progressing and Degraded; kstatus' Reconciling and Stalled must mirror the latter
+    two (status, reason and message) in every status built."""
+    by_type = {c["type"]: c for c in status["conditions"]}
+    for ours, kstatus in (("Progressing", "Reconciling"), ("Degraded", "Stalled")):
+        mirrored = {k: v for k, v in by_type.pop(kstatus).items() if k != "type"}
+        assert mirrored == {k: v for k, v in by_type[ours].items() if k != "type"}, kstatus
+    return {t: (c["status"], c["reason"]) for t, c in by_type.items()}
 
 
 def test_new_deployment_is_progressing_not_ready() -> None:

@@ -48,6 +48,18 @@ class ServeProcess:
         )
 
 
+def health_until_exit(serve: ServeProcess, http: httpx.Client) -> list[int]:
+    """/health's status codes, polled until the server stops answering or exits."""
+    healths = []
+    while serve.proc.poll() is None:
+        try:
+            healths.append(http.get(f"{serve.url}/health", timeout=1).status_code)
+        except httpx.TransportError:
+            break
+        time.sleep(0.02)
+    return healths
+
+
 def child_pids(pid: int) -> list[int]:
     children: list[int] = []
     for task in Path(f"/proc/{pid}/task").iterdir():

@@ -21,7 +21,7 @@ from kvpilot.engine.server.async_engine import AsyncEngine
 from kvpilot.engine.server.inprocess import InProcessServer
 from kvpilot.engine.server.preprocess import max_chars_per_token
 
-from .serve_process import is_running, launch_serve
+from .serve_process import health_until_exit, is_running, launch_serve
 
 MAX_MODEL_LEN = 1024
 SERVE_ARGS = ("--max-model-len", str(MAX_MODEL_LEN), "--kv-cache-gib", "0.1")
@@ -46,13 +46,7 @@ def test_a_crashed_engine_core_fails_health_and_ends_the_server_non_zero() -> No
             assert rest[-1] == "data: [DONE]"
             error = json.loads(rest[-2][len("data: ") :])["error"]
             assert error["code"] == "internal_error" and "engine core" in error["message"]
-            healths = []
-            while serve.proc.poll() is None:
-                try:
-                    healths.append(http.get(f"{serve.url}/health", timeout=1).status_code)
-                except httpx.TransportError:
-                    break
-                time.sleep(0.02)
+            healths = health_until_exit(serve, http)
         assert 503 in healths and 200 not in healths, healths
         assert serve.proc.wait(timeout=30) == 1, "".join(serve.log)
         assert any("engine core" in line for line in serve.log)

@@ -17,7 +17,7 @@ COMPLETIONS = "/v1/completions"
 USER = [{"role": "user", "content": "hi"}]
 LONG = "word " * 2100  # over the test server's 2048-token context
 IMAGE = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]
-TOOL = {"type": "function", "function": {"name": "f"}}
+TOOL = {"type": "function", "function": {"name": "not a valid name"}}
 
 
 def chat(**fields: Any) -> dict[str, Any]:
@@ -62,8 +62,14 @@ CASES: list[tuple[str, str, str, Any, int, str | None]] = [
     ("stream-options-no-stream", "POST", CHAT, chat(stream_options={"include_usage": True}), 400,
      "stream_options"),
     ("tools", "POST", CHAT, chat(tools=[TOOL]), 400, "tools"),
-    ("logit-bias", "POST", CHAT, chat(logit_bias={"1": 5}), 400, "logit_bias"),
-    ("json-mode", "POST", CHAT, chat(response_format={"type": "json_object"}), 400,
+    ("logit-bias-range", "POST", CHAT, chat(logit_bias={"1": 500}), 400, "logit_bias"),
+    ("logit-bias-not-an-id", "POST", CHAT, chat(logit_bias={"a": 5}), 400, "logit_bias"),
+    ("logit-bias-out-of-vocab", "POST", CHAT, chat(logit_bias={"99999999": 5}), 400,
+     "logit_bias"),
+    ("logit-bias-negative-id", "POST", CHAT, chat(logit_bias={"-1": 5}), 400, "logit_bias"),
+    ("logit-bias-same-id-twice", "POST", CHAT, chat(logit_bias={"1": 5, "01": 3}), 400,
+     "logit_bias"),
+    ("json-schema-missing", "POST", CHAT, chat(response_format={"type": "json_schema"}), 400,
      "response_format"),
     ("empty-cache-salt", "POST", CHAT, chat(cache_salt=""), 400, "cache_salt"),
     ("unknown-model", "POST", CHAT, chat(model="gpt-17"), 404, "model"),

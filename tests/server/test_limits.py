@@ -10,6 +10,7 @@ from collections.abc import Callable, Iterator
 import httpx
 import pytest
 
+from kvpilot.engine.server.async_engine import AsyncEngine
 from kvpilot.engine.server.errors import APIError
 from kvpilot.engine.server.inprocess import InProcessServer
 from kvpilot.engine.server.limits import RequestLimits, check_json
@@ -17,7 +18,14 @@ from kvpilot.engine.server.state import ServerSettings
 
 from .conftest import MAX_NUM_SEQS
 
-LIMITS = RequestLimits(max_body_bytes=8192, max_json_depth=8, max_sequences=8, max_stop=3)
+LIMITS = RequestLimits(
+    max_body_bytes=8192,
+    max_json_depth=8,
+    max_sequences=8,
+    max_stop=3,
+    max_logit_bias=2,
+    max_tokens=64,
+)
 
 
 @pytest.fixture(scope="module")
@@ -53,6 +61,15 @@ CASES: list[tuple[str, str, bytes, int, str | None]] = [
     ("too many stop strings", "/v1/chat/completions",
      json.dumps({"messages": [{"role": "user", "content": "hi"}],
                  "stop": ["a", "b", "c", "d"]}).encode(), 400, "stop"),
+    ("too many logit_bias entries", "/v1/completions",
+     json.dumps({"prompt": "hi", "logit_bias": {"1": 1, "2": 1, "3": 1}}).encode(), 400,
+     "too_many_logit_bias"),
+    ("logit_bias id past the vocabulary", "/v1/completions",
+     json.dumps({"prompt": "hi", "logit_bias": {"49152": 1}}).encode(), 400, "logit_bias"),
+    ("max_tokens over the limit", "/v1/completions",
+     json.dumps({"prompt": "hi", "max_tokens": 65}).encode(), 400, "max_tokens"),
+    ("best_of counts in the fan-out", "/v1/completions",
+     json.dumps({"prompt": ["a", "b", "c"], "n": 3, "best_of": 3}).encode(), 400, "n"),
 ]  # fmt: skip
 
 
@@ -143,3 +160,64 @@ def test_a_disconnect_removes_every_sequence_queued_or_running(
     assert after["vllm:kv_cache_usage_perc"] == idle["vllm:kv_cache_usage_perc"]
     aborts = "vllm:request_success_total{finished_reason=abort}"
     assert after[aborts] - idle[aborts] == num_prompts  # one engine request per prompt
+
+
+def test_an_absent_max_tokens_is_capped_by_the_limit(tight: InProcessServer) -> None:
+    response = httpx.post(
+        f"{tight.url}/v1/completions",
+        json={"prompt": "Once upon a time", "ignore_eos": True, "temperature": 0},
+        timeout=120,
+    )
+    assert response.status_code == 200, response.text
+    assert response.json()["usage"]["completion_tokens"] == LIMITS.max_tokens
+
+
+def test_logit_bias_bans_and_forces_tokens_end_to_end(
+    server: InProcessServer, engine: AsyncEngine
+) -> None:
+    """Greedy ids through the real engine core: +100 forces a token, -100 bans the greedy pick."""
+    from pathlib import Path
+
+    from kvpilot.engine.model.loader import load_tokenizer
+
+    assert engine.info is not None
+    tokenizer = load_tokenizer(Path(engine.info.hf_dir))
+    prompt = tokenizer.encode("The capital of France is")
+
+    def greedy_ids(**fields: object) -> list[int]:
+        body = {"prompt": prompt, "max_tokens": 3, "temperature": 0, **fields}
+        response = httpx.post(f"{server.url}/v1/completions", json=body, timeout=60)
+        assert response.status_code == 200, response.text
+        return tokenizer.encode(response.json()["choices"][0]["text"])
+
+    plain = greedy_ids()
+    banned = greedy_ids(logit_bias={str(plain[0]): -100})
+    assert banned[0] != plain[0]
+    forced_id = tokenizer.encode(" banana")[0]
+    assert forced_id not in plain
+    assert greedy_ids(logit_bias={str(forced_id): 100})[:2] == [forced_id] * 2
+
+
+def test_every_response_carries_a_request_id(tight: InProcessServer) -> None:
+    ok = httpx.get(f"{tight.url}/health")
+    bad = httpx.post(f"{tight.url}/v1/completions", content=b"{nope")
+    ids = {ok.headers["x-request-id"], bad.headers["x-request-id"]}
+    assert len(ids) == 2 and all(i.startswith("req-") for i in ids)
+
+
+def test_a_server_fault_is_a_500_logged_with_its_request_id(
+    tight: InProcessServer, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    from kvpilot.engine.server import app
+
+    async def broken(*_: object) -> None:
+        raise RuntimeError("a deliberate fault")
+
+    monkeypatch.setattr(app, "create_completion", broken)
+    with caplog.at_level("ERROR", logger="kvpilot.server"):
+        response = httpx.post(f"{tight.url}/v1/completions", json={"prompt": "hi"})
+    assert response.status_code == 500
+    request_id = response.headers["x-request-id"]
+    error = response.json()["error"]
+    assert error["type"] == "internal_error" and request_id in error["message"]
+    assert any(request_id in r.getMessage() and r.exc_info for r in caplog.records)

@@ -7,6 +7,7 @@ from prometheus_client.metrics_core import Metric
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvpilot.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from kvpilot.engine.sampling_params import SamplingParams
 from kvpilot.engine.server.metrics import EngineCounters, ServerMetrics, finished_reason
 
 # What KEDA recipes, the Gateway API Inference Extension and vLLM's Grafana dashboard read.
@@ -14,7 +15,6 @@ VLLM_NAMES = {
     "vllm:num_requests_waiting": "gauge",
     "vllm:num_requests_running": "gauge",
     "vllm:kv_cache_usage_perc": "gauge",
-    "vllm:gpu_cache_usage_perc": "gauge",
     "vllm:prefix_cache_queries": "counter",
     "vllm:prefix_cache_hits": "counter",
     "vllm:num_preemptions": "counter",
@@ -26,7 +26,66 @@ VLLM_NAMES = {
     "vllm:time_per_output_token_seconds": "histogram",
     "vllm:e2e_request_latency_seconds": "histogram",
     "vllm:request_queue_time_seconds": "histogram",
+    "vllm:request_inference_time_seconds": "histogram",
+    "vllm:request_prefill_time_seconds": "histogram",
+    "vllm:request_decode_time_seconds": "histogram",
+    "vllm:time_per_prefill_token_request_seconds": "histogram",
+    "vllm:request_prompt_tokens": "histogram",
+    "vllm:request_generation_tokens": "histogram",
+    "vllm:request_max_num_generation_tokens": "histogram",
+    "vllm:request_params_max_tokens": "histogram",
+    "vllm:request_params_n": "histogram",
+    "vllm:iteration_tokens_total": "histogram",
     "vllm:cache_config_info": "gauge",
+}
+# vLLM's deprecated aliases: vLLM only.
+VLLM_ALIASES = {
+    "vllm:gpu_cache_usage_perc": "gauge",
+    "vllm:gpu_prefix_cache_queries": "counter",
+    "vllm:gpu_prefix_cache_hits": "counter",
+}
+# vLLM's buckets (vllm/v1/metrics/loggers.py), as `le` labels in the exposition.
+VLLM_BUCKETS = {
+    "vllm:iteration_tokens_total": [1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384],
+    "vllm:request_params_n": [1, 2, 5, 10, 20],
+    "vllm:time_per_prefill_token_request_seconds": [
+        0.001,
+        0.002,
+        0.005,
+        0.01,
+        0.02,
+        0.05,
+        0.1,
+        0.2,
+        0.5,
+        1.0,
+    ],
+    "vllm:request_prefill_time_seconds": [
+        0.3,
+        0.5,
+        0.8,
+        1.0,
+        1.5,
+        2.0,
+        2.5,
+        5.0,
+        10.0,
+        15.0,
+        20.0,
+        30.0,
+        40.0,
+        50.0,
+        60.0,
+        120.0,
+        240.0,
+        480.0,
+        960.0,
+        1920.0,
+        7680.0,
+    ],
+    # build_1_2_5_buckets(max_model_len=2048)
+    "vllm:request_prompt_tokens": [1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000],
+    "vllm:request_max_num_generation_tokens": [1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000],
 }
 
 
@@ -38,6 +97,7 @@ def build(vllm_names: bool = True) -> tuple[ServerMetrics, CollectorRegistry]:
         block_size=16,
         num_gpu_blocks=100,
         enable_prefix_caching=True,
+        max_model_len=2048,
         vllm_names=vllm_names,
     )
     metrics.bind_engine_state(lambda: 3, lambda: 2, lambda: 0.25)
@@ -50,7 +110,8 @@ def families(registry: CollectorRegistry) -> dict[str, Metric]:
 
 
 def sample(registry: CollectorRegistry, name: str, **labels: str) -> float:
-    value = registry.get_sample_value(name, {"model_name": "m", **labels})
+    engine = {"engine": "0"} if name.startswith("vllm:") else {}  # vLLM's engine-core index
+    value = registry.get_sample_value(name, {"model_name": "m", **engine, **labels})
     assert value is not None, f"{name} {labels} is not exported"
     return value
 
@@ -60,13 +121,23 @@ def test_vllm_names_and_types_are_exact_and_mirrored_under_kvpilot() -> None:
     found = families(registry)
     for name, kind in VLLM_NAMES.items():
         assert found[name].type == kind, name
-        if name != "vllm:gpu_cache_usage_perc":
-            own = "kvpilot:" + name.split(":", 1)[1]
-            assert found[own].type == kind, own
-    # Every sample carries model_name.
+        own = "kvpilot:" + name.split(":", 1)[1]
+        assert found[own].type == kind, own
+    for name, kind in VLLM_ALIASES.items():
+        assert found[name].type == kind, name
+    # Every sample carries model_name; vLLM's names also vLLM's engine label.
     for family in found.values():
         for s in family.samples:
             assert s.labels.get("model_name") == "m", s
+            assert s.labels.get("engine") == ("0" if s.name.startswith("vllm:") else None), s
+
+
+def test_histogram_buckets_are_vllms() -> None:
+    _, registry = build()
+    found = families(registry)
+    for name, buckets in VLLM_BUCKETS.items():
+        bounds = [float(s.labels["le"]) for s in found[name].samples if s.name.endswith("_bucket")]
+        assert bounds == [*map(float, buckets), float("inf")], name
 
 
 def test_vllm_names_can_be_switched_off() -> None:
@@ -96,6 +167,15 @@ def test_counters_follow_cumulative_engine_stats_by_delta() -> None:
     assert sample(registry, "vllm:num_preemptions_total") == 1
     assert sample(registry, "vllm:prompt_tokens_total") == 80
     assert sample(registry, "vllm:generation_tokens_total") == 12
+    assert sample(registry, "vllm:gpu_prefix_cache_hits_total") == 48
+    # Tokens per step: (40 prompt + 5 generated), then (40 + 7).
+    assert sample(registry, "vllm:iteration_tokens_total_count") == 2
+    assert sample(registry, "vllm:iteration_tokens_total_sum") == 92
+    assert sample(registry, "vllm:iteration_tokens_total_bucket", le="32.0") == 0
+    assert sample(registry, "vllm:iteration_tokens_total_bucket", le="64.0") == 2
+    # A step that generated nothing (idle, or only prefill chunks) is no iteration sample.
+    metrics.record_counters(EngineCounters(90, 48, 1, 80, 12))
+    assert sample(registry, "vllm:iteration_tokens_total_count") == 2
 
 
 def test_finished_request_latencies() -> None:
@@ -114,8 +194,19 @@ def test_finished_request_latencies() -> None:
             finished_time=13.0,
         ),
     )
-    metrics.record_finished(output, finished_reason(output))
+    metrics.record_finished(output, finished_reason(output), SamplingParams(n=1, max_tokens=5))
     assert sample(registry, "vllm:request_success_total", finished_reason="length") == 1
+    assert sample(registry, "vllm:request_prefill_time_seconds_sum") == 0.5
+    assert sample(registry, "vllm:request_decode_time_seconds_sum") == 2.0
+    assert sample(registry, "vllm:request_inference_time_seconds_sum") == 2.5
+    assert sample(registry, "vllm:time_per_prefill_token_request_seconds_sum") == 0.25
+    assert sample(registry, "vllm:request_prompt_tokens_sum") == 2
+    assert sample(registry, "vllm:request_generation_tokens_sum") == 5
+    assert sample(registry, "kvpilot:request_max_num_generation_tokens_sum") == 5
+    assert sample(registry, "vllm:request_params_max_tokens_sum") == 5
+    assert sample(registry, "vllm:request_params_n_sum") == 1
+    assert sample(registry, "vllm:request_prompt_tokens_bucket", le="1.0") == 0
+    assert sample(registry, "vllm:request_prompt_tokens_bucket", le="2.0") == 1
     assert sample(registry, "vllm:request_success_total", finished_reason="stop") == 0
     assert sample(registry, "vllm:time_to_first_token_seconds_sum") == 1.0
     assert sample(registry, "vllm:request_queue_time_seconds_sum") == 0.5
@@ -124,6 +215,19 @@ def test_finished_request_latencies() -> None:
     assert sample(registry, "vllm:time_per_output_token_seconds_sum") == 0.5
     assert sample(registry, "vllm:time_to_first_token_seconds_bucket", le="1.0") == 1
     assert sample(registry, "vllm:time_to_first_token_seconds_bucket", le="0.75") == 0
+
+
+def test_n_choices_sum_their_tokens_and_the_longest_is_the_max() -> None:
+    metrics, registry = build()
+    choices = [CompletionOutput(0, "", [1, 2, 3]), CompletionOutput(1, "", [4])]
+    output = RequestOutput("r", None, [7] * 30, choices, finished=True)
+    metrics.record_finished(output, "stop", SamplingParams(n=2, max_tokens=None))
+    assert sample(registry, "vllm:request_generation_tokens_sum") == 4
+    assert sample(registry, "vllm:request_max_num_generation_tokens_sum") == 3
+    assert sample(registry, "vllm:request_params_n_bucket", le="2.0") == 1
+    assert sample(registry, "vllm:request_params_n_bucket", le="1.0") == 0
+    assert sample(registry, "vllm:request_params_max_tokens_count") == 0  # no max_tokens given
+    assert sample(registry, "vllm:request_prompt_tokens_bucket", le="50.0") == 1
 
 
 def test_finished_reason_of_n_choices() -> None:

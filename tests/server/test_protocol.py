@@ -16,6 +16,7 @@ from kvpilot.engine.server.protocol import (
     to_sampling_params,
 )
 from kvpilot.engine.server.serving import resolve_max_tokens
+from kvpilot.engine.server.tools.prompt import template_inputs
 
 
 def parse_chat(**fields: object) -> ChatCompletionRequest:
@@ -83,7 +84,9 @@ def test_developer_role_becomes_system_and_text_parts_are_joined() -> None:
             }
         ).encode(),
     )  # fmt: skip
-    assert request.chat_messages() == [
+    messages, tools = template_inputs(request, "{{ messages }}", "hermes")
+    assert tools is None
+    assert messages == [
         {"role": "system", "content": "be brief"},
         {"role": "user", "content": "ab"},
         {"role": "assistant", "content": ""},
@@ -100,10 +103,13 @@ def test_developer_role_becomes_system_and_text_parts_are_joined() -> None:
         ({"temperature": 2.5}, "temperature"),
         ({"seed": 2**64}, "seed"),
         ({"stop": ["ok", 3]}, "stop"),
-        ({"logit_bias": {"42": 5}}, "logit_bias"),
+        ({"logit_bias": {"42": 101}}, "logit_bias"),
+        ({"logit_bias": {"42": "5"}}, "logit_bias"),
         ({"stream_options": {"include_usage": True}}, "stream_options"),
         ({"top_logprobs": 2}, "top_logprobs"),
-        ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+        ({"tools": [{"type": "retrieval", "function": {"name": "f"}}]}, "tools"),
+        ({"tool_choice": "sometimes"}, "tool_choice"),
+        ({"response_format": {"type": "yaml"}}, "response_format"),
     ],
 )
 def test_bad_chat_fields_name_the_param(fields: dict[str, object], param: str) -> None:

@@ -39,7 +39,8 @@ async def test_requests_sent_to_a_busy_core_count_as_waiting_and_never_vanish(
     labels = {"model_name": engine.info.model_name}
 
     def gauge(name: str) -> float | None:
-        return engine.metrics.registry.get_sample_value(name, labels)  # type: ignore[union-attr]
+        engine_index = {"engine": "0"} if name.startswith("vllm:") else {}  # vLLM's label
+        return engine.metrics.registry.get_sample_value(name, {**labels, **engine_index})  # type: ignore[union-attr]
 
     params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
     os.kill(engine.core_pid, signal.SIGSTOP)

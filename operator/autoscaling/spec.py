@@ -1,16 +1,17 @@
-"""spec.autoscaling: the knobs of the queue-depth and KV-cache autoscaler.
+"""spec.autoscaling: the knobs of the queue-depth and KV-cache autoscaler, as the CRD shows them.
 
 The autoscaler (operator/autoscaling/policy.py) owns the defaults and the rules: the descriptions
 quote its defaults (so `kubectl explain` shows the numbers in force), the CEL rules embed them
-(so the API server checks cross-field limits when a field is left out), and the model validates
-through AutoscalingPolicy itself (so a spec accepted here never fails at tick time).
+(so the API server checks cross-field limits when a field is left out), and validation builds
+the one AutoscalingPolicy every later step reads (`AutoscalingSpec.policy`): a spec accepted here
+never fails at tick time, and nothing parses or clamps the settings again.
 """
 
 from __future__ import annotations
 
 from dataclasses import fields as dataclass_fields
 
-from pydantic import ConfigDict, Field, model_validator
+from pydantic import ConfigDict, Field, PrivateAttr, model_validator
 
 from kvpilot.operator.autoscaling.policy import AutoscalingPolicy
 from kvpilot.operator.kubetypes import KubeModel
@@ -160,6 +161,13 @@ class AutoscalingSpec(KubeModel):
     )
     scale_up: ScaleUp | None = Field(default=None, description=ScaleUp.__doc__)
     scale_down: ScaleDown | None = Field(default=None, description=ScaleDown.__doc__)
+    _policy: AutoscalingPolicy | None = PrivateAttr(default=None)
+
+    @property
+    def policy(self) -> AutoscalingPolicy:
+        """The settings, defaults filled in, validated: built once, when the spec is parsed."""
+        assert self._policy is not None  # set by the validator below
+        return self._policy
 
     @model_validator(mode="after")
     def _bounds(self) -> AutoscalingSpec:
@@ -171,7 +179,9 @@ class AutoscalingSpec(KubeModel):
         # tolerance ...), defaults filled in: a bad combination is InvalidSpec now, at reconcile,
         # and never an error the autoscaler meets at tick time.
         try:
-            AutoscalingPolicy.from_spec(self.model_dump(by_alias=True, exclude_none=True))
+            self._policy = AutoscalingPolicy.from_spec(
+                self.model_dump(by_alias=True, exclude_none=True)
+            )
         except ValueError as error:
             raise ValueError(str(error).removeprefix("autoscaling: ")) from None
         return self

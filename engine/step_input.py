@@ -1,0 +1,43 @@
+"""One step's model input as plain integers: what the scheduler decided, before any tensor.
+
+The model runner turns it into tensors; under tensor parallelism rank 0 also sends it, as msgpack,
+to every other rank, which then runs the same forward pass on its shard (the scheduler and the
+block tables live on rank 0 only).
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+from kvpilot.engine.scheduler import ScheduledSequence
+
+
+class StepInput(msgspec.Struct, array_like=True, gc=False, tag=True):
+    input_ids: list[int]  # [T]
+    positions: list[int]  # [T]
+    slot_mapping: list[int]  # [T]: block_id * block_size + offset
+    query_start: list[int]  # [S + 1]
+    seq_lens: list[int]  # [S]
+    block_tables: list[list[int]]  # [S, max_blocks], padded with 0
+    logits_indices: list[int]  # [S_sample]: flat index of each sampling sequence's last token
+
+
+def plan_step(scheduled: list[ScheduledSequence], block_size: int) -> StepInput:
+    bs = block_size
+    step = StepInput([], [], [], [0], [], [], [])
+    for item in scheduled:
+        seq, start = item.seq, item.seq.num_computed_tokens
+        end = start + item.num_new_tokens
+        step.input_ids.extend(seq.token_ids[start:end])
+        step.positions.extend(range(start, end))
+        table = seq.block_table
+        step.slot_mapping.extend(table[p // bs] * bs + p % bs for p in range(start, end))
+        step.query_start.append(step.query_start[-1] + item.num_new_tokens)
+        step.seq_lens.append(end)
+        if item.will_sample:
+            step.logits_indices.append(step.query_start[-1] - 1)
+    max_blocks = max(len(item.seq.block_table) for item in scheduled)
+    step.block_tables.extend(
+        item.seq.block_table + [0] * (max_blocks - len(item.seq.block_table)) for item in scheduled
+    )
+    return step

@@ -1,0 +1,104 @@
+"""The start-up memory check: the cgroup limit read from v2 and v1 trees, the need of a config,
+and a real `kvpilot serve` that refuses to start, with the figures, instead of being OOM-killed."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from kvpilot.engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from kvpilot.engine.core.engine_core import cpu_memory_need
+from kvpilot.engine.memory_fit import (
+    MemoryFitError,
+    MemoryNeed,
+    check_memory_fit,
+    container_memory_limit,
+    memory_limit,
+)
+
+
+def tree(tmp_path: Path, files: dict[str, str], cgroup: str) -> int | None:
+    for name, text in files.items():
+        path = tmp_path / "fs" / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+    (tmp_path / "cgroup").write_text(cgroup)
+    return container_memory_limit(tmp_path / "fs", tmp_path / "cgroup")
+
+
+def test_cgroup_v2_limit_is_the_smallest_on_the_way_up(tmp_path: Path) -> None:
+    files = {"kubepods/pod1/memory.max": "max\n", "kubepods/memory.max": "2147483648\n"}
+    assert tree(tmp_path, files, "0::/kubepods/pod1\n") == 2**31
+
+
+def test_cgroup_v2_inside_a_container_namespace(tmp_path: Path) -> None:
+    assert tree(tmp_path, {"memory.max": "1073741824\n"}, "0::/\n") == 2**30
+
+
+def test_cgroup_v1_limit_and_v1_unlimited(tmp_path: Path) -> None:
+    limited = {"memory/docker/abc/memory.limit_in_bytes": "536870912\n"}
+    assert tree(tmp_path, limited, "4:memory:/docker/abc\n0::/\n") == 2**29
+    unlimited = {"memory/memory.limit_in_bytes": "9223372036854771712\n"}
+    assert tree(tmp_path / "u", unlimited, "4:cpu,memory:/\n") is None
+
+
+def test_no_cgroup_filesystem_means_no_limit(tmp_path: Path) -> None:
+    assert container_memory_limit(tmp_path, tmp_path / "missing") is None
+    assert memory_limit({"KVPILOT_MEMORY_LIMIT_BYTES": "1000"}) == 1000
+
+
+def test_check_names_every_part_and_passes_what_fits() -> None:
+    need = MemoryNeed(weights=2**30, kv_cache=2**30, working=2**29)
+    check_memory_fit(need, None)
+    check_memory_fit(need, need.total)
+    with pytest.raises(MemoryFitError) as caught:
+        check_memory_fit(need, need.total - 1)
+    message = str(caught.value)
+    for part in ("2.50 GiB", "weights 1.00", "KV cache 1.00", "working memory 0.50"):
+        assert part in message
+
+
+SMOLLM2 = ModelConfig(
+    model_type="llama", vocab_size=49152, hidden_size=576, intermediate_size=1536,
+    num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3, head_dim=64,
+    rms_norm_eps=1e-5, rope_theta=10000.0, max_position_embeddings=8192,
+    tie_word_embeddings=True, attention_bias=False,
+)  # fmt: skip
+
+
+def test_the_need_follows_dtype_and_kv_budget() -> None:
+    fp32 = cpu_memory_need(
+        EngineConfig(dtype="float32", cache=CacheConfig(kv_cache_bytes=3 * 2**20)), SMOLLM2
+    )
+    assert fp32.weights == SMOLLM2.num_params * 4 and fp32.kv_cache == 3 * 2**20
+    bf16 = cpu_memory_need(
+        EngineConfig(dtype="bfloat16", scheduler=SchedulerConfig(max_num_batched_tokens=512)),
+        SMOLLM2,
+    )
+    assert bf16.weights == SMOLLM2.num_params * 2 and bf16.kv_cache == 2**30
+    assert bf16.working < fp32.working  # fewer, smaller activations
+    blocks = cpu_memory_need(EngineConfig(cache=CacheConfig(num_blocks=10)), SMOLLM2)
+    assert blocks.kv_cache == 10 * 16 * SMOLLM2.kv_bytes_per_token * 4
+
+
+def test_serve_refuses_to_start_over_its_memory_limit() -> None:
+    """A real `kvpilot serve` under a 1 GiB limit with a 2 GiB KV budget: exit 1 with the
+    figures, before the KV cache (or the weights) are allocated."""
+    started = time.monotonic()
+    proc = subprocess.run(
+        [sys.executable, "-m", "kvpilot.cli", "serve", "--port", "0", "--kv-cache-gib", "2"],
+        env={**os.environ, "KVPILOT_MEMORY_LIMIT_BYTES": str(2**30)},
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    assert "container's memory limit is 1.00 GiB" in proc.stderr, proc.stderr[-3000:]
+    assert "KV cache 2.00 GiB" in proc.stderr
+    assert "KV cache:" not in proc.stderr  # the runner's allocation log line never came
+    assert time.monotonic() - started < 180

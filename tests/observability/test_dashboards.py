@@ -1,0 +1,207 @@
+"""Dashboards and alerts read only metrics that exist: every metric name in every panel of the
+chart's Grafana dashboard, in vLLM's own dashboard and in the chart's PrometheusRule is found in a
+live scrape of a real `kvpilot serve` (bundled SmolLM2, small KV cache) or of the operator's
+/metrics served by its own HTTP server after a real autoscaler tick against that engine."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from prometheus_client import CollectorRegistry
+from prometheus_client.parser import text_string_to_metric_families
+
+from kvpilot.operator.autoscaling import AutoscalingPolicy, MetricsScraper, autoscale_tick
+from kvpilot.operator.autoscaling.metrics import OperatorMetrics
+from kvpilot.operator.cli import serving_metrics
+from kvpilot.operator.config import OperatorConfig
+from kvpilot.operator.kube import KubeError
+from kvpilot.operator.reconcile import Reconciler
+
+from ..operator.autoscaling_helpers import pod_dict
+from ..operator.chart import CHART, of_kind, render
+from ..operator.conftest import free_port
+from ..operator.test_autoscaler import MemoryApi, isvc
+from ..server.serve_process import launch_serve
+from .promql import metric_names
+
+HERE = Path(__file__).parent
+DASHBOARD = CHART / "files" / "dashboards" / "kvpilot.json"
+VLLM_EXPRS = json.loads((HERE / "vllm_grafana_exprs.json").read_text())["exprs"]
+MONITORING = {
+    "monitoring": {
+        "podMonitor": {"enabled": True},
+        "prometheusRule": {"enabled": True},
+        "grafanaDashboard": {"enabled": True},
+    }
+}
+SERVE_ARGS = ("--max-model-len", "512", "--kv-cache-gib", "0.05", "--max-num-seqs", "4")
+pytestmark = pytest.mark.slow
+
+
+def sample_names(text: str) -> set[str]:
+    """Names of the samples an exposition holds (`x_bucket`, `x_total` ...), not just families."""
+    return {s.name for f in text_string_to_metric_families(text) for s in f.samples}
+
+
+def panel_exprs(dashboard: dict[str, Any]) -> list[tuple[str, str]]:
+    found = []
+    for panel in dashboard["panels"]:
+        for inner in [panel, *panel.get("panels", [])]:
+            for target in inner.get("targets", []):
+                found.append((inner["title"], target["expr"]))
+    return found
+
+
+def load_engine(serve_url: str) -> None:
+    """Requests that give every engine histogram a sample: n=2 choices, a stream, a 400."""
+    with httpx.Client(base_url=serve_url, timeout=120) as http:
+        (model,) = http.get("/v1/models").json()["data"]
+        chat = {
+            "model": model["id"],
+            "messages": [{"role": "user", "content": "Name a color."}],
+            "max_tokens": 6,
+            "n": 2,
+        }
+        assert http.post("/v1/chat/completions", json=chat).status_code == 200
+        stream = {"model": chat["model"], "prompt": "Once upon a time", "max_tokens": 6}
+        with http.stream("POST", "/v1/completions", json={**stream, "stream": True}) as response:
+            assert response.status_code == 200
+            response.read()
+        assert http.post("/v1/completions", json={**stream, "max_tokens": -1}).status_code == 400
+
+
+async def tick_against(engine_port: int, metrics: OperatorMetrics) -> None:
+    """One real autoscaler tick: a Ready pod on the live engine, another nobody answers for."""
+    policy = AutoscalingPolicy(min_replicas=2, max_replicas=4)  # 1 replica: scales up to 2
+    pods = [
+        pod_dict("chat-0", "127.0.0.1", created=time.time() - 60),
+        pod_dict("chat-1", "127.0.0.2", created=time.time() - 60),  # the engine is on .1 only
+    ]
+    scraper = MetricsScraper(timeout_s=5)
+    try:
+        body = isvc()
+        result = await autoscale_tick(
+            body,
+            policy,
+            pods,
+            1,
+            now=time.time(),
+            scrape=scraper,
+            metrics=metrics,
+            metrics_port=engine_port,
+        )
+    finally:
+        await scraper.aclose()
+    assert result.replicas == 2
+    assert result.status_patch["autoscaling"]["metrics"]["reportingPods"] == 1
+
+
+def reconcile_into(metrics: OperatorMetrics) -> None:
+    """A reconcile of an invalid spec (Degraded) and one that meets an API error."""
+    broken = isvc(2, panicWindowSeconds=30)
+    api = MemoryApi(broken, None)
+    reconciler = Reconciler(api, OperatorConfig(), lambda *_: None, metrics=metrics)  # type: ignore[arg-type]
+    assert reconciler.reconcile(broken).invalid is not None
+    api.fail_on = "get_inferenceservice"
+    with contextlib.suppress(KubeError):
+        reconciler.reconcile(broken)
+
+
+@pytest.fixture(scope="module")
+def scrapes() -> Iterator[dict[str, set[str]]]:
+    with launch_serve(*SERVE_ARGS) as serve:
+        load_engine(serve.url)
+        engine_text = httpx.get(f"{serve.url}/metrics", timeout=30).text
+        assert serve.port is not None
+        metrics = OperatorMetrics(CollectorRegistry())
+        asyncio.run(tick_against(serve.port, metrics))
+    reconcile_into(metrics)
+    port = free_port()
+    with serving_metrics(port, metrics.registry):
+        operator_text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=30).text
+    yield {"engine": sample_names(engine_text), "operator": sample_names(operator_text)}
+
+
+def test_the_live_scrapes_hold_what_the_requests_and_the_tick_produced(
+    scrapes: dict[str, set[str]],
+) -> None:
+    assert "vllm:request_prompt_tokens_bucket" in scrapes["engine"]
+    assert "kvpilot:iteration_tokens_total_count" in scrapes["engine"]
+    assert "kvpilot_operator_scrape_errors_total" in scrapes["operator"]  # the silent pod
+    assert "kvpilot_operator_degraded" in scrapes["operator"]
+
+
+def test_every_panel_of_the_charts_dashboard_reads_exported_metrics(
+    scrapes: dict[str, set[str]],
+) -> None:
+    dashboard = json.loads(DASHBOARD.read_text())
+    exported = scrapes["engine"] | scrapes["operator"]
+    exprs = panel_exprs(dashboard)
+    assert len(exprs) >= 20
+    titles = {title for title, _ in exprs}
+    # What the issue asks the dashboard to show.
+    for wanted in ("Token throughput", "Time to first token", "Inter-token latency", "Queue",
+                   "KV-cache usage", "Prefix-cache hit rate", "Preemptions",
+                   "Replicas: desired, current, max", "Saturation", "Scale decisions"):  # fmt: skip
+        assert wanted in titles, wanted
+    for title, expr in exprs:
+        names = metric_names(expr)
+        assert names, f"{title}: {expr} reads no metric"
+        missing = names - exported
+        assert not missing, f"panel {title!r} reads metrics nobody exports: {sorted(missing)}"
+
+
+def test_vllms_own_dashboard_reads_only_metrics_kvpilot_serve_exports(
+    scrapes: dict[str, set[str]],
+) -> None:
+    names = set().union(*(metric_names(expr) for expr in VLLM_EXPRS))
+    assert len(names) >= 15
+    missing = names - scrapes["engine"]
+    assert not missing, f"vLLM's dashboard reads what kvpilot serve lacks: {sorted(missing)}"
+
+
+def test_alert_rules_parse_and_read_exported_metrics(scrapes: dict[str, set[str]]) -> None:
+    (rule,) = of_kind(render(MONITORING), "PrometheusRule")
+    rules = [r for group in rule["spec"]["groups"] for r in group["rules"]]
+    assert {r["alert"] for r in rules} >= {
+        "KvpilotQueueGrowingAtMaxReplicas",
+        "KvpilotKVCacheFull",
+        "KvpilotPodsCrashLooping",
+        "KvpilotReconcileErrors",
+    }
+    exported = scrapes["engine"] | scrapes["operator"]
+    for r in rules:
+        names = metric_names(r["expr"])
+        assert names and not names - exported, (r["alert"], sorted(names - exported))
+        assert "{{ $labels." in r["annotations"]["summary"]  # Helm left Prometheus' templates
+
+
+def test_the_dashboard_ships_as_a_sidecar_configmap_only_when_asked() -> None:
+    assert not of_kind(render(), "ConfigMap")
+    values = {"monitoring": {"grafanaDashboard": {"enabled": True, "namespace": "grafana"}}}
+    (config_map,) = of_kind(render(values), "ConfigMap")
+    assert config_map["metadata"]["namespace"] == "grafana"
+    assert config_map["metadata"]["labels"]["grafana_dashboard"] == "1"
+    assert json.loads(config_map["data"]["kvpilot.json"]) == json.loads(DASHBOARD.read_text())
+
+
+def test_the_engine_podmonitor_labels_series_with_their_inferenceservice() -> None:
+    docs = render({**MONITORING, "watchNamespaces": ["serving"]})
+    engines, operator = of_kind(docs, "PodMonitor")
+    assert engines["spec"]["selector"]["matchLabels"]["app.kubernetes.io/name"] == "kvpilot-engine"
+    assert engines["spec"]["namespaceSelector"] == {"matchNames": ["serving"]}
+    (endpoint,) = engines["spec"]["podMetricsEndpoints"]
+    assert endpoint["port"] == "http"
+    assert {"targetLabel": "inferenceservice"}.items() <= endpoint["relabelings"][0].items()
+    assert operator["spec"]["podMetricsEndpoints"][0]["honorLabels"] is True
+    # Without the operator's metrics port there is nothing to monitor on it.
+    no_metrics = of_kind(render({**MONITORING, "metricsPort": 0}), "PodMonitor")
+    assert [m["metadata"]["name"] for m in no_metrics] == ["kvpilot-engines"]

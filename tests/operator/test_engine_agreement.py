@@ -1,0 +1,231 @@
+"""One validation for every engine setting: what the CRD admits (OpenAPI schema + CEL, as the API
+server checks it) and the operator's spec model accept, the engine accepts too, and the other
+way round.
+
+Every property of spec.engine in the generated CRD must be listed below, either as an engine
+setting (probed with boundary values on both sides) or as a container setting the engine never
+sees; a new field fails the first test until it is classified. The engine side is the engine's
+own code: `kvpilot serve`'s argument parser on the arguments the operator's builder produces, then
+the engine's config validation (EngineConfig and its parts validate at construction, dtype against
+the device the pod gets).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import io
+from typing import Any
+
+import pytest
+from kubernetes.utils import parse_quantity
+
+from kvpilot.engine.config import BLOCK_SIZES, DTYPES
+from kvpilot.engine.model.loader import peek_model_config
+from kvpilot.engine.parallel.sharding import check_tensor_parallel_size
+from kvpilot.engine.server.cli import build_parser, engine_config
+from kvpilot.operator import crdgen
+from kvpilot.operator.builders import build_engine_args
+from kvpilot.operator.spec import InvalidSpecError, parse_spec
+
+from .crd_schema import api_server_errors, crd_schema
+
+CRD = crdgen.build_crd()
+BUILTIN = {"uri": "builtin://smollm2-135m-instruct"}
+INTS = [-1, 0, 1, 2, 7, 8, 9, 15, 16, 17, 32, 64, 100, 128, 129, 256, 1024, 2048, 10**6]
+FLOATS = [-0.5, 0.0, 1e-6, 0.05, 0.5, 0.9, 1.0, 1.0001, 1.5]
+QUANTITIES = ["0", "1", "1023Ki", "1Mi", "768Mi", "2Gi", "1.5Gi", 2**20, 12345678]
+
+# CRD field -> the values to probe on both sides.
+ENGINE_SETTINGS: dict[str, list[Any]] = {
+    "blockSize": INTS,
+    "maxModelLen": INTS,
+    "maxNumSeqs": INTS,
+    "maxNumBatchedTokens": INTS,
+    "enablePrefixCaching": [True, False],
+    "dtype": ["auto", *DTYPES, "int8", "fp8", "Float32"],
+    "gpuMemoryUtilization": FLOATS,
+    "kvCacheBytes": QUANTITIES,
+    "kvCacheMemoryFraction": FLOATS,
+    "tensorParallelSize": [-1, 0, 1, 2, 3, 4, 9, 64, 65],
+}
+# Settings of the container, not of the engine's configuration (their own tests cover them).
+CONTAINER_SETTINGS = {
+    "image",
+    "imagePullPolicy",
+    "env",
+    "extraArgs",
+    "startupTimeoutSeconds",
+    "apiKeySecret",
+}
+# Where the CRD or the operator is stricter than the engine's config on purpose, because the
+# engine's own limit needs the model: a KV budget below one block (the engine would accept the
+# flag and fail at load), or a KV fraction that leaves nothing of the memory limit for the weights
+# (the engine's start-up memory check would refuse it). Value: who refuses.
+STRICTER_THAN_THE_ENGINE = {
+    ("kvCacheBytes", "1"): "InvalidSpec",
+    ("kvCacheBytes", "1023Ki"): "InvalidSpec",
+    ("kvCacheMemoryFraction", 1e-6): "InvalidSpec",  # 4 KiB of a 4Gi limit
+    ("kvCacheMemoryFraction", 1.0): "API server",
+    ("kvCacheMemoryFraction", 1.0001): "API server",
+    ("kvCacheMemoryFraction", 1.5): "API server",
+}
+
+
+def engine_properties() -> set[str]:
+    spec = crd_schema(CRD)["properties"]["spec"]
+    return set(spec["properties"]["engine"]["properties"])
+
+
+def test_every_engine_field_of_the_crd_is_classified() -> None:
+    assert engine_properties() == set(ENGINE_SETTINGS) | CONTAINER_SETTINGS
+
+
+def admitted(spec: dict[str, Any]) -> tuple[bool, str]:
+    """API server (schema + CEL) and the operator's model; the reason when refused."""
+    obj = {
+        "apiVersion": "kvpilot.dev/v1alpha1",
+        "kind": "InferenceService",
+        "metadata": {"name": "chat", "namespace": "serving"},
+        "spec": spec,
+    }
+    errors = api_server_errors(CRD, obj)
+    if errors:
+        return False, f"API server: {errors}"
+    try:
+        parse_spec(spec)
+    except InvalidSpecError as error:
+        return False, f"InvalidSpec: {error}"
+    return True, ""
+
+
+def engine_accepts(spec: dict[str, Any], on_gpu: bool) -> tuple[bool, str]:
+    """The engine's verdict on the arguments the operator would give it (in a pod with or
+    without a GPU). Needs a spec the operator's model parses: the builder works from it; for one
+    the model refuses, the raw engine fields are turned into flags the same way."""
+    try:
+        args = build_engine_args(parse_spec(spec), "chat")[1:]  # drop the "serve" subcommand
+    except InvalidSpecError:
+        args = raw_engine_args(spec)
+    if on_gpu:
+        args += ["--device", "cuda"]
+    try:
+        with contextlib.redirect_stderr(io.StringIO()) as err:
+            parsed = build_parser().parse_args(args)
+    except SystemExit:
+        return False, f"argparse: {err.getvalue().strip()}"
+    try:
+        config = engine_config(parsed)
+        config.resolved_dtype  # noqa: B018 - float16 on CPU raises here
+        if config.tensor_parallel_size > 1:  # what `kvpilot serve` checks before any process
+            check_tensor_parallel_size(
+                model_shape(config.model),
+                config.tensor_parallel_size,
+                num_gpus=spec.get("gpus", 0) if on_gpu else None,
+            )
+    except ValueError as error:
+        return False, f"config: {error}"
+    return True, ""
+
+
+@functools.cache
+def model_shape(model: str | None) -> Any:
+    """The engine's own reading of the model's config (cached: it parses the GGUF header)."""
+    return peek_model_config(model)
+
+
+FLAGS = {
+    "blockSize": "--block-size",
+    "maxModelLen": "--max-model-len",
+    "maxNumSeqs": "--max-num-seqs",
+    "maxNumBatchedTokens": "--max-num-batched-tokens",
+    "dtype": "--dtype",
+    "gpuMemoryUtilization": "--gpu-memory-utilization",
+    "tensorParallelSize": "--tensor-parallel-size",
+}
+
+
+def raw_engine_args(spec: dict[str, Any]) -> list[str]:
+    engine = spec.get("engine", {})
+    args: list[str] = []
+    for field, value in engine.items():
+        if field in FLAGS:
+            args += [FLAGS[field], str(value)]
+        elif field == "enablePrefixCaching" and value is False:
+            args.append("--no-enable-prefix-caching")
+        elif field == "kvCacheBytes":
+            with contextlib.suppress(ValueError):
+                args += ["--kv-cache-memory-bytes", str(int(parse_quantity(value)))]
+        elif field == "kvCacheMemoryFraction":
+            limit = spec.get("resources", {}).get("limits", {}).get("memory")
+            if isinstance(value, float) and limit is not None:
+                args += ["--kv-cache-memory-bytes", str(int(value * float(parse_quantity(limit))))]
+            else:
+                args += ["--kv-cache-memory-bytes", "not-a-number"]
+    return args
+
+
+CASES = [
+    (field, value, gpus)
+    for field, values in ENGINE_SETTINGS.items()
+    for value in values
+    for gpus in (0, 1)
+]
+
+
+@pytest.mark.parametrize(("field", "value", "gpus"), CASES)
+def test_the_crd_admits_exactly_what_the_engine_accepts(field: str, value: Any, gpus: int) -> None:
+    spec: dict[str, Any] = {"model": BUILTIN, "engine": {field: value}, "gpus": gpus}
+    if field == "kvCacheMemoryFraction":
+        spec["resources"] = {"limits": {"memory": "4Gi"}}
+    is_admitted, why_not = admitted(spec)
+    is_accepted, engine_says = engine_accepts(spec, on_gpu=gpus > 0)
+    if (field, value) in STRICTER_THAN_THE_ENGINE:
+        assert is_accepted, engine_says  # else the entry is not needed
+        assert not is_admitted and why_not.startswith(STRICTER_THAN_THE_ENGINE[field, value])
+        return
+    assert is_admitted == is_accepted, (why_not, engine_says)
+
+
+def test_the_probes_reach_both_verdicts_for_every_field() -> None:
+    """The table is only worth something if each field has values on both sides."""
+    for field, values in ENGINE_SETTINGS.items():
+        if field == "enablePrefixCaching":
+            continue
+        verdicts = set()
+        for value in values:
+            spec: dict[str, Any] = {"model": BUILTIN, "engine": {field: value}}
+            if field == "kvCacheMemoryFraction":
+                spec["resources"] = {"limits": {"memory": "4Gi"}}
+            verdicts.add(admitted(spec)[0])
+        assert verdicts == {True, False}, field
+
+
+def test_block_sizes_come_from_the_engine() -> None:
+    node = crd_schema(CRD)["properties"]["spec"]["properties"]["engine"]["properties"]
+    assert tuple(node["blockSize"]["enum"]) == BLOCK_SIZES
+    assert set(node["dtype"]["enum"]) == {"auto", *DTYPES}
+
+
+@pytest.mark.parametrize(
+    "engine",
+    [
+        {},
+        {"dtype": "bfloat16", "kvCacheBytes": "768Mi", "maxNumSeqs": 8},
+        {"dtype": "float32", "maxNumBatchedTokens": 512, "blockSize": 32},
+    ],
+)
+def test_the_operator_predicts_the_memory_the_engine_checks(engine: dict[str, Any]) -> None:
+    """The operator's arithmetic for the builtin model equals the engine's start-up check on the
+    bundled model's real config, for the flags the builder gives it."""
+    from kvpilot.engine.config import ModelConfig
+    from kvpilot.engine.core.engine_core import cpu_memory_need
+    from kvpilot.engine.memory_fit import RUNTIME_BYTES
+    from kvpilot.engine.model.loader import read_hf_config, resolve_model
+    from kvpilot.operator import memory
+
+    assert memory.RUNTIME_BYTES == RUNTIME_BYTES
+    spec = parse_spec({"model": BUILTIN, "engine": engine})
+    parsed = build_parser().parse_args(build_engine_args(spec, "chat")[1:])
+    model = ModelConfig.from_hf_config(read_hf_config(resolve_model(None, "auto").hf_dir))
+    assert memory.cpu_memory_need(spec) == cpu_memory_need(engine_config(parsed), model).total

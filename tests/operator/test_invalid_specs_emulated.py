@@ -1,0 +1,144 @@
+"""A table of invalid specs, one per engine field and per rule: each is refused by the API
+server's schema or CEL (evaluated here from the generated CRD, as tests/operator/crd_schema.py
+does), or admitted there and then answered by the real operator (kopf against kmock) with
+Ready=False/InvalidSpec, a Warning Event and no Deployment. The API-server cases go to the
+operator too (kmock does not enforce the schema; an older CRD might not either): they get
+InvalidSpec the same way, so no spec in the table ever becomes a pod that would crash."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import pytest
+
+from kvpilot.operator import crdgen
+
+from .conftest import RunningOperator, eventually
+from .crd_schema import api_server_errors
+from .emulated import (
+    DEPLOYMENT,
+    condition,
+    create_isvc,
+    engine_args,
+    events,
+    live,
+    status_writes,
+)
+from .kube_emulator import KubeEmulator
+
+pytestmark = pytest.mark.kmock(cls=KubeEmulator)
+
+CRD = crdgen.build_crd()
+BUILTIN = {"uri": "builtin://smollm2-135m-instruct"}
+ENOUGH = {"limits": {"memory": "8Gi"}}
+
+# (name, spec fields besides the model, who refuses it: "api" or "operator", words of the reason)
+TABLE: list[tuple[str, dict[str, Any], str, str]] = [
+    ("block-size-enum", {"engine": {"blockSize": 24}}, "api", "blockSize"),
+    ("block-size-big", {"engine": {"blockSize": 256}}, "api", "blockSize"),
+    ("max-model-len", {"engine": {"maxModelLen": 0}}, "api", "maxModelLen"),
+    ("max-num-seqs", {"engine": {"maxNumSeqs": 0}}, "api", "maxNumSeqs"),
+    ("max-batched", {"engine": {"maxNumBatchedTokens": -1}}, "api", "maxNumBatchedTokens"),
+    # The operator's model reads "yes" as true (lax, as kubectl's YAML would): a working pod.
+    ("prefix-caching-type", {"engine": {"enablePrefixCaching": "yes"}}, "api-coerced",
+     "enablePrefixCaching"),
+    ("dtype-enum", {"engine": {"dtype": "int8"}}, "api", "dtype"),
+    ("dtype-fp16-on-cpu", {"engine": {"dtype": "float16"}}, "api", "needs a GPU"),
+    ("gpu-util", {"engine": {"gpuMemoryUtilization": 1.2}}, "api", "gpuMemoryUtilization"),
+    ("kv-bytes-pattern", {"engine": {"kvCacheBytes": "lots"}}, "api", "kvCacheBytes"),
+    ("kv-bytes-tiny", {"engine": {"kvCacheBytes": "64Ki"}}, "operator", "below 1Mi"),
+    ("kv-fraction-range", {"engine": {"kvCacheMemoryFraction": 1.0}, "resources": ENOUGH},
+     "api", "kvCacheMemoryFraction"),
+    ("kv-fraction-no-limit", {"engine": {"kvCacheMemoryFraction": 0.5}}, "api",
+     "needs resources.limits.memory"),
+    ("kv-fraction-tiny", {"engine": {"kvCacheMemoryFraction": 1e-7}, "resources": ENOUGH},
+     "operator", "below 1Mi"),
+    ("kv-both", {"engine": {"kvCacheBytes": "1Gi", "kvCacheMemoryFraction": 0.2},
+                 "resources": ENOUGH}, "api", "mutually exclusive"),
+    ("api-key-secret-name", {"engine": {"apiKeySecret": {"key": "k"}}}, "api", "apiKeySecret"),
+    ("api-key-twice", {"engine": {"apiKeySecret": {"name": "s"},
+                                  "env": [{"name": "KVPILOT_API_KEY", "value": "x"}]}},
+     "operator", "KVPILOT_API_KEY"),
+    ("extra-args-reserved", {"engine": {"extraArgs": ["--port=1"]}}, "operator", "--port"),
+    ("image-empty", {"engine": {"image": ""}}, "api", "image"),
+    ("startup-timeout", {"engine": {"startupTimeoutSeconds": 1}}, "api", "startupTimeoutSeconds"),
+    ("memory-limit-below-need", {"resources": {"limits": {"memory": "1Gi"}}}, "operator",
+     "below what the engine needs"),
+    ("memory-limit-below-kv", {"engine": {"kvCacheBytes": "4Gi"},
+                               "resources": {"limits": {"memory": "4Gi"}}}, "operator",
+     "below what the engine needs"),
+]  # fmt: skip
+
+
+def full(fields: dict[str, Any]) -> dict[str, Any]:
+    return {"model": BUILTIN, **fields}
+
+
+def isvc(name: str, fields: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "apiVersion": "kvpilot.dev/v1alpha1",
+        "kind": "InferenceService",
+        "metadata": {"name": name, "namespace": "serving"},
+        "spec": full(fields),
+    }
+
+
+@pytest.mark.parametrize(("name", "fields", "who", "words"), TABLE, ids=[t[0] for t in TABLE])
+def test_the_api_server_refuses_exactly_the_api_cases(
+    name: str, fields: dict[str, Any], who: str, words: str
+) -> None:
+    errors = api_server_errors(CRD, isvc(name, fields))
+    if who.startswith("api"):
+        assert errors and any(words in e for e in errors), errors
+    else:
+        assert errors == []
+
+
+async def test_every_invalid_spec_is_invalidspec_without_a_deployment(
+    kmock: KubeEmulator, operator: RunningOperator
+) -> None:
+    for name, fields, _, _ in TABLE:
+        await create_isvc(kmock, name, full(fields))
+    await create_isvc(kmock, "fine", {"model": BUILTIN, "resources": ENOUGH})
+    await eventually(lambda: live(kmock, DEPLOYMENT, "fine"), timeout=60)
+    coerced = [name for name, _, who, _ in TABLE if who == "api-coerced"]
+    for name in coerced:
+        deployment = await eventually(lambda n=name: live(kmock, DEPLOYMENT, n))
+        assert "--no-enable-prefix-caching" not in engine_args(deployment)
+    refused = [row for row in TABLE if row[2] != "api-coerced"]
+    for name, _, who, words in refused:
+        await eventually(lambda n=name: (condition(kmock, n, "Ready") or ("",))[0] == "False")
+        _status, reason, message = condition(kmock, name, "Ready")  # type: ignore[misc]
+        assert reason == "InvalidSpec", (name, message)
+        if who == "operator":
+            assert words in message, (name, message)
+        await eventually(
+            lambda n=name: any(
+                e["reason"] == "InvalidSpec" and e["type"] == "Warning" for e in events(kmock, n)
+            )
+        )
+    writes = {name: status_writes(kmock, name) for name, *_ in refused}
+    await asyncio.sleep(2 * operator.config.resync_seconds)
+    for name, *_ in refused:
+        assert live(kmock, DEPLOYMENT, name) is None, name
+        assert status_writes(kmock, name) == writes[name], name  # no retry storm
+        assert [e["reason"] for e in events(kmock, name)].count("InvalidSpec") == 1, name
+
+
+async def test_a_request_below_the_need_is_a_warning_condition_not_a_refusal(
+    kmock: KubeEmulator, operator: RunningOperator
+) -> None:
+    low = {"requests": {"memory": "1Gi"}, "limits": {"memory": "8Gi"}}
+    await create_isvc(kmock, "low", {"model": BUILTIN, "resources": low})
+    await eventually(lambda: live(kmock, DEPLOYMENT, "low"))
+    await eventually(lambda: condition(kmock, "low", "MemorySufficient"))
+    status, reason, message = condition(kmock, "low", "MemorySufficient")  # type: ignore[misc]
+    assert (status, reason) == ("False", "MemoryRequestBelowNeed")
+    assert "requests.memory (1.00 GiB)" in message
+    await eventually(
+        lambda: any(e["reason"] == "MemoryRequestBelowNeed" for e in events(kmock, "low"))
+    )
+    await create_isvc(kmock, "fine", {"model": BUILTIN, "resources": {"limits": ENOUGH["limits"]}})
+    await eventually(lambda: condition(kmock, "fine", "Ready"))
+    assert condition(kmock, "fine", "MemorySufficient") is None  # only where it matters
