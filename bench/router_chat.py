@@ -113,7 +113,7 @@ def user_message(rng: random.Random) -> str:
 
 
 class Proc:
-    def __init__(self, cmd: list[str], log_path: Path) -> None:
+    def __init__(self, cmd: list[str], log_path: Path, env: dict[str, str] | None = None) -> None:
         self.log_path = log_path
         self.port: int | None = None
         self.proc = subprocess.Popen(
@@ -121,7 +121,7 @@ class Proc:
             stderr=subprocess.PIPE,
             stdout=subprocess.DEVNULL,
             text=True,
-            env={**os.environ, "OMP_NUM_THREADS": "1"},
+            env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})},
         )
         threading.Thread(target=self._read, daemon=True).start()
 
@@ -130,6 +130,7 @@ class Proc:
         with open(self.log_path, "w") as log:
             for line in self.proc.stderr:
                 log.write(line)
+                log.flush()
                 found = UVICORN_PORT.search(line)
                 if found:
                     self.port = int(found.group(1))
@@ -336,6 +337,9 @@ def main() -> None:
     parser.add_argument("--overhead-samples", type=int, default=40)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--skip-single", action="store_true")
+    parser.add_argument(
+        "--overhead-only", action="store_true", help="only the router's added latency"
+    )
     parser.add_argument("--out", type=Path, default=Path("bench/router_chat.json"))
     args = parser.parse_args()
     logs = args.out.with_suffix("").with_name(args.out.stem + "-logs")
@@ -359,6 +363,11 @@ def main() -> None:
         # Warm-up, unmeasured: every replica and the router see a request first.
         asyncio.run(run_pass("warmup", urls, conversations[:3], args))
         passes = {}
+        if args.overhead_only:
+            report["overhead"] = asyncio.run(overhead(router.url, args))
+            print("overhead", report["overhead"], flush=True)
+            args.out.write_text(json.dumps(report, indent=1))
+            return
         passes["round_robin"] = asyncio.run(run_pass("round_robin", urls, conversations, args))
         print("round-robin", passes["round_robin"].summary(), flush=True)
         passes["router"] = asyncio.run(run_pass("router", [router.url], conversations, args))

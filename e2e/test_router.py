@@ -40,7 +40,10 @@ def test_router_routes_by_prefix_404s_streams_and_skips_a_deleted_pod(
     body["metadata"] = {"name": NAME, "namespace": e2e.namespace}
     body["spec"]["replicas"] = 2
     apis["custom"].create_namespaced_custom_object(GROUP, VERSION, e2e.namespace, PLURAL, body)
-    wait_ready(apis, e2e, NAME)
+    obj = wait_ready(apis, e2e, NAME)
+    # kubectl get isvc shows the URL users call: the router's.
+    router_url = f"http://kvpilot-router.{e2e.operator_namespace}.svc:80/v1"
+    assert obj["status"]["endpoint"] == router_url
     wait_for(lambda: len(routed_pods(apis, e2e)) == 2, e2e.timeout_s, "two Ready pods")
 
     with port_forward(e2e.operator_namespace, ROUTER, 80) as port:

@@ -45,8 +45,13 @@ class OperatorConfig:
     # The engine pods' port the autoscaler scrapes: the engine's, always, in a cluster. A setting
     # so that tests can serve many fake pods' /metrics on loopback without owning port 8000.
     engine_metrics_port: int = ENGINE_PORT
+    # kvpilot router's OpenAI base URL, when one serves these InferenceServices: it is then each
+    # one's status.endpoint (the URL users call); None: the service's own URL.
+    router_url: str | None = None
 
     def __post_init__(self) -> None:
+        if self.router_url is not None and not self.router_url.startswith(("http://", "https://")):
+            raise ValueError(f"the router URL must be http(s)://..., got {self.router_url!r}")
         for namespace in self.namespaces:
             if not _DNS_LABEL.fullmatch(namespace):
                 raise ValueError(f"namespace {namespace!r} is not a valid namespace name")
@@ -163,6 +168,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="serve the operator's own Prometheus /metrics on this port, 0 for none "
         f"(env KVPILOT_METRICS_PORT; default {DEFAULT_METRICS_PORT})",
     )
+    parser.add_argument(
+        "--router-url",
+        help="kvpilot router's OpenAI base URL, shown as each InferenceService's endpoint "
+        "(env KVPILOT_ROUTER_URL; default: none, the service's own URL)",
+    )
     return parser
 
 
@@ -186,6 +196,7 @@ def config_from(argv: list[str], env: Mapping[str, str]) -> OperatorConfig:
         ("annotation_prefix", args.annotation_prefix, "KVPILOT_ANNOTATION_PREFIX"),
         ("log_level", args.log_level, "KVPILOT_LOG_LEVEL"),
         ("log_format", args.log_format, "KVPILOT_LOG_FORMAT"),
+        ("router_url", args.router_url, "KVPILOT_ROUTER_URL"),
     ):
         value = given(flag, name)
         if value is not None:

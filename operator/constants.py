@@ -27,6 +27,10 @@ PART_OF = "kvpilot"
 
 # Our own annotations on children (the prefix is the API group, as Kubernetes conventions ask).
 ANNOTATION_CONFIG_HASH = f"{GROUP}/config-hash"
+# Written by kvpilot router on an InferenceService at zero replicas whose requests it holds (the
+# value: when, and which router); the operator scales it to one replica at once. Not under
+# "kvpilot.dev/": kopf keeps its own state under that prefix and ignores changes to it.
+ANNOTATION_WAKE = f"router.{GROUP}/wake-requested-at"
 
 # Server-side apply field manager: the name under which our fields show in managedFields.
 FIELD_MANAGER = "kvpilot-operator"

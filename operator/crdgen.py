@@ -59,7 +59,8 @@ PRINTER_COLUMNS = [
     {"name": "Replicas", "type": "integer", "jsonPath": ".status.replicas"},
     {"name": "Desired", "type": "integer", "jsonPath": ".status.desiredReplicas"},
     {"name": "Model", "type": "string", "jsonPath": ".spec.model.uri"},
-    {"name": "URL", "type": "string", "jsonPath": ".status.url"},
+    # The URL users call: the router's when the chart runs one (status.url: the Service's own).
+    {"name": "URL", "type": "string", "jsonPath": ".status.endpoint"},
     {"name": "Reason", "type": "string", "jsonPath": f"{READY}.reason"},
     {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
 ]

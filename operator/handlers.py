@@ -17,8 +17,10 @@ import kopf
 from kvpilot.operator.autoscaling.autoscaler import Autoscaler
 from kvpilot.operator.autoscaling.metrics import OperatorMetrics
 from kvpilot.operator.autoscaling.scrape import MetricsScraper
+from kvpilot.operator.autoscaling.zero import wake_scope
 from kvpilot.operator.config import OperatorConfig
 from kvpilot.operator.constants import (
+    ANNOTATION_WAKE,
     GROUP,
     LABEL_MANAGED_BY,
     MANAGED_BY,
@@ -152,6 +154,21 @@ def build_registry(
     )
     async def inferenceservice_autoscale(body: kopf.Body, **_: Any) -> None:
         await parts.autoscaler.run(body)
+
+    # A router holds requests for it at zero replicas: one replica now, not at the next tick.
+    @kopf.on.field(
+        GROUP, VERSION, PLURAL, id="wake", field=("metadata", "annotations", ANNOTATION_WAKE),
+        registry=registry,
+    )  # fmt: skip
+    def inferenceservice_wake(body: kopf.Body, new: Any, **_: Any) -> None:
+        scope = wake_scope(body) if new else None
+        if scope is not None:
+            meta = body["metadata"]
+            woken = reconciler().apply_scale(
+                meta["namespace"], meta["name"], 1, seen=scope, only_from=0
+            )
+            if woken:
+                post_kopf_event(body, "Normal", "WakeFromZero", f"a router holds requests: {new}")
 
     child_filter = {LABEL_MANAGED_BY: MANAGED_BY}
 

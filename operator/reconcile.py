@@ -212,6 +212,7 @@ class Reconciler:
         status_patch: Mapping[str, Any] | None = None,
         *,
         seen: tuple[int | None, AutoscalingPolicy],
+        only_from: int | None = None,
     ) -> int | None:
         """The autoscaler's hook: set the Deployment's replicas (and write the autoscaler's own
         status keys), under this object's lock so that no reconcile interleaves.
@@ -223,7 +224,7 @@ class Reconciler:
         applied. Reconcile keeps
         whatever count this sets (see replicas_for). The status patch gets desiredReplicas = the
         count applied, which is what reconcile reports too: the two never rewrite each other's
-        value.
+        value. With only_from, nothing changes unless the live count is that.
         """
         generation, policy = seen
         with self._lock(namespace, name):
@@ -239,6 +240,8 @@ class Reconciler:
             if live is None or not is_controlled_by(live, body["metadata"]["uid"]):
                 return None
             current = (live.get("spec") or {}).get("replicas")
+            if only_from is not None and current != only_from:
+                return None  # it moved meanwhile (a wake at zero finds it already up)
             wanted = current if replicas is None else replicas
             bounded = policy.min_replicas if wanted is None else policy.clamp(wanted)
             if current != bounded:
@@ -320,6 +323,7 @@ class Reconciler:
             url=service_url(owner),
             model=served_model_name(owner, spec),
             tensor_parallel_size=spec.effective_tensor_parallel_size,
+            endpoint=self._config.router_url,
         )
         status = build_status(previous, observed, self._clock())
         memory = memory_condition(spec, previous)

@@ -32,6 +32,7 @@ OWNED_KEYS = (
     "desiredReplicas",
     "selector",
     "url",
+    "endpoint",
     "model",
     "tensorParallelSize",
 )
@@ -86,7 +87,14 @@ class InferenceServiceStatus(KubeModel):
     selector: str | None = Field(
         default=None, description="Label selector of the engine pods (for the scale subresource)."
     )
-    url: str | None = Field(default=None, description="In-cluster OpenAI base URL.")
+    url: str | None = Field(
+        default=None, description="In-cluster OpenAI base URL of this service's own Service."
+    )
+    endpoint: str | None = Field(
+        default=None,
+        description="The OpenAI base URL users call: kvpilot router's when one serves this "
+        "namespace (one URL for every model; `model` picks the service), else url.",
+    )
     model: str | None = Field(default=None, description="Model name to use in requests.")
     tensor_parallel_size: int | None = Field(
         default=None, description="Ranks (GPUs) each engine pod splits the model over."
@@ -108,6 +116,7 @@ class Observed:
     url: str
     model: str
     tensor_parallel_size: int = 1
+    endpoint: str | None = None  # None: url
 
 
 def build_invalid_status(
@@ -214,6 +223,7 @@ def build_status(
         "desiredReplicas": desired,
         "selector": observed.selector,
         "url": observed.url,
+        "endpoint": observed.endpoint or observed.url,
         "model": observed.model,
         "tensorParallelSize": observed.tensor_parallel_size,
     }

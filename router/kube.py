@@ -16,14 +16,14 @@ from typing import Any
 
 import httpx
 
-from kvpilot.operator.constants import GROUP, PLURAL, VERSION
+from kvpilot.operator.constants import ANNOTATION_WAKE, GROUP, PLURAL, VERSION
 
 log = logging.getLogger("kvpilot.router")
 
 SERVICE_ACCOUNT = Path("/var/run/secrets/kubernetes.io/serviceaccount")
 # Set by routers on an InferenceService whose requests they hold at zero replicas; the operator
-# scales it up at once (a watch event, not a scrape tick). The value is when.
-WAKE_ANNOTATION = f"{GROUP}/wake-requested-at"
+# scales it up at once (a watch event, not a scrape tick).
+WAKE_ANNOTATION = ANNOTATION_WAKE
 _RELIST_PAUSE_S = 1.0
 
 

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from kvpilot.operator.autoscaling.observations import Observations
 from kvpilot.operator.autoscaling.policy import AutoscalingPolicy
 from kvpilot.operator.autoscaling.state import NUM_DECISIONS_KEPT, AutoscalerState, DecisionRecord
+from kvpilot.operator.autoscaling.zero import last_replica
 
 # ceil() of a load computed from floats must not round 3.0000000001 up to 4.
 EPSILON = 1e-9
@@ -63,6 +64,8 @@ def decide(
     num_ready = observations.num_ready
     reporting = observations.reporting
     history_s = max(policy.scale_up_window_s, policy.scale_down_window_s)
+    if policy.min_replicas == 0:
+        history_s = max(history_s, policy.scale_to_zero_after_s)
     samples = tuple(s for s in state.samples if s[0] > now - policy.stable_window_s)
     recommendations = tuple(r for r in state.recommendations if r[0] >= now - history_s)
     panic_since = state.panic_since
@@ -124,7 +127,13 @@ def decide(
         message += (
             f"; held: no scale-down while {len(observations.missing)} Ready pods do not report"
         )
+    wanted_target = target
     target, reason, message = _limit(policy, current, target, reason, message)
+    target, zero_reason, zero_message = last_replica(
+        policy, recommendations, current, wanted_target, target, now
+    )
+    if zero_reason is not None:
+        reason, message = zero_reason, message + zero_message
 
     decisions = state.decisions
     if target != current or not decisions or decisions[-1].reason != reason:

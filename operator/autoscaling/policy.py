@@ -19,6 +19,7 @@ TOP_LEVEL_KEYS = {
     "panicThreshold": "panic_threshold",
     "tolerance": "tolerance",
     "startupGraceSeconds": "startup_grace_s",
+    "scaleToZeroAfterSeconds": "scale_to_zero_after_s",
 }
 SCALE_UP_KEYS = {
     "stabilizationWindowSeconds": "scale_up_window_s",
@@ -72,6 +73,8 @@ class AutoscalingPolicy:
     scale_down_max_rate: float = 2.0
     # A pod not Ready after this long is no longer "capacity on its way" (stuck, crash-looping).
     startup_grace_s: float = 600.0
+    # minReplicas 0 only: the last replica goes after this long without load (see zero.py).
+    scale_to_zero_after_s: float = 300.0
 
     def __post_init__(self) -> None:
         for field in fields(self):
@@ -82,11 +85,9 @@ class AutoscalingPolicy:
                 raise ValueError(f"autoscaling.{path} must be finite, got {value!r}")
             if field.name in INTEGER_FIELDS and value != int(value):
                 raise ValueError(f"autoscaling.{path} must be an integer, got {value!r}")
-        if self.min_replicas < 1:
-            raise ValueError(
-                f"autoscaling.minReplicas must be >= 1, got {self.min_replicas} (scale to zero"
-                " is not supported: with no pod left, nothing would report the load to wake it)"
-            )
+        if self.min_replicas < 0:
+            # 0: scale to zero; kvpilot router holds the requests and asks for a wake.
+            raise ValueError(f"autoscaling.minReplicas must be >= 0, got {self.min_replicas}")
         if self.max_replicas < self.min_replicas:
             raise ValueError(
                 f"autoscaling.maxReplicas ({self.max_replicas}) must be >= minReplicas"
@@ -115,7 +116,12 @@ class AutoscalingPolicy:
                 f"autoscaling: panicThreshold ({self.panic_threshold}) must exceed 1 + tolerance"
                 f" ({1 + self.tolerance})"
             )
-        for name in ("scale_up_window_s", "scale_down_window_s", "startup_grace_s"):
+        for name in (
+            "scale_up_window_s",
+            "scale_down_window_s",
+            "startup_grace_s",
+            "scale_to_zero_after_s",
+        ):
             if getattr(self, name) < 0:
                 raise ValueError(
                     f"autoscaling.{SPEC_PATHS[name]} must be >= 0, got {getattr(self, name)}"

@@ -98,7 +98,10 @@ class AutoscalingSpec(KubeModel):
     model_config = ConfigDict(json_schema_extra={"x-kubernetes-validations": CEL_RULES})
 
     min_replicas: int = Field(
-        default=1, ge=1, description="Fewest replicas (scale to zero is not supported)."
+        default=1,
+        ge=0,
+        description="Fewest replicas. 0 scales the service to zero after scaleToZeroAfterSeconds"
+        " without load; kvpilot router holds requests for it meanwhile and has it woken at once.",
     )
     max_replicas: int = Field(ge=1, description="Most replicas.")
     target_queue_depth: float | None = Field(
@@ -149,6 +152,12 @@ class AutoscalingSpec(KubeModel):
         ge=0,
         description="A pod not Ready after this long stops counting as coming capacity."
         + _autoscaler_default("startup_grace_s"),
+    )
+    scale_to_zero_after_seconds: float | None = Field(
+        default=None,
+        ge=0,
+        description="With minReplicas 0: how long the last replica must see no load before it"
+        " goes." + _autoscaler_default("scale_to_zero_after_s"),
     )
     scale_up: ScaleUp | None = Field(default=None, description=ScaleUp.__doc__)
     scale_down: ScaleDown | None = Field(default=None, description=ScaleDown.__doc__)

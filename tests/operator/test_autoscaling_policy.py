@@ -104,7 +104,7 @@ def test_the_operator_crd_model_dumps_what_the_policy_reads() -> None:
     ("spec", "message"),
     [
         ({}, "autoscaling.maxReplicas is required"),
-        ({"maxReplicas": 2, "minReplicas": 0}, "minReplicas must be >= 1.*scale to zero"),
+        ({"maxReplicas": 2, "minReplicas": -1}, "minReplicas must be >= 0"),
         ({"maxReplicas": 2, "minReplicas": 3}, r"maxReplicas \(2\) must be >= minReplicas \(3\)"),
         ({"maxReplicas": 2.5}, "autoscaling.maxReplicas must be an integer"),
         ({"maxReplicas": True}, "autoscaling.maxReplicas must be a number"),

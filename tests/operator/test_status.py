@@ -186,3 +186,13 @@ def test_blocked_status_names_the_reason() -> None:
     status = build_blocked_status({}, 1, "OwnershipConflict", "a Deployment named x exists", T0)
     assert summary(status)["Ready"] == ("False", "OwnershipConflict")
     assert summary(status)["Degraded"] == ("True", "OwnershipConflict")
+
+
+def test_endpoint_is_the_routers_url_when_a_router_serves_else_the_services() -> None:
+    own = build_status({}, observe(deployment()), T0)
+    assert own["endpoint"] == own["url"]
+    routed = build_status(
+        {}, observe(deployment(), endpoint="http://kvpilot-router.ops.svc:80/v1"), T0
+    )
+    assert routed["endpoint"] == "http://kvpilot-router.ops.svc:80/v1"
+    assert routed["url"] == own["url"]  # the Service stays for direct access

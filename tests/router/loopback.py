@@ -7,12 +7,10 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import re
 import subprocess
 import sys
 import threading
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -30,7 +28,6 @@ ENGINE_ARGS = (
     "--num-gpu-blocks-override", "48", "--block-size", "16", "--max-model-len", "768",
     "--max-num-seqs", "8",
 )  # fmt: skip
-UVICORN_PORT = re.compile(r"Uvicorn running on http://127\.0\.0\.1:(\d+)")
 
 
 def start_serve(served_name: str) -> ServeProcess:
@@ -70,23 +67,8 @@ def stop(proc: subprocess.Popen[str]) -> None:
         proc.wait(10)
 
 
-@dataclass
-class RouterProcess:
-    proc: subprocess.Popen[str]
-    log: list[str] = field(default_factory=list)
-    port: int | None = None
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    def read_log(self) -> None:
-        assert self.proc.stderr is not None
-        for line in self.proc.stderr:
-            self.log.append(line)
-            found = UVICORN_PORT.search(line)
-            if found:
-                self.port = int(found.group(1))
+# The router logs uvicorn's address line as `kvpilot serve` does: the same reader serves both.
+RouterProcess = ServeProcess
 
 
 async def start_router(kubeconfig: Path, *args: str, timeout: float = 60) -> RouterProcess:

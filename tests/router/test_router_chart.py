@@ -3,6 +3,7 @@ real `kvpilot router` CLI accepts, with exactly the permissions the router's cal
 
 from __future__ import annotations
 
+from kvpilot.operator.config import config_from
 from kvpilot.router.cli import parse_args
 
 from ..operator.chart import of_kind, rbac_allows, render
@@ -44,3 +45,13 @@ def test_router_follows_the_watched_namespaces_or_can_be_left_out() -> None:
     args = deployment["spec"]["template"]["spec"]["containers"][0]["args"]
     assert parse_args(args[1:]).namespaces == ("a", "b")
     assert render({"router": {"enabled": False}}, component="router") == []
+
+
+def test_the_operator_shows_the_routers_url_as_every_services_endpoint() -> None:
+    def operator_args(values: dict | None = None) -> list[str]:
+        (deployment,) = of_kind(render(values), "Deployment")
+        return deployment["spec"]["template"]["spec"]["containers"][0]["args"][1:]
+
+    config = config_from(operator_args(), {})
+    assert config.router_url == "http://kvpilot-router.kvpilot-system.svc:80/v1"
+    assert config_from(operator_args({"router": {"enabled": False}}), {}).router_url is None

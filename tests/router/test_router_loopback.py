@@ -164,6 +164,13 @@ async def test_prefix_routing_eviction_restart_and_streaming(
     assert (replica, route.split(";")[0]) == (other, "prefix"), route
     assert cached >= 96
 
+    # Every decision is counted by reason, and what the chosen replica held is recorded.
+    async with httpx.AsyncClient(timeout=10) as http:
+        metrics = (await http.get(f"{router.url}/metrics")).text
+    assert metric(metrics, 'kvpilot_router_decisions_total{model="smollm",reason="prefix"}') >= 4
+    assert metric(metrics, 'kvpilot_router_prefix_match_tokens_count{model="smollm"}') >= 5
+    assert metric(metrics, 'kvpilot_router_replicas{model="smollm",state="routable"}') == 3
+
     # A restarted router rebuilds exactly the index the first one had (the engines' caches).
     before = await router_index(router)
     stop(router.proc)
@@ -222,6 +229,13 @@ async def check_streaming(router: RouterProcess, replicas: dict[str, ServeProces
     content_events = [e for e in events if '"content":"' in e and '"content":""' not in e]
     assert len(content_events) >= 40  # 48 tokens; a few may be held back for UTF-8 or merged
     assert events[-1] == "data: [DONE]"
+
+
+def metric(text: str, sample: str) -> float:
+    for line in text.splitlines():
+        if line.startswith(sample + " "):
+            return float(line.rsplit(" ", 1)[1])
+    raise AssertionError(f"no {sample} in the router's /metrics")
 
 
 def running_requests(metrics: str) -> float:
