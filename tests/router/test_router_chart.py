@@ -30,6 +30,9 @@ def test_router_deployment_service_and_rbac() -> None:
     assert config.namespaces == ("",) and config.port == 8080 and config.hold.timeout_s == 300
     assert pod["serviceAccountName"] == deployment["metadata"]["name"]
     assert container["readinessProbe"]["httpGet"]["path"] == "/ready"
+    # The engines' NetworkPolicy admits pods of this label: without it no request would pass.
+    labels = deployment["spec"]["template"]["metadata"]["labels"]
+    assert labels["app.kubernetes.io/part-of"] == "kvpilot"
     (service,) = of_kind(docs, "Service")
     assert service["spec"]["selector"] == deployment["spec"]["selector"]["matchLabels"]
     (role,) = of_kind(docs, "ClusterRole")
