@@ -27,6 +27,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from kvpilot.engine.model.gguf_convert import cache_root
 
@@ -37,7 +38,6 @@ NUM_LEAVING = NUM_CLIENTS // 3
 MAX_TOKENS = 32
 BODY_LIMIT = 64 * 1024
 HEALTH_BOUND_S = 0.100
-ABORTS = 'vllm:request_success_total{finished_reason="abort"'
 
 
 def deep_body() -> bytes:
@@ -112,7 +112,11 @@ def hostile_burst(url: str) -> list[int]:
 def aborts(url: str) -> float:
     text = httpx.get(f"{url}/metrics", timeout=10).text
     return sum(
-        float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(ABORTS)
+        sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+        if sample.name == "vllm:request_success_total"
+        and sample.labels.get("finished_reason") == "abort"
     )
 
 
