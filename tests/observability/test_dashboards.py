@@ -1,13 +1,17 @@
 """Dashboards and alerts read only metrics that exist: every metric name in every panel of the
 chart's Grafana dashboard, in vLLM's own dashboard and in the chart's PrometheusRule is found in a
-live scrape of a real `kvpilot serve` (bundled SmolLM2, small KV cache) or of the operator's
-/metrics served by its own HTTP server after a real autoscaler tick against that engine."""
+live scrape of a real `kvpilot serve` (bundled SmolLM2, small KV cache), of the operator's
+/metrics served by its own HTTP server after a real autoscaler tick against that engine, or of a
+real `kvpilot router` in front of that engine (and of a model whose replica is down)."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import json
+import subprocess
+import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -29,7 +33,7 @@ from ..operator.autoscaling_helpers import pod_dict
 from ..operator.chart import CHART, of_kind, render
 from ..operator.conftest import free_port
 from ..operator.test_autoscaler import MemoryApi, isvc
-from ..server.serve_process import launch_serve
+from ..server.serve_process import ServeProcess, launch_serve
 from .promql import metric_names
 
 HERE = Path(__file__).parent
@@ -58,6 +62,43 @@ def panel_exprs(dashboard: dict[str, Any]) -> list[tuple[str, str]]:
             for target in inner.get("targets", []):
                 found.append((inner["title"], target["expr"]))
     return found
+
+
+@contextlib.contextmanager
+def launch_router(*static: str) -> Iterator[ServeProcess]:
+    """`kvpilot router --static ...` (no Kubernetes API: the replicas are given)."""
+    cmd = [sys.executable, "-m", "kvpilot.cli", "router", "--host", "127.0.0.1", "--port", "0"]
+    cmd += ["--hold-timeout", "1", *(arg for item in static for arg in ("--static", item))]
+    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True)
+    router = ServeProcess(proc)
+    threading.Thread(target=router.read_log, daemon=True).start()
+    try:
+        deadline = time.monotonic() + 120
+        while router.port is None or not _ready(router.url):
+            assert proc.poll() is None and time.monotonic() < deadline, "".join(router.log)
+            time.sleep(0.1)
+        yield router
+    finally:
+        proc.kill()
+        proc.wait(10)
+
+
+def _ready(url: str) -> bool:
+    try:
+        return httpx.get(f"{url}/ready", timeout=2).status_code == 200
+    except httpx.TransportError:
+        return False
+
+
+def load_router(router_url: str, model: str) -> None:
+    """Requests that give the router's series samples: one routed (twice: a prefix hit), one for
+    a model whose only replica is down (held, then 503 at the hold timeout)."""
+    with httpx.Client(base_url=router_url, timeout=120) as http:
+        chat = {"model": model, "messages": [{"role": "user", "content": "Hi."}], "max_tokens": 2}
+        for _ in range(2):
+            assert http.post("/v1/chat/completions", json=chat).status_code == 200
+        held = http.post("/v1/chat/completions", json={**chat, "model": "asleep"})
+        assert held.status_code == 503, held.text
 
 
 def load_engine(serve_url: str) -> None:
@@ -120,6 +161,11 @@ def scrapes() -> Iterator[dict[str, set[str]]]:
     with launch_serve(*SERVE_ARGS) as serve:
         load_engine(serve.url)
         engine_text = httpx.get(f"{serve.url}/metrics", timeout=30).text
+        model = httpx.get(f"{serve.url}/v1/models", timeout=30).json()["data"][0]["id"]
+        dead = f"http://127.0.0.1:{free_port()}"
+        with launch_router(f"{model}={serve.url}", f"asleep={dead}") as router:
+            load_router(router.url, model)
+            router_text = httpx.get(f"{router.url}/metrics", timeout=30).text
         assert serve.port is not None
         metrics = OperatorMetrics(CollectorRegistry())
         asyncio.run(tick_against(serve.port, metrics))
@@ -127,7 +173,11 @@ def scrapes() -> Iterator[dict[str, set[str]]]:
     port = free_port()
     with serving_metrics(port, metrics.registry):
         operator_text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=30).text
-    yield {"engine": sample_names(engine_text), "operator": sample_names(operator_text)}
+    yield {
+        "engine": sample_names(engine_text),
+        "operator": sample_names(operator_text),
+        "router": sample_names(router_text),
+    }
 
 
 def test_the_live_scrapes_hold_what_the_requests_and_the_tick_produced(
@@ -137,20 +187,24 @@ def test_the_live_scrapes_hold_what_the_requests_and_the_tick_produced(
     assert "kvpilot:iteration_tokens_total_count" in scrapes["engine"]
     assert "kvpilot_operator_scrape_errors_total" in scrapes["operator"]  # the silent pod
     assert "kvpilot_operator_degraded" in scrapes["operator"]
+    assert "kvpilot_router_prefix_match_tokens_bucket" in scrapes["router"]
+    assert "kvpilot_router_hold_rejections_total" in scrapes["router"]  # the model asleep
 
 
 def test_every_panel_of_the_charts_dashboard_reads_exported_metrics(
     scrapes: dict[str, set[str]],
 ) -> None:
     dashboard = json.loads(DASHBOARD.read_text())
-    exported = scrapes["engine"] | scrapes["operator"]
+    exported = scrapes["engine"] | scrapes["operator"] | scrapes["router"]
     exprs = panel_exprs(dashboard)
     assert len(exprs) >= 20
     titles = {title for title, _ in exprs}
     # What the issue asks the dashboard to show.
     for wanted in ("Token throughput", "Time to first token", "Inter-token latency", "Queue",
                    "KV-cache usage", "Prefix-cache hit rate", "Preemptions",
-                   "Replicas: desired, current, max", "Saturation", "Scale decisions"):  # fmt: skip
+                   "Replicas: desired, current, max", "Saturation", "Scale decisions",
+                   "Routing decisions", "Prefix match at the chosen replica", "Held requests",
+                   "Hold time"):  # fmt: skip
         assert wanted in titles, wanted
     for title, expr in exprs:
         names = metric_names(expr)
@@ -195,13 +249,17 @@ def test_the_dashboard_ships_as_a_sidecar_configmap_only_when_asked() -> None:
 
 def test_the_engine_podmonitor_labels_series_with_their_inferenceservice() -> None:
     docs = render({**MONITORING, "watchNamespaces": ["serving"]})
-    engines, operator = of_kind(docs, "PodMonitor")
+    engines, operator, router = of_kind(docs, "PodMonitor")
     assert engines["spec"]["selector"]["matchLabels"]["app.kubernetes.io/name"] == "kvpilot-engine"
     assert engines["spec"]["namespaceSelector"] == {"matchNames": ["serving"]}
     (endpoint,) = engines["spec"]["podMetricsEndpoints"]
     assert endpoint["port"] == "http"
     assert {"targetLabel": "inferenceservice"}.items() <= endpoint["relabelings"][0].items()
     assert operator["spec"]["podMetricsEndpoints"][0]["honorLabels"] is True
+    assert router["spec"]["selector"]["matchLabels"]["app.kubernetes.io/component"] == "router"
+    assert router["spec"]["podMetricsEndpoints"][0]["port"] == "http"
     # Without the operator's metrics port there is nothing to monitor on it.
     no_metrics = of_kind(render({**MONITORING, "metricsPort": 0}), "PodMonitor")
-    assert [m["metadata"]["name"] for m in no_metrics] == ["kvpilot-engines"]
+    assert [m["metadata"]["name"] for m in no_metrics] == ["kvpilot-engines", "kvpilot-router"]
+    no_router = of_kind(render({**MONITORING, "router": {"enabled": False}}), "PodMonitor")
+    assert [m["metadata"]["name"] for m in no_router] == ["kvpilot-engines", "kvpilot-operator"]
