@@ -254,7 +254,16 @@ def _call(request: Callable[[], Any]) -> dict[str, Any]:
     except (urllib3.exceptions.HTTPError, OSError) as error:
         raise KubeError(f"API unreachable: {error}", status=None, is_retryable=True) from error
     data = response.data
-    return json.loads(data) if data else {}
+    try:
+        return json.loads(data) if data else {}
+    except ValueError:
+        # A proxy or load balancer in front of the API server answering with its own page: a
+        # failed call (retried later), not a crash inside a handler.
+        raise KubeError(
+            f"API answered {response.status} with a body that is not JSON: {data[:200]!r}",
+            status=response.status,
+            is_retryable=True,
+        ) from None
 
 
 def _call_or_none(request: Callable[[], Any]) -> dict[str, Any] | None:

@@ -97,6 +97,15 @@ async def test_errors_say_whether_a_retry_can_help(
     assert caught.value.is_retryable is is_retryable
 
 
+async def test_a_body_that_is_not_json_is_a_retryable_error(
+    kmock: KubeEmulator, kubeconfig: Path
+) -> None:
+    kmock[f"get {ISVC_PATH}/x"] << b"<html>upstream proxy error</html>"
+    with pytest.raises(KubeError) as caught:
+        await asyncio.to_thread(KubeApi(connect()).get_inferenceservice, NAMESPACE, "x")
+    assert caught.value.is_retryable and "not JSON" in str(caught.value)
+
+
 async def test_unreachable_api_is_retryable(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
