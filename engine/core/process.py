@@ -111,6 +111,9 @@ def run_engine_core(
         outbox.put(CoreFailed(f"loading the model failed: {exc}", during_load=True))
         commands.close(linger=0)
         _flush_and_exit(context, sender, outbox, 1)
+    from kvpilot.engine.gc_freeze import freeze_startup_objects
+
+    freeze_startup_objects("engine core")  # a full collection would stall a step by 100+ ms
     outbox.put(CoreReady(core.description))
 
     inbox: queue.SimpleQueue[Command] = queue.SimpleQueue()

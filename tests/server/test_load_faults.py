@@ -10,8 +10,8 @@ root filesystem where the machine allows a private mount namespace, as in the op
 Every client that stayed gets a complete stream (all its tokens, a finish_reason, [DONE]); every
 disconnect is an abort in the engine; when the drain ends the engine runs and holds nothing (the
 server's "drained" log line: 0 running, 0 waiting, KV usage 0); /health, polled from a process of
-its own, answers 95% of the time in under 100 ms and never takes 250 ms (the issue's "under 100 ms
-throughout" is not met yet: see the bound below); the process exits 0.
+its own, answers every time in under 100 ms (less the time the server and the poller waited for a
+CPU, which on a shared machine is other jobs' doing); the process exits 0.
 """
 
 from __future__ import annotations
@@ -39,7 +39,6 @@ NUM_LEAVING = NUM_CLIENTS // 3
 MAX_TOKENS = 32
 BODY_LIMIT = 64 * 1024
 HEALTH_BOUND_S = 0.100
-STALL_BOUND_S = 0.250
 
 
 def deep_body() -> bytes:
@@ -207,12 +206,8 @@ def test_64_streams_with_disconnects_and_hostile_bodies_then_sigterm(tmp_path: P
         f"/health: {len(latencies)} samples, p50 {p50 * 1e3:.1f} ms, p99 {p99 * 1e3:.1f} ms, "
         f"max {latencies[-1] * 1e3:.1f} ms; max less CPU waits {served_in[-1] * 1e3:.1f} ms"
     )
-    # The issue asks for every sample under 100 ms. Not met yet: on a quiet 2-core machine a few
-    # samples in some runs read 100-115 ms net of CPU waits (cause not found; noted on the issue),
-    # so this holds what is true today: 95% under the bound and nothing near the 1-2 s stalls
-    # this test first found (lazy tokenizer copies on the event loop).
-    p95 = latencies[int(len(latencies) * 0.95)]
-    assert served_in[-1] < STALL_BOUND_S, f"/health took {served_in[-1] * 1e3:.0f} ms"
-    assert p95 < HEALTH_BOUND_S, f"/health p95 {p95 * 1e3:.0f} ms"
+    # Every sample under 100 ms, net of the CPU waits: a full garbage collection over the API
+    # process's startup objects once stalled the loop 100-150 ms (kvpilot.engine.gc_freeze).
+    assert served_in[-1] < HEALTH_BOUND_S, f"/health took {served_in[-1] * 1e3:.0f} ms"
     if wrapper:
         assert "Read-only file system" not in log
