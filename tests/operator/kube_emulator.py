@@ -53,12 +53,14 @@ VERBS = {"get", "list", "watch", "create", "patch", "update", "delete"}
 @dataclasses.dataclass
 class Fault:
     """The next `count` requests that `pick` matches are answered `status` after `delay` seconds
-    (a hang, when longer than the client waits) and are not applied. `hits`: when each came."""
+    (a hang, when longer than the client waits), and after `hold` is set when one is given; they
+    are not applied. `hits`: when each came."""
 
     pick: Callable[[kmock.Request], bool]
     status: int
     count: int
     delay: float = 0.0
+    hold: asyncio.Event | None = None
     hits: list[float] = dataclasses.field(default_factory=list)
 
 
@@ -78,10 +80,15 @@ class KubeEmulator(kmock.KubernetesEmulator):
         return str(self._last_version)
 
     def inject_fault(
-        self, pick: Callable[[kmock.Request], bool], status: int, count: int, delay: float = 0.0
+        self,
+        pick: Callable[[kmock.Request], bool],
+        status: int,
+        count: int,
+        delay: float = 0.0,
+        hold: asyncio.Event | None = None,
     ) -> Fault:
         """From now on, the next `count` requests `pick` matches fail (see Fault)."""
-        fault = Fault(pick, status, count, delay)
+        fault = Fault(pick, status, count, delay, hold)
         self._faults.append(fault)
         return fault
 
@@ -90,6 +97,8 @@ class KubeEmulator(kmock.KubernetesEmulator):
             if len(fault.hits) < fault.count and fault.pick(request):
                 fault.hits.append(time.monotonic())
                 await asyncio.sleep(fault.delay)
+                if fault.hold is not None:
+                    await fault.hold.wait()
                 message = f"injected {fault.status}"
                 body = {"kind": "Status", "apiVersion": "v1", "status": "Failure",
                         "message": message, "code": fault.status}  # fmt: skip
