@@ -61,6 +61,24 @@ TABLE: list[tuple[str, dict[str, Any], str, str]] = [
                                   "env": [{"name": "KVPILOT_API_KEY", "value": "x"}]}},
      "operator", "KVPILOT_API_KEY"),
     ("extra-args-reserved", {"engine": {"extraArgs": ["--port=1"]}}, "operator", "--port"),
+    # extraArgs read by `kvpilot serve`'s own parser: what it refuses, and what the spec sets.
+    ("extra-args-unknown", {"engine": {"extraArgs": ["--enforce-eager"]}}, "operator",
+     "unrecognized arguments: --enforce-eager"),
+    ("extra-args-bad-int", {"engine": {"extraArgs": ["--max-queue", "many"]}}, "operator",
+     "argument --max-queue: invalid int value: 'many'"),
+    ("extra-args-bad-choice", {"engine": {"extraArgs": ["--attention-backend=gpu"]}}, "operator",
+     "argument --attention-backend: invalid choice: 'gpu'"),
+    ("extra-args-no-value", {"engine": {"extraArgs": ["--seed"]}}, "operator",
+     "argument --seed: expected one argument"),
+    ("extra-args-limit", {"engine": {"extraArgs": ["--max-json-depth=0"]}}, "operator",
+     "max_json_depth must be >= 1"),
+    ("extra-args-help", {"engine": {"extraArgs": ["--help"]}}, "operator", "print its help"),
+    ("extra-args-spec-field", {"engine": {"extraArgs": ["--max-num-seqs", "8"]}}, "operator",
+     "extraArgs may not set --max-num-seqs: set spec.engine.maxNumSeqs"),
+    ("extra-args-alias", {"engine": {"extraArgs": ["-tp", "2"]}}, "operator",
+     "extraArgs may not set --tensor-parallel-size"),
+    ("extra-args-api-key", {"engine": {"extraArgs": ["--api-key", "s3cret"]}}, "operator",
+     "use spec.engine.apiKeySecret"),
     ("image-empty", {"engine": {"image": ""}}, "api", "image"),
     ("startup-timeout", {"engine": {"startupTimeoutSeconds": 1}}, "api", "startupTimeoutSeconds"),
     ("memory-limit-below-need", {"resources": {"limits": {"memory": "1Gi"}}}, "operator",
@@ -113,6 +131,7 @@ async def test_every_invalid_spec_is_invalidspec_without_a_deployment(
         assert reason == "InvalidSpec", (name, message)
         if who == "operator":
             assert words in message, (name, message)
+        assert "s3cret" not in message
         await eventually(
             lambda n=name: any(
                 e["reason"] == "InvalidSpec" and e["type"] == "Warning" for e in events(kmock, n)
@@ -121,6 +140,7 @@ async def test_every_invalid_spec_is_invalidspec_without_a_deployment(
     writes = {name: status_writes(kmock, name) for name, *_ in refused}
     await asyncio.sleep(2 * operator.config.resync_seconds)
     for name, *_ in refused:
+        assert not any("s3cret" in e["message"] for e in events(kmock, name)), name
         assert live(kmock, DEPLOYMENT, name) is None, name
         assert status_writes(kmock, name) == writes[name], name  # no retry storm
         assert [e["reason"] for e in events(kmock, name)].count("InvalidSpec") == 1, name

@@ -51,6 +51,10 @@ def test_defaults_of_a_minimal_spec() -> None:
         ),
         (spec(engine={"extraArgs": ["--model=/x"]}), "extraArgs may not set --model"),
         (
+            spec(engine={"extraArgs": ["--enforce-eager"]}),
+            "spec.engine.extraArgs: `kvpilot serve` would refuse them: unrecognized arguments",
+        ),
+        (
             spec(engine={"env": [{"name": "A", "value": "1"}, {"name": "A", "value": "2"}]}),
             "env names must be unique, repeated: A",
         ),
