@@ -7,18 +7,16 @@ from typing import Any
 
 import torch
 
-DTYPES: dict[str, torch.dtype] = {
-    "float32": torch.float32,
-    "bfloat16": torch.bfloat16,
-    "float16": torch.float16,
-}
-LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
-# Backends by name; "auto" (a config value only) resolves to one of them for the device.
-ATTENTION_BACKEND_NAMES = ("torch", "cpu", "triton")
-ATTENTION_BACKENDS = ("auto", *ATTENTION_BACKEND_NAMES)
-STRUCTURED_OUTPUTS_BACKENDS = ("auto", "xgrammar", "llguidance")
+from kvpilot.engine.choices import (
+    ATTENTION_BACKENDS,
+    BLOCK_SIZES,
+    DTYPE_NAMES,
+    LOAD_FORMATS,
+    STRUCTURED_OUTPUTS_BACKENDS,
+)
+
+DTYPES: dict[str, torch.dtype] = {name: getattr(torch, name) for name in DTYPE_NAMES}
 SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2")
-BLOCK_SIZES = (8, 16, 32, 64, 128)  # tokens per KV block the kernels handle
 
 
 @dataclass(frozen=True)

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 from kvpilot.operator.constants import (
     DEFAULT_ANNOTATION_PREFIX,
+    DEFAULT_API_TIMEOUT_SECONDS,
     DEFAULT_ENGINE_IMAGE,
     DEFAULT_LIVENESS_PORT,
     DEFAULT_METRICS_PORT,
@@ -38,6 +39,9 @@ class OperatorConfig:
     # The autoscaler's timer fires this often for every InferenceService with spec.autoscaling;
     # a spec's autoscaling.intervalSeconds can space its decisions further apart, not closer.
     autoscale_interval_seconds: float = 5.0
+    # Each API call of the operator's own code (reads, applies, status patches) may take this long
+    # (connecting at most 5 s of it) before it fails and is retried with backoff.
+    api_timeout_seconds: float = DEFAULT_API_TIMEOUT_SECONDS
     # One scrape of an engine pod's /metrics may take this long before the pod counts as missing.
     scrape_timeout_seconds: float = 1.0
     # The operator's own Prometheus /metrics on 0.0.0.0:PORT; 0 serves none.
@@ -74,6 +78,8 @@ class OperatorConfig:
             raise ValueError(
                 f"autoscale interval must be > 0 seconds, got {self.autoscale_interval_seconds}"
             )
+        if not 0 < self.api_timeout_seconds < float("inf"):
+            raise ValueError(f"API timeout must be > 0 seconds, got {self.api_timeout_seconds}")
         if not self.scrape_timeout_seconds > 0:
             raise ValueError(
                 f"scrape timeout must be > 0 seconds, got {self.scrape_timeout_seconds}"
@@ -155,6 +161,14 @@ def build_parser() -> argparse.ArgumentParser:
         "(env KVPILOT_AUTOSCALE_INTERVAL; default 5)",
     )
     parser.add_argument(
+        "--api-timeout",
+        type=float,
+        metavar="SECONDS",
+        help="timeout of each Kubernetes API call the operator makes; a timed-out call is "
+        "retried with backoff (env KVPILOT_API_TIMEOUT; default "
+        f"{DEFAULT_API_TIMEOUT_SECONDS:g})",
+    )
+    parser.add_argument(
         "--scrape-timeout",
         type=float,
         metavar="SECONDS",
@@ -211,6 +225,7 @@ def config_from(argv: list[str], env: Mapping[str, str]) -> OperatorConfig:
             float,
         ),
         ("scrape_timeout_seconds", args.scrape_timeout, "KVPILOT_SCRAPE_TIMEOUT", float),
+        ("api_timeout_seconds", args.api_timeout, "KVPILOT_API_TIMEOUT", float),
         ("metrics_port", args.metrics_port, "KVPILOT_METRICS_PORT", int),
     ):
         value = given(flag, name)

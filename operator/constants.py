@@ -32,6 +32,10 @@ ANNOTATION_CONFIG_HASH = f"{GROUP}/config-hash"
 # "kvpilot.dev/": kopf keeps its own state under that prefix and ignores changes to it.
 ANNOTATION_WAKE = f"router.{GROUP}/wake-requested-at"
 
+# The read timeout of each API call the operator's own code makes (kube.py): a hung API server
+# fails the call, which is retried with backoff, instead of holding a reconcile forever.
+DEFAULT_API_TIMEOUT_SECONDS = 30.0
+
 # Server-side apply field manager: the name under which our fields show in managedFields.
 FIELD_MANAGER = "kvpilot-operator"
 AUTOSCALER_FIELD_MANAGER = "kvpilot-autoscaler"

@@ -109,7 +109,11 @@ def build_registry(
     @kopf.on.startup(id="startup", registry=registry)
     async def operator_startup(settings: kopf.OperatorSettings, **_: Any) -> None:
         configure_kopf(settings, config)
-        kube = api if api is not None else KubeApi(await asyncio.to_thread(connect))
+        if api is not None:
+            kube = api
+        else:
+            client = await asyncio.to_thread(connect)
+            kube = KubeApi(client, timeout_seconds=config.api_timeout_seconds)
         parts.reconciler = Reconciler(kube, config, post_kopf_event, metrics=metrics)
         # The scraper's pooled HTTP client belongs to this event loop: made here, closed below.
         parts.scraper = MetricsScraper(timeout_s=config.scrape_timeout_seconds)

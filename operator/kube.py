@@ -19,14 +19,16 @@ from kubernetes.client.exceptions import ApiException
 
 from kvpilot.operator.constants import (
     AUTOSCALER_FIELD_MANAGER,
+    DEFAULT_API_TIMEOUT_SECONDS,
     FIELD_MANAGER,
     GROUP,
     PLURAL,
     VERSION,
 )
 
-# (connect, read) seconds: a hung API server must fail the call, not the operator.
-REQUEST_TIMEOUT = (5.0, 30.0)
+# A hung API server must fail the call (a retryable KubeError), not hold the operator: connecting
+# gets at most this much of a call's timeout.
+CONNECT_TIMEOUT_SECONDS = 5.0
 APPLY_CONTENT_TYPE = "application/apply-patch+yaml"
 MERGE_PATCH_CONTENT_TYPE = "application/merge-patch+json"
 
@@ -62,6 +64,11 @@ class KubeError(RuntimeError):
         self.is_retryable = is_retryable
 
 
+def request_timeout(seconds: float) -> tuple[float, float]:
+    """The client's (connect, read) timeouts for calls that may take `seconds`."""
+    return (min(CONNECT_TIMEOUT_SECONDS, seconds), seconds)
+
+
 def connect() -> kubernetes.client.ApiClient:
     """In-cluster service account first, then $KUBECONFIG (read now, not at import)."""
     configuration = kubernetes.client.Configuration()
@@ -77,9 +84,20 @@ def connect() -> kubernetes.client.ApiClient:
 
 
 class KubeApi:
-    """Typed API objects behind a handful of dict-in, dict-out calls."""
+    """Typed API objects behind a handful of dict-in, dict-out calls, each bounded by
+    `timeout_seconds` (a call that times out is a retryable KubeError)."""
 
-    def __init__(self, client: kubernetes.client.ApiClient) -> None:
+    def __init__(
+        self,
+        client: kubernetes.client.ApiClient,
+        *,
+        timeout_seconds: float = DEFAULT_API_TIMEOUT_SECONDS,
+    ) -> None:
+        # Skip the client's model classes: the raw HTTP response, decoded by _call.
+        self._raw: dict[str, Any] = {
+            "_preload_content": False,
+            "_request_timeout": request_timeout(timeout_seconds),
+        }
         self._apps = kubernetes.client.AppsV1Api(client)
         self._core = kubernetes.client.CoreV1Api(client)
         self._custom = kubernetes.client.CustomObjectsApi(client)
@@ -95,7 +113,7 @@ class KubeApi:
             "PodDisruptionBudget": self._policy.read_namespaced_pod_disruption_budget,
             "NetworkPolicy": self._networking.read_namespaced_network_policy,
         }[kind]
-        return _call_or_none(lambda: read(name, namespace, **_RAW))
+        return _call_or_none(lambda: read(name, namespace, **self._raw))
 
     def delete(self, kind: str, namespace: str, name: str) -> None:
         """Deletes an optional child the spec no longer asks for (gone already is fine)."""
@@ -103,7 +121,7 @@ class KubeApi:
             "PodDisruptionBudget": self._policy.delete_namespaced_pod_disruption_budget,
             "NetworkPolicy": self._networking.delete_namespaced_network_policy,
         }[kind]
-        _call_or_none(lambda: remove(name, namespace, **_RAW))
+        _call_or_none(lambda: remove(name, namespace, **self._raw))
 
     def apply(self, manifest: dict[str, Any]) -> dict[str, Any]:
         """Create-or-patch by server-side apply; we own exactly the fields we send. Returns the
@@ -121,7 +139,9 @@ class KubeApi:
                 raise
         try:
             return _call(
-                lambda: create(metadata["namespace"], manifest, field_manager=FIELD_MANAGER, **_RAW)
+                lambda: create(
+                    metadata["namespace"], manifest, field_manager=FIELD_MANAGER, **self._raw
+                )
             )
         except KubeError as error:
             if error.status != 409:
@@ -176,7 +196,7 @@ class KubeApi:
                 force=True,
                 _content_type=APPLY_CONTENT_TYPE,
                 **options,
-                **_RAW,
+                **self._raw,
             )
         )
 
@@ -189,14 +209,14 @@ class KubeApi:
                 {"spec": {"replicas": replicas}},
                 field_manager=AUTOSCALER_FIELD_MANAGER,
                 _content_type=MERGE_PATCH_CONTENT_TYPE,
-                **_RAW,
+                **self._raw,
             )
         )
 
     def list_pods(self, namespace: str, selector: dict[str, str]) -> list[dict[str, Any]]:
         text = ",".join(f"{key}={value}" for key, value in selector.items())
         listing = _call(
-            lambda: self._core.list_namespaced_pod(namespace, label_selector=text, **_RAW)
+            lambda: self._core.list_namespaced_pod(namespace, label_selector=text, **self._raw)
         )
         # The server filters by the selector already; filtering again costs nothing and keeps a
         # stray pod (from a server or proxy that ignores selectors) out of the diagnosis.
@@ -214,7 +234,7 @@ class KubeApi:
     def get_inferenceservice(self, namespace: str, name: str) -> dict[str, Any] | None:
         return _call_or_none(
             lambda: self._custom.get_namespaced_custom_object(
-                GROUP, VERSION, namespace, PLURAL, name, **_RAW
+                GROUP, VERSION, namespace, PLURAL, name, **self._raw
             )
         )
 
@@ -231,13 +251,9 @@ class KubeApi:
                 name,
                 {"status": status},
                 _content_type=MERGE_PATCH_CONTENT_TYPE,
-                **_RAW,
+                **self._raw,
             )
         )
-
-
-# Skip the client's model classes: return the raw HTTP response, decoded by _call.
-_RAW: dict[str, Any] = {"_preload_content": False, "_request_timeout": REQUEST_TIMEOUT}
 
 
 def _call(request: Callable[[], Any]) -> dict[str, Any]:
@@ -252,7 +268,13 @@ def _call(request: Callable[[], Any]) -> dict[str, Any]:
             is_retryable=retryable,
         ) from error
     except (urllib3.exceptions.HTTPError, OSError) as error:
-        raise KubeError(f"API unreachable: {error}", status=None, is_retryable=True) from error
+        # A timeout (urllib3's own, or the last of its retries of a read) means a slow or hung
+        # API server; a write may or may not have been applied, and the retry looks again.
+        timed_out = isinstance(error, urllib3.exceptions.TimeoutError) or isinstance(
+            getattr(error, "reason", None), urllib3.exceptions.TimeoutError
+        )
+        what = "API call timed out" if timed_out else "API unreachable"
+        raise KubeError(f"{what}: {error}", status=None, is_retryable=True) from error
     data = response.data
     try:
         return json.loads(data) if data else {}

@@ -20,11 +20,15 @@ QUANTITY_PATTERN = (
 
 
 class KubeModel(BaseModel):
+    # strict: no coercion ("yes" -> True, "8" -> 8, 8.0 -> 8), as the API server's schema
+    # allows none; what the CRD refuses, the model refuses too (an object stored under an older
+    # CRD, or applied where the schema is not enforced, gets InvalidSpec rather than a guess).
     model_config = ConfigDict(
         alias_generator=to_camel,
         populate_by_name=True,
         extra="forbid",
         frozen=True,
+        strict=True,
     )
 
 

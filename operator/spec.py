@@ -22,11 +22,11 @@ from pydantic import (
 
 from kvpilot.operator.autoscaling.spec import AutoscalingSpec
 from kvpilot.operator.constants import (
-    ENGINE_PORT,
     LABEL_INSTANCE,
     LABEL_NAME,
     NVIDIA_GPU,
 )
+from kvpilot.operator.extraargs import check_extra_args
 from kvpilot.operator.kubetypes import (
     EnvVar,
     FreeForm,
@@ -44,9 +44,6 @@ NAMESPACE_PATTERN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
 # metadata.name names the Service too, so it must be a DNS-1035 label.
 NAME_PATTERN = r"^[a-z]([-a-z0-9]*[a-z0-9])?$"
 MAX_NAME_LENGTH = 63
-# Arguments the operator sets itself: overriding them through extraArgs would break the pod's
-# contract (probes and the Service expect the engine on 0.0.0.0:8000).
-RESERVED_ARGS = ("--host", "--port", "--model")
 RESERVED_LABELS = (LABEL_NAME, LABEL_INSTANCE)
 # Set by the operator from engine.apiKeySecret; user env may not shadow it.
 API_KEY_ENV = "KVPILOT_API_KEY"
@@ -260,14 +257,8 @@ class EngineSpec(KubeModel):
 
     @field_validator("extra_args")
     @classmethod
-    def _no_reserved_args(cls, args: list[str]) -> list[str]:
-        for arg in args:
-            flag = arg.split("=", 1)[0]
-            if flag in RESERVED_ARGS:
-                raise ValueError(
-                    f"extraArgs may not set {flag}: the operator sets it (the engine must listen "
-                    f"on 0.0.0.0:{ENGINE_PORT}; the model comes from spec.model.uri)"
-                )
+    def _engine_reads_them(cls, args: list[str]) -> list[str]:
+        check_extra_args(args)
         return args
 
     @field_validator("kv_cache_bytes")

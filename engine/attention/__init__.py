@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from kvpilot.engine.attention.base import AttentionBackend, AttentionMetadata
 from kvpilot.engine.attention.torch_ref import TorchAttentionBackend
-from kvpilot.engine.config import ATTENTION_BACKEND_NAMES
+from kvpilot.engine.choices import ATTENTION_BACKEND_NAMES
 
 
 def get_attention_backend(name: str) -> AttentionBackend:

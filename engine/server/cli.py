@@ -24,184 +24,18 @@ from types import FrameType
 import uvicorn
 from prometheus_client import CollectorRegistry
 
-from kvpilot.engine.config import (
-    ATTENTION_BACKENDS,
-    DTYPES,
-    LOAD_FORMATS,
-    STRUCTURED_OUTPUTS_BACKENDS,
-    CacheConfig,
-    EngineConfig,
-    SchedulerConfig,
-)
+from kvpilot.engine.config import CacheConfig, EngineConfig, SchedulerConfig
 from kvpilot.engine.server.app import create_app
 from kvpilot.engine.server.async_engine import AsyncEngine
-from kvpilot.engine.server.limits import RequestLimits
+from kvpilot.engine.server.flags import API_KEY_ENV, build_parser, request_limits
 from kvpilot.engine.server.preprocess import ChatOptions
 from kvpilot.engine.server.state import ServerSettings, ServerState
-from kvpilot.engine.server.tools.parsers import PARSER_NAMES
 
 logger = logging.getLogger("kvpilot.server")
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 # After the engine core died: long enough for failed requests' error bodies to go out and for a
 # probe to read /health 503, short enough that the pod restarts at once.
 ENGINE_DEAD_LINGER_S = 1.0
-API_KEY_ENV = "KVPILOT_API_KEY"
-
-
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="kvpilot serve",
-        description="Serve one model over an OpenAI-compatible HTTP API.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-    )
-    m = p.add_argument_group("model")
-    m.add_argument(
-        "--model",
-        default=None,
-        help="HF model directory or .gguf file (default: bundled SmolLM2-135M-Instruct)",
-    )
-    m.add_argument(
-        "--served-model-name",
-        default=None,
-        help="the name clients pass as `model` (default: derived from the model)",
-    )
-    h = p.add_argument_group("HTTP")
-    h.add_argument("--host", default="127.0.0.1")
-    h.add_argument("--port", type=int, default=8000, help="0 picks a free port (logged at startup)")
-    h.add_argument(
-        "--api-key",
-        default=None,
-        help="require `Authorization: Bearer KEY` on /v1/*; visible to `ps`: prefer "
-        f"--api-key-file or ${API_KEY_ENV}",
-    )
-    h.add_argument(
-        "--api-key-file", default=None, help="read the API key from this file (a mounted Secret)"
-    )
-    g = p.add_argument_group("engine")
-    g.add_argument("--dtype", default="auto", choices=["auto", *DTYPES])
-    g.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
-    g.add_argument("--load-format", default="auto", choices=LOAD_FORMATS)
-    g.add_argument("--attention-backend", default="auto", choices=ATTENTION_BACKENDS)
-    sched = p.add_argument_group("scheduler")
-    sched.add_argument(
-        "--max-model-len", type=int, default=None, help="default: the model's context length"
-    )
-    g.add_argument("--seed", type=int, default=0)
-    kv = p.add_argument_group("KV cache")
-    kv.add_argument("--block-size", type=int, default=16, choices=[8, 16, 32, 64, 128])
-    kv.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
-    kv.add_argument("--kv-cache-gib", type=float, default=1.0, help="KV-cache budget on CPU")
-    kv.add_argument(
-        "--kv-cache-memory-bytes",
-        type=int,
-        default=None,
-        help="KV-cache budget in bytes on CPU or GPU (overrides --kv-cache-gib and the budget "
-        "--gpu-memory-utilization leaves)",
-    )
-    kv.add_argument(
-        "--gpu-memory-utilization",
-        type=float,
-        default=0.9,
-        help="fraction of GPU memory the engine may use",
-    )
-    kv.add_argument(
-        "--num-gpu-blocks-override",
-        type=int,
-        default=None,
-        help="exact number of KV blocks (overrides both budgets)",
-    )
-    par = p.add_argument_group("parallelism")
-    par.add_argument(
-        "--tensor-parallel-size",
-        "-tp",
-        type=int,
-        default=1,
-        help="split the model over this many ranks (processes; one GPU each on CUDA)",
-    )
-    par.add_argument(
-        "--distributed-timeout",
-        type=float,
-        default=120.0,
-        help="seconds a tensor-parallel collective waits for the other ranks before failing",
-    )
-    sched.add_argument("--max-num-seqs", type=int, default=128)
-    sched.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    r = p.add_argument_group("request limits")
-    r.add_argument(
-        "--max-queue",
-        type=int,
-        default=None,
-        help="429 when this many requests wait (default: no limit)",
-    )
-    r.add_argument("--retry-after", type=int, default=1, help="seconds a 429 tells clients to wait")
-    limits = RequestLimits()
-    r.add_argument(
-        "--max-request-body-bytes", type=int, default=limits.max_body_bytes, help="413 above this"
-    )
-    r.add_argument(
-        "--max-json-depth",
-        type=int,
-        default=limits.max_json_depth,
-        help="400 for a body nested deeper",
-    )
-    r.add_argument(
-        "--max-sequences-per-request",
-        type=int,
-        default=limits.max_sequences,
-        help="400 when prompts x n exceeds it",
-    )
-    r.add_argument("--max-stop-strings", type=int, default=limits.max_stop, help="per request")
-    r.add_argument(
-        "--max-logit-bias", type=int, default=limits.max_logit_bias, help="entries per request"
-    )
-    r.add_argument(
-        "--max-tokens-limit",
-        type=int,
-        default=limits.max_tokens,
-        help="400 for a larger max_tokens; also caps an absent one (default: the context)",
-    )
-    s = p.add_argument_group("server")
-    s.add_argument(
-        "--shutdown-timeout",
-        type=float,
-        default=30.0,
-        help="seconds in-flight requests get to finish after SIGTERM",
-    )
-    s.add_argument(
-        "--disable-vllm-metrics",
-        action="store_true",
-        help="expose only kvpilot:* metrics, not the vllm:* names",
-    )
-    s.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
-    c = p.add_argument_group("structured outputs and tools")
-    c.add_argument(
-        "--structured-outputs-backend",
-        "--guided-decoding-backend",
-        default="auto",
-        choices=STRUCTURED_OUTPUTS_BACKENDS,
-        help="grammar library for response_format / structured_outputs / forced tool calls "
-        "(auto: xgrammar)",
-    )
-    c.add_argument(
-        "--tool-call-parser",
-        default=None,
-        choices=PARSER_NAMES,
-        help="tool-call format to parse (default: the one the chat template speaks, else hermes)",
-    )
-    c.add_argument(
-        "--chat-template",
-        type=non_empty,
-        default=None,
-        help="a Jinja chat template to use instead of the model's: a file path, or the template",
-    )
-    return p  # fmt: skip
-
-
-def non_empty(value: str) -> str:
-    """An argparse type: an empty value is an error (an empty template renders no prompt)."""
-    if not value:
-        raise argparse.ArgumentTypeError("must not be empty")
-    return value
 
 
 def read_chat_template(value: str | None) -> str | None:
@@ -349,14 +183,7 @@ def main(argv: list[str]) -> int:
             max_queue=args.max_queue,
             retry_after_s=args.retry_after,
             api_key=resolve_api_key(args.api_key, args.api_key_file, os.environ),
-            limits=RequestLimits(
-                max_body_bytes=args.max_request_body_bytes,
-                max_json_depth=args.max_json_depth,
-                max_sequences=args.max_sequences_per_request,
-                max_stop=args.max_stop_strings,
-                max_logit_bias=args.max_logit_bias,
-                max_tokens=args.max_tokens_limit,
-            ),
+            limits=request_limits(args),
             chat=ChatOptions(
                 chat_template=read_chat_template(args.chat_template),
                 tool_call_parser=args.tool_call_parser,

@@ -40,12 +40,17 @@ def to_json_schema(node: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def schema_errors(crd: dict[str, Any], obj: dict[str, Any]) -> list[str]:
+def _schema_errors(crd: dict[str, Any], obj: dict[str, Any]) -> list[Any]:
     validator = jsonschema.Draft7Validator(to_json_schema(crd_schema(crd)))
-    return [
-        f"{'.'.join(str(p) for p in error.absolute_path)}: {error.message}"
-        for error in validator.iter_errors(obj)
-    ]
+    return list(validator.iter_errors(obj))
+
+
+def _text(error: Any) -> str:
+    return f"{'.'.join(str(p) for p in error.absolute_path)}: {error.message}"
+
+
+def schema_errors(crd: dict[str, Any], obj: dict[str, Any]) -> list[str]:
+    return [_text(error) for error in _schema_errors(crd, obj)]
 
 
 def cel_errors(crd: dict[str, Any], obj: dict[str, Any]) -> list[str]:
@@ -73,7 +78,13 @@ def cel_errors(crd: dict[str, Any], obj: dict[str, Any]) -> list[str]:
 
 
 def api_server_errors(crd: dict[str, Any], obj: dict[str, Any]) -> list[str]:
-    return schema_errors(crd, obj) + cel_errors(crd, obj)
+    """As the API server: a value of the wrong type or outside its enum blocks the CEL rules
+    (they are not evaluated on such an object); other schema errors do not."""
+    errors = _schema_errors(crd, obj)
+    texts = [_text(error) for error in errors]
+    if any(error.validator in ("type", "enum") for error in errors):
+        return texts
+    return texts + cel_errors(crd, obj)
 
 
 def walk_schema(node: dict[str, Any], path: str = "") -> list[tuple[str, dict[str, Any]]]:

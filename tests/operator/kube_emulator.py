@@ -6,19 +6,24 @@ generation and creationTimestamp; generateName; 422 for a failed JSON-patch test
 subresource isolation; no watch event (nor resourceVersion bump) for a patch that changes
 nothing; Deployments and Services stored in the server's form (defaults filled in, `omitempty`
 zero values dropped, quantities canonical: server_defaults.py); and dry-run patches
-(`?dryRun=All`), answered with the object the patch would make, which is not stored. Everything
+(`?dryRun=All`), answered with the object the patch would make, which is not stored. And faults
+(`inject_fault`): chosen requests answered with an error, at once or after hanging, and not
+applied — kmock's own reactions answer a write only after the emulator has stored it. Everything
 else (no garbage collection, selectors ignored, apply as a merge patch) stays the emulator's
 limit, which the operator's code never relies on.
 """
 
 from __future__ import annotations
 
+import asyncio
 import copy
+import dataclasses
 import datetime
 import itertools
 import secrets
+import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import aiohttp.web
@@ -45,11 +50,26 @@ RESOURCES = (
 VERBS = {"get", "list", "watch", "create", "patch", "update", "delete"}
 
 
+@dataclasses.dataclass
+class Fault:
+    """The next `count` requests that `pick` matches are answered `status` after `delay` seconds
+    (a hang, when longer than the client waits), and after `hold` is set when one is given; they
+    are not applied. `hits`: when each came."""
+
+    pick: Callable[[kmock.Request], bool]
+    status: int
+    count: int
+    delay: float = 0.0
+    hold: asyncio.Event | None = None
+    hits: list[float] = dataclasses.field(default_factory=list)
+
+
 class KubeEmulator(kmock.KubernetesEmulator):
     def __attrs_post_init__(self) -> None:
         super().__attrs_post_init__()
         self._versions = itertools.count(1000)
         self._last_version = 999
+        self._faults: list[Fault] = []
         for resource, kind, namespaced, subresources in RESOURCES:
             info = self.resources[resource]
             info.kind, info.namespaced, info.verbs = kind, namespaced, VERBS
@@ -59,7 +79,30 @@ class KubeEmulator(kmock.KubernetesEmulator):
         self._last_version = next(self._versions)
         return str(self._last_version)
 
+    def inject_fault(
+        self,
+        pick: Callable[[kmock.Request], bool],
+        status: int,
+        count: int,
+        delay: float = 0.0,
+        hold: asyncio.Event | None = None,
+    ) -> Fault:
+        """From now on, the next `count` requests `pick` matches fail (see Fault)."""
+        fault = Fault(pick, status, count, delay, hold)
+        self._faults.append(fault)
+        return fault
+
     async def _handle(self, request: kmock.Request) -> aiohttp.web.StreamResponse:
+        for fault in self._faults:
+            if len(fault.hits) < fault.count and fault.pick(request):
+                fault.hits.append(time.monotonic())
+                await asyncio.sleep(fault.delay)
+                if fault.hold is not None:
+                    await fault.hold.wait()
+                message = f"injected {fault.status}"
+                body = {"kind": "Status", "apiVersion": "v1", "status": "Failure",
+                        "message": message, "code": fault.status}  # fmt: skip
+                return aiohttp.web.json_response(body, status=fault.status)
         if request.resource is not None and request.params.get("dryRun"):
             return aiohttp.web.json_response(self._dry_run(request))
         if request.resource is not None:

@@ -194,8 +194,8 @@ def test_default_arguments_leave_engine_defaults_alone() -> None:
 
 
 def test_extra_args_come_last_as_written() -> None:
-    args = args_of(deployment(engine={"extraArgs": ["--seed", "7", "--enforce-eager"]}))
-    assert args[-3:] == ["--seed", "7", "--enforce-eager"]
+    args = args_of(deployment(engine={"extraArgs": ["--seed", "7", "--max-queue=64"]}))
+    assert args[-3:] == ["--seed", "7", "--max-queue=64"]
 
 
 def test_hf_model_downloads_in_an_init_container_with_the_token() -> None:

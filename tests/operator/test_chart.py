@@ -72,6 +72,7 @@ def test_rendered_arguments_parse_with_the_real_cli() -> None:
     assert config.log_level == "info"
     assert config.liveness_endpoint == "http://0.0.0.0:8080/healthz"
     assert config.resync_seconds == 30
+    assert config.api_timeout_seconds == 30
     assert config.autoscale_interval_seconds == 5
     assert config.scrape_timeout_seconds == 1
     assert config.metrics_port == 8081
@@ -102,6 +103,7 @@ def test_values_reach_the_operator() -> None:
             "logFormat": "json",
             "annotationPrefix": "ml.example.com",
             "resyncSeconds": 10,
+            "apiTimeoutSeconds": 5,
             "autoscaler": {"intervalSeconds": 2, "scrapeTimeoutSeconds": 0.5},
             "metricsPort": 9100,
         }
@@ -113,6 +115,7 @@ def test_values_reach_the_operator() -> None:
     assert (config.log_level, config.log_format) == ("debug", "json")
     assert config.annotation_prefix == "ml.example.com"
     assert config.resync_seconds == 10
+    assert config.api_timeout_seconds == 5
 
 
 def test_watched_namespaces_get_role_bindings_instead_of_a_cluster_binding() -> None:

@@ -58,6 +58,9 @@ def test_environment_then_flags() -> None:
         ([], {"KVPILOT_LOG_LEVEL": "loud"}, "log level 'loud'"),
         (["--autoscale-interval", "0"], {}, "autoscale interval must be > 0 seconds"),
         ([], {"KVPILOT_SCRAPE_TIMEOUT": "-1"}, "scrape timeout must be > 0 seconds"),
+        (["--api-timeout", "0"], {}, "API timeout must be > 0 seconds"),
+        ([], {"KVPILOT_API_TIMEOUT": "inf"}, "API timeout must be > 0 seconds"),
+        ([], {"KVPILOT_API_TIMEOUT": "soon"}, "KVPILOT_API_TIMEOUT must be a number"),
         (["--metrics-port", "70000"], {}, r"metrics port must be in \[0, 65535\]"),
         (["--metrics-port", "8080"], {}, "metrics port 8080 is the liveness endpoint's"),
         ([], {"KVPILOT_METRICS_PORT": "eighty"}, "KVPILOT_METRICS_PORT must be a number"),
@@ -77,6 +80,13 @@ def test_autoscaler_and_metrics_settings_from_flags_and_environment() -> None:
     flags = config_from(["--autoscale-interval", "10", "--scrape-timeout", "0.5"], env)
     assert (flags.autoscale_interval_seconds, flags.scrape_timeout_seconds) == (10, 0.5)
     assert config_from(["--metrics-port", "0"], env).metrics_port == 0  # no metrics server
+
+
+def test_api_timeout_from_flags_and_environment() -> None:
+    assert config_from([], {}).api_timeout_seconds == 30
+    assert config_from([], {"KVPILOT_API_TIMEOUT": "7.5"}).api_timeout_seconds == 7.5
+    flags = config_from(["--api-timeout", "2"], {"KVPILOT_API_TIMEOUT": "7.5"})
+    assert flags.api_timeout_seconds == 2
 
 
 def test_the_metrics_server_serves_the_registry_it_is_given_and_stops() -> None:

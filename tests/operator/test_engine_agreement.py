@@ -42,7 +42,9 @@ ENGINE_SETTINGS: dict[str, list[Any]] = {
     "maxModelLen": INTS,
     "maxNumSeqs": INTS,
     "maxNumBatchedTokens": INTS,
-    "enablePrefixCaching": [True, False],
+    # A string or a number is no boolean: the CRD refuses it, so must the operator's model
+    # (a lax one would read "yes" as true); the engine's flag takes no value at all.
+    "enablePrefixCaching": [True, False, "yes", "false", 1],
     "dtype": ["auto", *DTYPES, "int8", "fp8", "Float32"],
     "gpuMemoryUtilization": FLOATS,
     "kvCacheBytes": QUANTITIES,
@@ -157,8 +159,11 @@ def raw_engine_args(spec: dict[str, Any]) -> list[str]:
     for field, value in engine.items():
         if field in FLAGS:
             args += [FLAGS[field], str(value)]
-        elif field == "enablePrefixCaching" and value is False:
-            args.append("--no-enable-prefix-caching")
+        elif field == "enablePrefixCaching":
+            if isinstance(value, bool):
+                args.append("--enable-prefix-caching" if value else "--no-enable-prefix-caching")
+            else:
+                args.append(f"--enable-prefix-caching={value}")  # argparse: no value allowed
         elif field == "kvCacheBytes":
             with contextlib.suppress(ValueError):
                 args += ["--kv-cache-memory-bytes", str(int(parse_quantity(value)))]
@@ -196,8 +201,6 @@ def test_the_crd_admits_exactly_what_the_engine_accepts(field: str, value: Any, 
 def test_the_probes_reach_both_verdicts_for_every_field() -> None:
     """The table is only worth something if each field has values on both sides."""
     for field, values in ENGINE_SETTINGS.items():
-        if field == "enablePrefixCaching":
-            continue
         verdicts = set()
         for value in values:
             spec: dict[str, Any] = {"model": BUILTIN, "engine": {field: value}}
@@ -205,6 +208,41 @@ def test_the_probes_reach_both_verdicts_for_every_field() -> None:
                 spec["resources"] = {"limits": {"memory": "4Gi"}}
             verdicts.add(admitted(spec)[0])
         assert verdicts == {True, False}, field
+
+
+# Values of another JSON type than the CRD's, which a lax model would coerce ("yes" -> true,
+# "8" -> 8, true -> 1, "0.5" -> 0.5).
+WRONG_TYPES: dict[str, list[Any]] = {
+    "boolean": ["yes", "true", 1, 0],
+    "integer": ["8", True, 8.5],
+    "number": ["0.5", True],
+    "string": [8, True],
+}
+TYPED = [
+    (field, value)
+    for field, node in sorted(
+        crd_schema(CRD)["properties"]["spec"]["properties"]["engine"]["properties"].items()
+    )
+    for value in WRONG_TYPES.get(node.get("type", ""), [])
+]
+
+
+@pytest.mark.parametrize(("field", "value"), TYPED)
+def test_a_value_of_the_wrong_type_is_refused_on_both_sides(field: str, value: Any) -> None:
+    spec: dict[str, Any] = {"model": BUILTIN, "engine": {field: value}}
+    errors = api_server_errors(CRD, {"apiVersion": "kvpilot.dev/v1alpha1",
+        "kind": "InferenceService", "metadata": {"name": "chat", "namespace": "serving"},
+        "spec": spec})  # fmt: skip
+    assert errors, "the API server admits it"
+    with pytest.raises(InvalidSpecError, match=f"spec.engine.{field}: Input should be"):
+        parse_spec(spec)
+
+
+def test_every_typed_engine_field_is_probed_with_wrong_types() -> None:
+    probed = {field for field, _ in TYPED}
+    node = crd_schema(CRD)["properties"]["spec"]["properties"]["engine"]["properties"]
+    scalars = {f for f, n in node.items() if n.get("type") in WRONG_TYPES}
+    assert probed == scalars and "enablePrefixCaching" in probed
 
 
 def test_block_sizes_come_from_the_engine() -> None:

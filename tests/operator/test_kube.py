@@ -125,6 +125,20 @@ async def test_unreachable_api_is_retryable(
     assert caught.value.is_retryable and caught.value.status is None
 
 
+async def test_a_hung_api_server_is_a_retryable_timeout(
+    kmock: KubeEmulator, kubeconfig: Path
+) -> None:
+    await kmock.post(DEPLOYMENTS_PATH, json=deployment("one:1"))
+    fault = kmock.inject_fault(lambda r: r.method == "PATCH", 504, count=1, delay=3.0)
+    api = KubeApi(connect(), timeout_seconds=0.5)
+    with pytest.raises(KubeError) as caught:
+        await asyncio.to_thread(api.apply, deployment("two:2"))
+    assert caught.value.is_retryable and caught.value.status is None
+    assert "timed out" in str(caught.value)
+    assert len(fault.hits) == 1  # one write, given up on: urllib3 does not resend a PATCH
+    await asyncio.sleep(3.0)  # the hung answer goes out before the emulator stops
+
+
 async def test_pods_are_listed_by_label(kmock: KubeEmulator, kubeconfig: Path) -> None:
     for name, labels in (("mine", {"app": "x", "i": "1"}), ("other", {"app": "y"})):
         await kmock.post(PODS_PATH, json={"metadata": {"name": name, "labels": labels}})

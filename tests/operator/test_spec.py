@@ -51,6 +51,16 @@ def test_defaults_of_a_minimal_spec() -> None:
         ),
         (spec(engine={"extraArgs": ["--model=/x"]}), "extraArgs may not set --model"),
         (
+            spec(engine={"extraArgs": ["--enforce-eager"]}),
+            "spec.engine.extraArgs: `kvpilot serve` would refuse them: unrecognized arguments",
+        ),
+        # Strict types, as the CRD's schema: no "yes" for true, no "8" for 8.
+        (
+            spec(engine={"enablePrefixCaching": "yes"}),
+            "spec.engine.enablePrefixCaching: Input should be a valid boolean",
+        ),
+        (spec(engine={"maxNumSeqs": "8"}), "spec.engine.maxNumSeqs: Input should be a valid int"),
+        (
             spec(engine={"env": [{"name": "A", "value": "1"}, {"name": "A", "value": "2"}]}),
             "env names must be unique, repeated: A",
         ),

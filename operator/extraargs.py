@@ -1,0 +1,68 @@
+"""spec.engine.extraArgs read by `kvpilot serve`'s own argument parser (torch-free), so that what
+the engine would refuse at start is an InvalidSpec instead of a crash-looping pod: an unknown
+flag, a missing or malformed value, a value out of range, or -h. Options the operator sets from
+the spec are refused too, however written (`--port=1`, an abbreviation, an alias such as -tp):
+appended last, they would silently win over the spec field, and the pod's contract (probes, the
+Service, the drain, the memory check) is built from the spec.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from kvpilot.engine.server.flags import FlagError, parse_flags
+from kvpilot.operator.constants import ENGINE_PORT
+
+# `kvpilot serve` option (argparse dest) -> (its flag, what sets it instead). The builder's own
+# flags must all be here (tests/operator/test_extra_args.py checks it).
+SET_BY_THE_OPERATOR: dict[str, tuple[str, str]] = {
+    "host": ("--host", f"the operator sets it (the engine must listen on 0.0.0.0:{ENGINE_PORT})"),
+    "port": ("--port", f"the operator sets it (the engine must listen on 0.0.0.0:{ENGINE_PORT})"),
+    "model": ("--model", "the operator sets it (the model comes from spec.model.uri)"),
+    "served_model_name": ("--served-model-name", "set spec.model.servedName"),
+    "block_size": ("--block-size", "set spec.engine.blockSize"),
+    "max_model_len": ("--max-model-len", "set spec.engine.maxModelLen"),
+    "max_num_seqs": ("--max-num-seqs", "set spec.engine.maxNumSeqs"),
+    "max_num_batched_tokens": ("--max-num-batched-tokens", "set spec.engine.maxNumBatchedTokens"),
+    "dtype": ("--dtype", "set spec.engine.dtype"),
+    "gpu_memory_utilization": (
+        "--gpu-memory-utilization",
+        "set spec.engine.gpuMemoryUtilization",
+    ),
+    "kv_cache_memory_bytes": (
+        "--kv-cache-memory-bytes",
+        "set spec.engine.kvCacheBytes or spec.engine.kvCacheMemoryFraction",
+    ),
+    "enable_prefix_caching": ("--enable-prefix-caching", "set spec.engine.enablePrefixCaching"),
+    "structured_outputs_backend": (
+        "--structured-outputs-backend",
+        "set spec.engine.structuredOutputsBackend",
+    ),
+    "tool_call_parser": ("--tool-call-parser", "set spec.engine.toolCallParser"),
+    "chat_template": ("--chat-template", "set spec.engine.chatTemplate"),
+    "tensor_parallel_size": (
+        "--tensor-parallel-size",
+        "set spec.engine.tensorParallelSize (spec.gpus by default)",
+    ),
+    "shutdown_timeout": (
+        "--shutdown-timeout",
+        "set spec.drainSeconds (the pod's grace period follows it)",
+    ),
+    "api_key": (
+        "--api-key",
+        "the key would show in the Deployment and the process list: use spec.engine.apiKeySecret",
+    ),
+}
+
+
+def check_extra_args(args: Sequence[str]) -> None:
+    """ValueError, with the engine parser's own message, for extraArgs that cannot be used."""
+    try:
+        given = parse_flags(args, only_given=True)
+        for dest in vars(given):
+            if dest in SET_BY_THE_OPERATOR:
+                flag, instead = SET_BY_THE_OPERATOR[dest]
+                raise ValueError(f"extraArgs may not set {flag}: {instead}")
+        parse_flags(args)
+    except FlagError as error:
+        raise ValueError(f"`kvpilot serve` would refuse them: {error}") from None
