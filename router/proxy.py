@@ -114,11 +114,12 @@ class Proxy:
                 log.debug("holding a request for %s (no routable replica)", model)
             self._ask_to_wake(pool)
             try:
-                self.metrics.held.labels(model).inc()
+                held = self.metrics.held.labels(model, pool.service.namespace, pool.service.name)
+                held.inc()
                 try:
                     await pool.hold.wait(timeout_s=max(0.0, deadline - now))
                 finally:
-                    self.metrics.held.labels(model).dec()
+                    held.dec()
             except HoldFull:
                 self.metrics.hold_rejections.labels(model, "full").inc()
                 raise unavailable(

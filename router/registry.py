@@ -183,7 +183,7 @@ class Registry:
             routable = len(pool.routable(now, self.config.dead_after_s))
             self.metrics.replicas.labels(model, "routable").set(routable)
             self.metrics.replicas.labels(model, "unroutable").set(len(pool.replicas) - routable)
-            self.metrics.in_flight.labels(model).set(
+            self.metrics.in_flight.labels(model, pool.service.namespace, pool.service.name).set(
                 sum(r.in_flight for r in pool.replicas.values())
             )
 

@@ -26,6 +26,7 @@ import pytest
 from kvpilot.router.kube import WAKE_ANNOTATION
 from kvpilot.router.scoring import rendezvous
 
+from ..operator.conftest import NAMESPACE
 from ..operator.kube_emulator import KubeEmulator
 from ..server.serve_process import ServeProcess
 from .loopback import (
@@ -311,7 +312,11 @@ async def test_scale_from_zero_holds_wakes_and_serves_and_a_hold_times_out(
                 )
                 assert time.monotonic() - first_held < 2.0
                 metrics = (await http.get(f"{router.url}/metrics")).text
-                assert 'kvpilot_router_held_requests{model="sleepy"} 3.0' in metrics
+                held_sample = (
+                    "kvpilot_router_held_requests"
+                    f'{{inferenceservice="sleepy",model="sleepy",namespace="{NAMESPACE}"}}'
+                )
+                assert metric(metrics, held_sample) == 3.0
                 assert not any(task.done() for task in held)
 
                 await wait_ready(waking)
@@ -322,7 +327,7 @@ async def test_scale_from_zero_holds_wakes_and_serves_and_a_hold_times_out(
                 assert {r.headers["x-kvpilot-replica"] for r in responses} == {"sleepy-0"}
                 metrics = (await http.get(f"{router.url}/metrics")).text
                 assert 'kvpilot_router_hold_seconds_count{model="sleepy"} 3.0' in metrics
-                assert 'kvpilot_router_held_requests{model="sleepy"} 0.0' in metrics
+                assert metric(metrics, held_sample) == 0.0
         finally:
             stop(router.proc)
     finally:
