@@ -103,6 +103,8 @@ def create_app(runtime: RouterRuntime) -> FastAPI:
                 "namespace": pool.service.namespace,
                 "inferenceService": pool.service.name,
                 "replicas": len(pool.routable(time.monotonic(), runtime.config.dead_after_s)),
+                # Until it is, requests are routed by load alone (`fallback`).
+                "tokenizerLoaded": pool.tokenizer is not None,
             },
         }
 

@@ -73,6 +73,8 @@ class Proxy:
                 code="model_not_found",
             )
         replicas = await self._routable_replicas(pool)
+        # Without the tokenizer (still loading): routed by load, never held for it.
+        self.registry.ensure_tokenizer(pool, replicas[0])
         token_ids = prompt_token_ids(parsed, pool.tokenizer)
         tried: set[str] = set()
         for _ in range(self.config.max_attempts):
@@ -104,8 +106,7 @@ class Proxy:
         while True:
             now = time.monotonic()
             replicas = pool.routable(now, self.config.dead_after_s)
-            # A tokenizer still loading holds requests too: without it they would all look cold.
-            if replicas and pool.tokenizer_task is None:
+            if replicas:
                 if held_since is not None:
                     self.metrics.hold_seconds.labels(model).observe(now - held_since)
                 return replicas
