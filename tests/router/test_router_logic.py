@@ -122,6 +122,16 @@ def test_replica_applies_a_snapshot_then_only_consecutive_deltas() -> None:
         replica.apply(KvHeartbeat(6, Load()), now=4.0)  # a delta passed us by
     replica.desync()
     assert replica.index.hashes == set() and not replica.is_routable(4.0, 2.0)
+    # A request that could not reach it takes it out of rotation for dead_after_s (by then its
+    # stream has told whether it is gone), or until a fresh snapshot.
+    replica.apply(KvSnapshot(9, "m", 16, HASH_SCHEME, [], Load()), now=10.0)
+    replica.failed_at = 10.5
+    assert not replica.is_routable(now=11.0, dead_after_s=2.0)
+    replica.apply(KvHeartbeat(9, Load()), now=12.4)
+    assert replica.is_routable(now=12.5, dead_after_s=2.0)
+    replica.failed_at = 12.6
+    replica.apply(KvSnapshot(1, "m", 16, HASH_SCHEME, [], Load()), now=12.7)
+    assert replica.is_routable(now=12.8, dead_after_s=2.0)
     with pytest.raises(ValueError, match="hashes blocks with"):
         replica.apply(KvSnapshot(1, "m", 16, "python-hash", [], Load()), now=1.0)
 
