@@ -77,7 +77,8 @@ class Proxy:
             connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=4.0),
             timeout=aiohttp.ClientTimeout(total=None, sock_connect=10.0),
             auto_decompress=False,  # passed through as the engine sent it
-            skip_auto_headers=("User-Agent",),
+            # Nothing compressed: the bytes go to the client as they are, with no Content-Encoding.
+            skip_auto_headers=("User-Agent", "Accept-Encoding"),
         )
 
     async def stop(self) -> None:
