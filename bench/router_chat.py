@@ -16,8 +16,10 @@ Each pass salts its requests (`cache_salt` per tenant and pass), so no pass reus
 
 Then the router's overhead: one cached-prefix request, sent alternately straight to the replica
 holding it and through the router (`--overhead-samples` each), end-to-end latency p50 of each;
-and the router's own CPU work for that request in this process (parse, chat template, tokenize,
-hash, choose), timed over 200 repetitions.
+the router process's CPU time (user + system, from /proc) over those requests, per routed
+request (it includes the block events the direct requests cause: small); and the router's own
+CPU work for that request in this process (parse, chat template, tokenize, hash, choose), timed
+over 200 repetitions.
 
     python bench/router_chat.py --out bench/router_chat.json
 """
@@ -261,8 +263,18 @@ async def run_pass(
     return report
 
 
-async def overhead(router_url: str, args: argparse.Namespace) -> dict[str, Any]:
-    """Latency of one cached-prefix request straight to its holder vs through the router."""
+def process_cpu_s(pid: int) -> float | None:
+    """A process's user + system CPU seconds (Linux /proc); None elsewhere."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+async def overhead(router_url: str, router_pid: int, args: argparse.Namespace) -> dict[str, Any]:
+    """Latency of one cached-prefix request straight to its holder vs through the router, and
+    the router process's CPU per routed request."""
     rng = random.Random(args.seed + 1)
     messages = [
         {"role": "system", "content": system_prompt(rng, 99, args.system_words)},
@@ -275,6 +287,7 @@ async def overhead(router_url: str, args: argparse.Namespace) -> dict[str, Any]:
         index = (await http.get(f"{router_url}/kvpilot/v1/router/index")).json()[MODEL]
         holder_url = index[holder]["url"]
         direct, routed = [], []
+        cpu_before = process_cpu_s(router_pid)
         for i in range(2 * args.overhead_samples):
             url = holder_url if i % 2 == 0 else router_url
             started = time.perf_counter()
@@ -285,10 +298,17 @@ async def overhead(router_url: str, args: argparse.Namespace) -> dict[str, Any]:
                 assert response.headers["x-kvpilot-replica"] == holder
                 assert response.headers["x-kvpilot-route"].startswith("prefix")
             (direct if url == holder_url else routed).append(elapsed)
+        cpu_after = process_cpu_s(router_pid)
+    cpu_ms = (
+        None
+        if cpu_before is None or cpu_after is None
+        else 1000 * (cpu_after - cpu_before) / args.overhead_samples
+    )
     return {
         "direct_p50_ms": 1000 * statistics.median(direct),
         "router_p50_ms": 1000 * statistics.median(routed),
         "added_p50_ms": 1000 * (statistics.median(routed) - statistics.median(direct)),
+        "router_process_cpu_ms_per_request": cpu_ms,
         "router_cpu_ms": await asyncio.to_thread(router_cpu_ms, holder_url, body),
     }
 
@@ -364,7 +384,7 @@ def main() -> None:
         asyncio.run(run_pass("warmup", urls, conversations[:3], args))
         passes = {}
         if args.overhead_only:
-            report["overhead"] = asyncio.run(overhead(router.url, args))
+            report["overhead"] = asyncio.run(overhead(router.url, router.proc.pid, args))
             print("overhead", report["overhead"], flush=True)
             args.out.write_text(json.dumps(report, indent=1))
             return
@@ -372,7 +392,7 @@ def main() -> None:
         print("round-robin", passes["round_robin"].summary(), flush=True)
         passes["router"] = asyncio.run(run_pass("router", [router.url], conversations, args))
         print("router", passes["router"].summary(), flush=True)
-        report["overhead"] = asyncio.run(overhead(router.url, args))
+        report["overhead"] = asyncio.run(overhead(router.url, router.proc.pid, args))
         print("overhead", report["overhead"], flush=True)
     finally:
         if router is not None:

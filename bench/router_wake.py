@@ -9,7 +9,8 @@ operator and the kubelet: when the router's wake annotation arrives it starts `k
 Timeline: t0 the client sends a streaming chat request for the model at zero replicas; t1 the
 router's PATCH (wake annotation) reaches the API (decision latency t1 - t0); t2 the engine is
 ready (process start + model load t2 - t1); t3 the Ready pod is announced; t4 the first token
-reaches the client (router pick-up: event stream, tokenizer fetch, routing, prefill: t4 - t3).
+reaches the client (router pick-up: event stream, routing, prefill; the tokenizer loads
+meanwhile in the background: t4 - t3).
 
     python bench/router_wake.py --rounds 3
 """

@@ -20,6 +20,23 @@ from kvpilot.operator.constants import (
 LOG_LEVELS = ("debug", "info", "warning", "error")
 _DNS_SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
 _DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$")
+_LABEL_KEY = re.compile(
+    r"^([a-z0-9]([-a-z0-9.]*[a-z0-9])?/)?[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?$"
+)
+_LABEL_VALUE = re.compile(r"^([A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?)?$")
+# The chart's router pods (charts/kvpilot/templates/router.yaml); the chart adds its release.
+ROUTER_SELECTOR = "app.kubernetes.io/component=router,app.kubernetes.io/part-of=kvpilot"
+
+
+def parse_selector(text: str) -> dict[str, str]:
+    """ "k=v,k2=v2" -> {k: v, k2: v2}; ValueError for anything else (only equality selectors)."""
+    selector: dict[str, str] = {}
+    for item in text.split(","):
+        key, sep, value = (part.strip() for part in item.partition("="))
+        if not sep or not _LABEL_KEY.fullmatch(key) or not _LABEL_VALUE.fullmatch(value):
+            raise ValueError(f"label selector {text!r}: {item!r} is not key=value")
+        selector[key] = value
+    return selector
 
 
 @dataclass(frozen=True)
@@ -52,8 +69,16 @@ class OperatorConfig:
     # kvpilot router's OpenAI base URL, when one serves these InferenceServices: it is then each
     # one's status.endpoint (the URL users call); None: the service's own URL.
     router_url: str | None = None
+    # Where the kvpilot router pods run (the chart's release namespace) and their labels: the
+    # autoscaler reads each one's held and in-flight requests per InferenceService from its
+    # /metrics. None: no router is scraped.
+    router_namespace: str | None = None
+    router_selector: str = ROUTER_SELECTOR
 
     def __post_init__(self) -> None:
+        if self.router_namespace is not None and not _DNS_LABEL.fullmatch(self.router_namespace):
+            raise ValueError(f"router namespace {self.router_namespace!r} is not a valid name")
+        parse_selector(self.router_selector)
         if self.router_url is not None and not self.router_url.startswith(("http://", "https://")):
             raise ValueError(f"the router URL must be http(s)://..., got {self.router_url!r}")
         for namespace in self.namespaces:
@@ -183,6 +208,17 @@ def build_parser() -> argparse.ArgumentParser:
         f"(env KVPILOT_METRICS_PORT; default {DEFAULT_METRICS_PORT})",
     )
     parser.add_argument(
+        "--router-namespace",
+        metavar="NAMESPACE",
+        help="the namespace of kvpilot's router pods, whose held and in-flight requests take "
+        "part in autoscaling (env KVPILOT_ROUTER_NAMESPACE; default: none, no router is read)",
+    )
+    parser.add_argument(
+        "--router-selector",
+        metavar="KEY=VALUE,...",
+        help=f"labels of the router pods (env KVPILOT_ROUTER_SELECTOR; default {ROUTER_SELECTOR})",
+    )
+    parser.add_argument(
         "--router-url",
         help="kvpilot router's OpenAI base URL, shown as each InferenceService's endpoint "
         "(env KVPILOT_ROUTER_URL; default: none, the service's own URL)",
@@ -211,6 +247,8 @@ def config_from(argv: list[str], env: Mapping[str, str]) -> OperatorConfig:
         ("log_level", args.log_level, "KVPILOT_LOG_LEVEL"),
         ("log_format", args.log_format, "KVPILOT_LOG_FORMAT"),
         ("router_url", args.router_url, "KVPILOT_ROUTER_URL"),
+        ("router_namespace", args.router_namespace, "KVPILOT_ROUTER_NAMESPACE"),
+        ("router_selector", args.router_selector, "KVPILOT_ROUTER_SELECTOR"),
     ):
         value = given(flag, name)
         if value is not None:

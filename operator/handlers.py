@@ -16,9 +16,10 @@ import kopf
 
 from kvpilot.operator.autoscaling.autoscaler import Autoscaler
 from kvpilot.operator.autoscaling.metrics import OperatorMetrics
+from kvpilot.operator.autoscaling.routers import RouterLoad
 from kvpilot.operator.autoscaling.scrape import MetricsScraper
 from kvpilot.operator.autoscaling.zero import wake_scope
-from kvpilot.operator.config import OperatorConfig
+from kvpilot.operator.config import OperatorConfig, parse_selector
 from kvpilot.operator.constants import (
     ANNOTATION_WAKE,
     GROUP,
@@ -117,6 +118,15 @@ def build_registry(
         parts.reconciler = Reconciler(kube, config, post_kopf_event, metrics=metrics)
         # The scraper's pooled HTTP client belongs to this event loop: made here, closed below.
         parts.scraper = MetricsScraper(timeout_s=config.scrape_timeout_seconds)
+        routers = None
+        if config.router_namespace is not None:
+            namespace, selector = config.router_namespace, parse_selector(config.router_selector)
+            routers = RouterLoad(
+                lambda: asyncio.to_thread(kube.list_pods, namespace, selector),
+                parts.scraper.fetch_text,
+                # Every service ticks on the same grid: one scrape of the routers per round.
+                max_age_s=config.autoscale_interval_seconds / 2,
+            )
         parts.autoscaler = Autoscaler(
             kube,
             parts.reconciler,
@@ -124,6 +134,7 @@ def build_registry(
             post_kopf_event,
             metrics=metrics,
             engine_metrics_port=config.engine_metrics_port,
+            routers=routers,
         )
         scope = ", ".join(config.namespaces) or "all namespaces"
         logger.info("kvpilot operator watching %s; engine image %s", scope, config.engine_image)

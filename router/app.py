@@ -103,6 +103,8 @@ def create_app(runtime: RouterRuntime) -> FastAPI:
                 "namespace": pool.service.namespace,
                 "inferenceService": pool.service.name,
                 "replicas": len(pool.routable(time.monotonic(), runtime.config.dead_after_s)),
+                # Until it is, requests are routed by load alone (`fallback`).
+                "tokenizerLoaded": pool.tokenizer is not None,
             },
         }
 
@@ -125,13 +127,16 @@ def create_app(runtime: RouterRuntime) -> FastAPI:
         parsed = parse(kind, body)
         return await runtime.proxy.handle(kind, parsed, body, request.headers)
 
-    @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
         return await route("completion", request)
 
-    @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
         return await route("chat", request)
+
+    # Plain Starlette routes: they take nothing but the request, and FastAPI's parameter
+    # machinery would cost every request more than choosing its replica does.
+    app.add_route("/v1/completions", completions, methods=["POST"])
+    app.add_route("/v1/chat/completions", chat_completions, methods=["POST"])
 
     return app
 

@@ -109,6 +109,9 @@ def main(argv: list[str]) -> int:
         port=config.port,
         loop="uvloop" if sys.platform != "win32" else "asyncio",
         log_level=logging.getLevelName(logging.getLogger().level).lower(),
+        # A line per request costs more than the router's own routing work: debug only, as the
+        # engine does.
+        access_log=logging.getLogger().level <= logging.DEBUG,
         timeout_graceful_shutdown=30,
     )
     return 0

@@ -30,6 +30,9 @@ class ServiceInfo:
     may_scale_to_zero: bool
     created: str  # creationTimestamp: the older service keeps a contested model name
     hold_timeout_s: float | None = None  # from HOLD_TIMEOUT_ANNOTATION; None: the router's
+    # The weights (spec.model.uri): the tokenizer the router loaded stays valid while it is the
+    # same, also at zero replicas; another one is loaded afresh.
+    model_uri: str = ""
 
 
 @dataclass(frozen=True)
@@ -54,6 +57,7 @@ def service_info(obj: dict[str, Any]) -> ServiceInfo:
         may_scale_to_zero,
         meta.get("creationTimestamp") or "",
         hold_timeout((meta.get("annotations") or {}).get(HOLD_TIMEOUT_ANNOTATION)),
+        str((spec.get("model") or {}).get("uri") or ""),
     )
 
 

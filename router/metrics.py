@@ -27,7 +27,8 @@ class RouterMetrics:
         self.held = Gauge(
             "kvpilot_router_held_requests",
             "Requests held for a model with no routable replica (scale from zero)",
-            ["model"],
+            # The InferenceService's labels: the operator's autoscaler adds these to its queue.
+            ["model", "namespace", "inferenceservice"],
             registry=registry,
         )
         self.hold_seconds = Histogram(
@@ -46,7 +47,7 @@ class RouterMetrics:
         self.in_flight = Gauge(
             "kvpilot_router_in_flight_requests",
             "Requests this router has sent to replicas and not yet seen finish",
-            ["model"],
+            ["model", "namespace", "inferenceservice"],
             registry=registry,
         )
         self.upstream_errors = Counter(

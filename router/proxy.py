@@ -1,7 +1,12 @@
 """From a parsed request to a replica's response: hold while the model has no routable replica
 (asking the operator to wake it), choose a replica, forward the body, and pass the response
 through as it arrives. A replica that fails before anything was sent back is marked failed and
-the request goes to another; once bytes have gone to the client, a failure ends the stream."""
+the request goes to another; once bytes have gone to the client, a failure ends the stream.
+
+The request path is the router's overhead on every request: the client's body is forwarded as
+the bytes it sent (never re-serialized) over a pooled keep-alive aiohttp session (its C parser
+costs a fraction of httpx's per request: bench/RESULTS.md), and a response that is not a stream
+goes back in one piece with its length."""
 
 from __future__ import annotations
 
@@ -10,6 +15,7 @@ import logging
 import time
 from collections.abc import AsyncIterator, Mapping
 
+import aiohttp
 import httpx
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
@@ -30,6 +36,10 @@ PATHS: dict[RequestKind, str] = {"chat": "/v1/chat/completions", "completion": "
 SESSION_HEADER = "x-session-id"
 _PASSED_HEADERS = ("content-type", "retry-after", "x-request-id")
 _WAKE_REPEAT_S = 5.0
+# Before the first byte: a connection refused, reset or closed by the replica (`connect`).
+_CONNECT_ERRORS = (aiohttp.ClientConnectionError, asyncio.TimeoutError, OSError)
+# After it: the response broke off.
+_STREAM_ERRORS = (aiohttp.ClientError, asyncio.TimeoutError, OSError)
 
 
 def error_response(error: errors.APIError) -> JSONResponse:
@@ -49,15 +59,31 @@ class Proxy:
         self,
         config: RouterConfig,
         registry: Registry,
-        engines: httpx.AsyncClient,
         kube: httpx.AsyncClient | None,
         metrics: RouterMetrics,
     ) -> None:
         self.config = config
         self.registry = registry
-        self.engines = engines
         self.kube = kube
         self.metrics = metrics
+        # Made in the event loop that serves requests (start), closed at stop.
+        self.engines: aiohttp.ClientSession | None = None
+
+    def start(self) -> None:
+        self.engines = aiohttp.ClientSession(
+            # No pool limit: every in-flight request holds a connection; keep-alive saves the
+            # connect on the next one. Idle ones go before the engines' uvicorn closes them
+            # (5 s), so a reused connection is never one the engine is closing.
+            connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=4.0),
+            timeout=aiohttp.ClientTimeout(total=None, sock_connect=10.0),
+            auto_decompress=False,  # passed through as the engine sent it
+            # Nothing compressed: the bytes go to the client as they are, with no Content-Encoding.
+            skip_auto_headers=("User-Agent", "Accept-Encoding"),
+        )
+
+    async def stop(self) -> None:
+        if self.engines is not None:
+            await self.engines.close()
 
     async def handle(
         self, kind: RequestKind, parsed: ParsedRequest, body: bytes, headers: Mapping[str, str]
@@ -73,6 +99,8 @@ class Proxy:
                 code="model_not_found",
             )
         replicas = await self._routable_replicas(pool)
+        # Without the tokenizer (still loading): routed by load, never held for it.
+        self.registry.ensure_tokenizer(pool, replicas[0])
         token_ids = prompt_token_ids(parsed, pool.tokenizer)
         tried: set[str] = set()
         for _ in range(self.config.max_attempts):
@@ -81,7 +109,9 @@ class Proxy:
                 break
             replica, reason, matched = self._choose(pool, candidates, token_ids, parsed, headers)
             tried.add(replica.name)
-            response = await self._forward(pool, replica, kind, body, headers)
+            response = await self._forward(
+                pool, replica, kind, body, headers, is_stream=parsed.request.stream
+            )
             if response is not None:
                 response.headers["x-kvpilot-replica"] = replica.name
                 response.headers["x-kvpilot-route"] = (
@@ -104,8 +134,7 @@ class Proxy:
         while True:
             now = time.monotonic()
             replicas = pool.routable(now, self.config.dead_after_s)
-            # A tokenizer still loading holds requests too: without it they would all look cold.
-            if replicas and pool.tokenizer_task is None:
+            if replicas:
                 if held_since is not None:
                     self.metrics.hold_seconds.labels(model).observe(now - held_since)
                 return replicas
@@ -114,11 +143,12 @@ class Proxy:
                 log.debug("holding a request for %s (no routable replica)", model)
             self._ask_to_wake(pool)
             try:
-                self.metrics.held.labels(model).inc()
+                held = self.metrics.held.labels(model, pool.service.namespace, pool.service.name)
+                held.inc()
                 try:
                     await pool.hold.wait(timeout_s=max(0.0, deadline - now))
                 finally:
-                    self.metrics.held.labels(model).dec()
+                    held.dec()
             except HoldFull:
                 self.metrics.hold_rejections.labels(model, "full").inc()
                 raise unavailable(
@@ -207,8 +237,12 @@ class Proxy:
         kind: RequestKind,
         body: bytes,
         headers: Mapping[str, str],
+        *,
+        is_stream: bool,
     ) -> Response | None:
-        """The replica's response, streaming; None when it failed before answering."""
+        """The replica's response (passed on as it streams, or whole when it is not a stream);
+        None when it failed before answering."""
+        assert self.engines is not None, "Proxy.start() makes the session"
         model = pool.service.model
         outgoing = {"content-type": headers.get("content-type", "application/json")}
         auth = (
@@ -218,37 +252,57 @@ class Proxy:
         )
         if auth:
             outgoing["authorization"] = auth
-        request = self.engines.build_request(
-            "POST", f"{replica.url}{PATHS[kind]}", content=body, headers=outgoing
-        )
         replica.in_flight += 1
         try:
-            upstream = await self.engines.send(request, stream=True)
-        except httpx.TransportError as exc:
+            upstream = await self.engines.post(
+                f"{replica.url}{PATHS[kind]}", data=body, headers=outgoing
+            )
+        except _CONNECT_ERRORS as exc:
             replica.in_flight -= 1
             replica.failed_at = time.monotonic()
             self.metrics.upstream_errors.labels(model, "connect").inc()
-            log.warning("replica %s failed (%s): trying another", replica.name, exc)
+            log.warning("replica %s failed (%r): trying another", replica.name, exc)
             return None
-        if upstream.status_code in (502, 503, 504):  # draining or overloaded: nothing was sent
+        if upstream.status in (502, 503, 504):  # draining or overloaded: nothing was sent
             replica.in_flight -= 1
-            await upstream.aclose()
-            self.metrics.upstream_errors.labels(model, f"status_{upstream.status_code}").inc()
+            upstream.release()
+            self.metrics.upstream_errors.labels(model, f"status_{upstream.status}").inc()
             return None
         passed = {k: v for k, v in upstream.headers.items() if k.lower() in _PASSED_HEADERS}
-        return StreamingResponse(
-            self._relay(model, replica, upstream), upstream.status_code, headers=passed
-        )
-
-    async def _relay(
-        self, model: str, replica: Replica, upstream: httpx.Response
-    ) -> AsyncIterator[bytes]:
+        if is_stream:
+            return StreamingResponse(
+                self._relay(model, replica, upstream), upstream.status, headers=passed
+            )
+        # One piece with a Content-Length: one write to the client instead of a chunked stream.
         try:
-            async for chunk in upstream.aiter_raw():
-                yield chunk
-        except httpx.TransportError as exc:
+            content = await upstream.read()
+        except _STREAM_ERRORS as exc:
+            upstream.close()
             self.metrics.upstream_errors.labels(model, "stream").inc()
-            log.warning("replica %s broke a response mid-stream: %s", replica.name, exc)
+            log.warning("replica %s broke its response off: %r", replica.name, exc)
+            return error_response(
+                errors.APIError(
+                    502, f"The replica {replica.name} broke its response off.", type="api_error"
+                )
+            )
         finally:
             replica.in_flight -= 1
-            await upstream.aclose()
+        upstream.release()
+        return Response(content, upstream.status, headers=passed)
+
+    async def _relay(
+        self, model: str, replica: Replica, upstream: aiohttp.ClientResponse
+    ) -> AsyncIterator[bytes]:
+        try:
+            async for chunk in upstream.content.iter_any():
+                yield chunk
+        except _STREAM_ERRORS as exc:
+            self.metrics.upstream_errors.labels(model, "stream").inc()
+            log.warning("replica %s broke a response mid-stream: %r", replica.name, exc)
+        finally:
+            replica.in_flight -= 1
+            # A stream cut short (the client went away) cannot go back to the pool.
+            if upstream.content.is_eof():
+                upstream.release()
+            else:
+                upstream.close()

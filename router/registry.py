@@ -23,6 +23,8 @@ from kvpilot.router.tokenizer import fetch_tokenizer
 
 log = logging.getLogger("kvpilot.router")
 
+_TOKENIZER_RETRY_S = 5.0
+
 
 @dataclass
 class ModelPool:
@@ -32,8 +34,13 @@ class ModelPool:
     hold: HoldQueue
     replicas: dict[str, Replica] = field(default_factory=dict)
     followers: dict[str, asyncio.Task[None]] = field(default_factory=dict)
+    # Loaded in the background: requests never wait for it (until it is there they are routed
+    # by load). Kept while the service keeps its model_uri, at zero replicas too, so a woken
+    # model routes by prefix at once.
     tokenizer: Any = None
+    tokenizer_uri: str = ""  # the service's model_uri the tokenizer was loaded for
     tokenizer_task: asyncio.Task[None] | None = None
+    tokenizer_failed_at: float = float("-inf")
     last_wake_request: float = float("-inf")
 
     def routable(self, now: float, dead_after_s: float) -> list[Replica]:
@@ -117,6 +124,8 @@ class Registry:
                     self._drop_pool(pool)
                 pool = self.pools[model] = ModelPool(info, HoldQueue(self.config.hold))
             pool.service = info
+            if info.model_uri != pool.tokenizer_uri:  # other weights: maybe another tokenizer
+                self._forget_tokenizer(pool)
             wanted = {
                 e.pod: e
                 for e in self.endpoints.values()
@@ -160,22 +169,45 @@ class Registry:
 
     def _replica_synced(self, pool: ModelPool, replica: Replica) -> None:
         log.info("replica %s of %s is routable", replica.name, pool.service.model)
-        if pool.tokenizer is None and pool.tokenizer_task is None:
-            pool.tokenizer_task = asyncio.get_running_loop().create_task(
-                self._load_tokenizer(pool, replica)
-            )
-        else:
-            pool.hold.release()
+        # Held requests go at once, routed by load until the tokenizer is there: fetching and
+        # loading it took seconds of a wake (bench/RESULTS.md), and with one replica the choice
+        # is the same anyway.
+        pool.hold.release()
+        self.ensure_tokenizer(pool, replica)
+
+    def ensure_tokenizer(self, pool: ModelPool, replica: Replica) -> None:
+        """Start loading the pool's tokenizer from `replica` unless it is loaded or loading (or
+        failed in the last few seconds)."""
+        if pool.tokenizer is not None or pool.tokenizer_task is not None:
+            return
+        if time.monotonic() - pool.tokenizer_failed_at < _TOKENIZER_RETRY_S:
+            return
+        pool.tokenizer_task = asyncio.get_running_loop().create_task(
+            self._load_tokenizer(pool, replica), name=f"tokenizer-{pool.service.model}"
+        )
 
     async def _load_tokenizer(self, pool: ModelPool, replica: Replica) -> None:
-        """Held requests wait for the tokenizer too: their prefix hashes decide the replica."""
+        uri = pool.service.model_uri
         try:
-            pool.tokenizer = await fetch_tokenizer(self.engines, replica.url)
+            tokenizer = await fetch_tokenizer(self.engines, replica.url)
         except Exception:
+            pool.tokenizer_failed_at = time.monotonic()
             log.warning("could not fetch %s's tokenizer", pool.service.model, exc_info=True)
+        else:
+            if pool.service.model_uri == uri:  # not for weights replaced meanwhile
+                pool.tokenizer, pool.tokenizer_uri = tokenizer, uri
+                log.info("tokenizer of %s loaded", pool.service.model)
         finally:
+            if pool.tokenizer_task is asyncio.current_task():
+                pool.tokenizer_task = None
+
+    def _forget_tokenizer(self, pool: ModelPool) -> None:
+        if pool.tokenizer_task is not None:
+            pool.tokenizer_task.cancel()
             pool.tokenizer_task = None
-            pool.hold.release()
+        pool.tokenizer = None
+        pool.tokenizer_uri = pool.service.model_uri
+        pool.tokenizer_failed_at = float("-inf")
 
     def refresh_gauges(self) -> None:
         now = time.monotonic()
@@ -183,7 +215,7 @@ class Registry:
             routable = len(pool.routable(now, self.config.dead_after_s))
             self.metrics.replicas.labels(model, "routable").set(routable)
             self.metrics.replicas.labels(model, "unroutable").set(len(pool.replicas) - routable)
-            self.metrics.in_flight.labels(model).set(
+            self.metrics.in_flight.labels(model, pool.service.namespace, pool.service.name).set(
                 sum(r.in_flight for r in pool.replicas.values())
             )
 

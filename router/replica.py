@@ -41,11 +41,16 @@ class Replica:
     in_flight: int = 0
     seq: int | None = None  # the last delta applied; None while not synced
     last_heard: float = 0.0
-    # Set by the proxy when a request could not reach it; cleared by the next snapshot.
-    is_failed: bool = False
+    # When a request last could not reach it (set by the proxy; cleared by the next snapshot):
+    # out of rotation for dead_after_s, by when its stream has told whether it is gone.
+    failed_at: float = float("-inf")
 
     def is_routable(self, now: float, dead_after_s: float) -> bool:
-        return self.seq is not None and not self.is_failed and now - self.last_heard < dead_after_s
+        return (
+            self.seq is not None
+            and now - self.failed_at >= dead_after_s
+            and now - self.last_heard < dead_after_s
+        )
 
     def desync(self) -> None:
         self.seq = None

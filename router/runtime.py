@@ -35,15 +35,15 @@ class RouterRuntime:
         self.config = config
         self.kube_access = kube
         self.metrics = RouterMetrics(CollectorRegistry())
-        # No pool limit: every in-flight request holds a connection; keep-alive saves the
-        # connect on the next one.
+        # The block-event streams and tokenizer fetches (one per replica, not per request);
+        # the proxy forwards requests over its own session.
         self.engines = httpx.AsyncClient(
             timeout=httpx.Timeout(10.0, read=None),
             limits=httpx.Limits(max_connections=None, max_keepalive_connections=256),
         )
         self.kube = kube.client() if kube is not None else None
         self.registry = Registry(config, self.engines, self.metrics)
-        self.proxy = Proxy(config, self.registry, self.engines, self.kube, self.metrics)
+        self.proxy = Proxy(config, self.registry, self.kube, self.metrics)
         self._listed: set[tuple[str, str]] = set()
         self._watches: list[asyncio.Task[None]] = []
 
@@ -54,6 +54,7 @@ class RouterRuntime:
         )
 
     async def start(self) -> None:
+        self.proxy.start()
         if self.config.static_models:
             services, pods = static_objects(self.config.static_models)
             self.registry.services_listed(STATIC_NAMESPACE, services)
@@ -99,6 +100,7 @@ class RouterRuntime:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
         self.registry.close()
+        await self.proxy.stop()
         await self.engines.aclose()
         if self.kube is not None:
             await self.kube.aclose()

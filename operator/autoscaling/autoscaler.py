@@ -4,7 +4,8 @@ kopf's autoscale timer calls Autoscaler.run for every InferenceService with spec
 A run parses the spec once (spec.autoscaling.policy: the one settings object the whole tick
 reads), re-reads the object (kopf's copy may predate the status the last tick wrote, and the
 windows live in that status), skips it until its intervalSeconds has passed, reads the
-Deployment and lists its pods, scrapes and decides (autoscale_tick), then writes the replicas
+Deployment and lists its pods, reads what the kvpilot routers hold for it (RouterLoad, shared by
+all objects), scrapes and decides (autoscale_tick), then writes the replicas
 and status through Reconciler.apply_scale (under the lock reconcile holds: the two never
 interleave; refused when the spec changed since the parse) and posts the tick's Events. The
 user's spec is never written.
@@ -20,6 +21,7 @@ from typing import Any
 
 from kvpilot.operator.autoscaling.metrics import OperatorMetrics
 from kvpilot.operator.autoscaling.policy import AutoscalingPolicy
+from kvpilot.operator.autoscaling.routers import RouterLoad
 from kvpilot.operator.autoscaling.scrape import Scrape
 from kvpilot.operator.autoscaling.tick import TickResult, autoscale_tick, is_tick_due
 from kvpilot.operator.builders import selector_labels
@@ -47,6 +49,7 @@ class Autoscaler:
         *,
         metrics: OperatorMetrics | None = None,
         engine_metrics_port: int = ENGINE_PORT,
+        routers: RouterLoad | None = None,
         clock: Callable[[], float] = time.time,
     ) -> None:
         self._api = api
@@ -55,6 +58,7 @@ class Autoscaler:
         self._post_event = post_event
         self._metrics = metrics
         self._engine_metrics_port = engine_metrics_port
+        self._routers = routers
         self._clock = clock
 
     async def run(self, body: Mapping[str, Any]) -> TickResult | None:
@@ -106,6 +110,9 @@ class Autoscaler:
             return None  # reconcile creates it first (or reports whose it is)
         current = (deployment.get("spec") or {}).get("replicas")
         pods = await asyncio.to_thread(self._api.list_pods, namespace, selector_labels(name))
+        router = None
+        if self._routers is not None:
+            router = (await self._routers.snapshot()).for_service(namespace, name)
         result = await autoscale_tick(
             body,
             policy,
@@ -115,6 +122,7 @@ class Autoscaler:
             scrape=self._scrape,
             metrics=self._metrics,
             metrics_port=self._engine_metrics_port,
+            router=router,
         )
         applied = await asyncio.to_thread(
             self._reconciler.apply_scale,

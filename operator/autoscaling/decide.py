@@ -2,7 +2,9 @@
 
 Per tick:
 1. load = summed saturation of the Ready pods (pods that failed to report are skipped: the others'
-   mean stands in for them, they are never read as idle). 1.0 is one pod exactly at target.
+   mean stands in for them, they are never read as idle), plus the requests kvpilot routers hold
+   for the service over targetQueueDepth (a queue at the router is a queue). 1.0 is one pod
+   exactly at target. At zero replicas, held requests scale to one.
 2. The stable window's mean load recommends ceil(load) replicas, unless the mean saturation per
    pod is within the tolerance band around 1.0. When the short panic window's mean load reaches
    panic_threshold per Ready pod, panic mode starts: that window alone decides, scaling up at once
@@ -71,16 +73,31 @@ def decide(
     panic_since = state.panic_since
     load: float | None = None
 
-    if not reporting:
+    # Requests held at the routers are a queue no engine reports: each is worth what a waiting
+    # request is at an engine (1 / targetQueueDepth of a pod's saturation).
+    held = observations.num_held
+    held_load = held / policy.target_queue_depth
+    held_note = f" (with {held:g} requests held at the routers)" if held else ""
+    if not reporting and current == 0 and held:
+        # At zero nothing reports: the routers' queue is the wake-up call (the same one their
+        # wake annotation makes at once; this one needs no annotation). No sample: once Ready,
+        # the replica reports the released queue itself. The recommendation keeps it up for
+        # scaleToZeroAfterSeconds.
+        load = round(held_load, 4)
+        target, reason = 1, "ScaleFromZero"
+        message = f"{held:g} requests held at the routers for a service at zero replicas"
+        recommendations = (*recommendations, (now, 1))
+    elif not reporting:
         target, reason = current, "NoMetrics"
         message = (
             f"none of the {num_ready} Ready pods reported metrics"
             if num_ready
             else "no Ready pod to measure"
         )
+        message += held_note
     else:
         measured = sum(policy.saturation(m.num_waiting, m.kv_cache_usage) for m in reporting)
-        load = round(measured * num_ready / len(reporting), 4)
+        load = round(measured * num_ready / len(reporting) + held_load, 4)
         samples = (*samples, (now, load))
         stable_load = _mean(load for _, load in samples)
         panic_load = _mean(load for t, load in samples if t > now - policy.panic_window_s)
@@ -99,7 +116,7 @@ def decide(
         recommendations = (*recommendations, (now, wanted))
 
         summary = (
-            f"load {load:.2f} over {len(reporting)}/{num_ready} reporting Ready pods;"
+            f"load {load:.2f} over {len(reporting)}/{num_ready} reporting Ready pods{held_note};"
             f" {policy.stable_window_s:g}s mean saturation {stable_saturation:.2f}"
         )
         if panic_since is not None:

@@ -30,11 +30,18 @@ class Observations:
     ready_pods: every Ready, not terminating pod, reporting or not.
     num_starting: replicas on their way: pods created but not Ready yet (within the startup grace)
         plus replicas the ReplicaSet has not created yet. They count as capacity, not as load.
+    num_held: requests kvpilot routers hold for this service (no routable replica yet): a queue
+        no engine reports, so it adds to the queue-depth signal.
+    router_in_flight: requests the routers have sent to its replicas and not seen finish; the
+        engines count them already (running or waiting), so it is reported, never added.
+        None when no router was scraped.
     """
 
     current_replicas: int
     ready_pods: tuple[PodSample, ...]
     num_starting: int = 0
+    num_held: float = 0.0
+    router_in_flight: float | None = None
 
     def __post_init__(self) -> None:
         if self.current_replicas < 0 or self.num_starting < 0:
@@ -42,6 +49,8 @@ class Observations:
                 f"replica counts must be >= 0, got current_replicas={self.current_replicas},"
                 f" num_starting={self.num_starting}"
             )
+        if self.num_held < 0:
+            raise ValueError(f"num_held must be >= 0, got {self.num_held}")
 
     @property
     def num_ready(self) -> int:

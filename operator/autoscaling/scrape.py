@@ -121,6 +121,16 @@ class MetricsScraper:
         return {target.name: result for target, result in zip(targets, results, strict=True)}
 
     async def scrape_one(self, target: ScrapeTarget) -> ScrapeResult:
+        text = await self.fetch_text(target)
+        if isinstance(text, ScrapeError):
+            return text
+        try:
+            return parse_metrics(text)
+        except MetricsParseError as exc:
+            return ScrapeError("parse", f"{target.url}: {exc}")
+
+    async def fetch_text(self, target: ScrapeTarget) -> str | ScrapeError:
+        """The target's metrics text, or why there is none (any /metrics: engines, routers)."""
         if target.url is None:
             return ScrapeError("no_ip", "the pod is Ready but has no IP")
         try:
@@ -136,11 +146,9 @@ class MetricsScraper:
         except httpx.HTTPError as exc:
             return ScrapeError("connect", f"{target.url}: {type(exc).__name__}: {exc}")
         try:
-            return parse_metrics(body.decode("utf-8"))
+            return body.decode("utf-8")
         except UnicodeDecodeError as exc:
             return ScrapeError("parse", f"{target.url}: the body is not UTF-8: {exc}")
-        except MetricsParseError as exc:
-            return ScrapeError("parse", f"{target.url}: {exc}")
 
     async def _fetch(self, url: str) -> bytes:
         async with self._client.stream("GET", url, timeout=self.timeout_s) as response:

@@ -17,6 +17,7 @@ from kvpilot.operator.autoscaling.metrics import OperatorMetrics
 from kvpilot.operator.autoscaling.observations import Observations, PodMetrics, PodSample
 from kvpilot.operator.autoscaling.pods import PodCensus, count_pods
 from kvpilot.operator.autoscaling.policy import AutoscalingPolicy
+from kvpilot.operator.autoscaling.routers import RouterCounts
 from kvpilot.operator.autoscaling.scrape import Scrape, ScrapeError, ScrapeTarget, metrics_url
 from kvpilot.operator.autoscaling.state import AutoscalerState, format_time
 
@@ -64,12 +65,14 @@ async def autoscale_tick(
     scrape: Scrape,
     metrics: OperatorMetrics | None = None,
     metrics_port: int = DEFAULT_METRICS_PORT,
+    router: RouterCounts | None = None,
 ) -> TickResult:
     """Scrapes the Ready pods of `body` (an InferenceService) and decides its replicas.
 
     policy: its spec.autoscaling, parsed once by the caller (spec.autoscaling.policy).
     pods: the InferenceService's pods as the API returns them (any phase; terminating ones are
         ignored). current_replicas: the Deployment's spec.replicas. now: epoch seconds.
+    router: its requests held and in flight at the kvpilot routers (None: no router known).
     """
     started = time.perf_counter()
     metadata = body.get("metadata") or {}
@@ -97,7 +100,11 @@ async def autoscale_tick(
             samples.append(PodSample(target.name, None))
             errors[target.name] = result
     observations = Observations(
-        current_replicas, tuple(samples), census.num_on_the_way(current_replicas)
+        current_replicas,
+        tuple(samples),
+        census.num_on_the_way(current_replicas),
+        num_held=router.held if router is not None else 0.0,
+        router_in_flight=router.in_flight if router is not None else None,
     )
     decision = decide(policy, observations, state, now)
 
@@ -162,6 +169,11 @@ def build_status_patch(
         ),
         "load": decision.load,
         "saturation": decision.saturation,
+        # None (the key removed) when no router reported this tick.
+        "routerHeldRequests": (
+            observations.num_held if observations.router_in_flight is not None else None
+        ),
+        "routerInFlightRequests": observations.router_in_flight,
     }
     return {
         "desiredReplicas": decision.replicas,

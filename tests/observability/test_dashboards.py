@@ -2,13 +2,16 @@
 chart's Grafana dashboard, in vLLM's own dashboard and in the chart's PrometheusRule is found in a
 live scrape of a real `kvpilot serve` (bundled SmolLM2, small KV cache), of the operator's
 /metrics served by its own HTTP server after a real autoscaler tick against that engine, or of a
-real `kvpilot router` in front of that engine (and of a model whose replica is down)."""
+real `kvpilot router` in front of that engine (first held until the engine's address answers,
+and of a model whose replica is down)."""
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import json
+import socket
 import subprocess
 import sys
 import threading
@@ -90,13 +93,53 @@ def _ready(url: str) -> bool:
         return False
 
 
-def load_router(router_url: str, model: str) -> None:
-    """Requests that give the router's series samples: one routed (twice: a prefix hit), one for
-    a model whose only replica is down (held, then 503 at the hold timeout)."""
+@contextlib.contextmanager
+def forwarding(listen_port: int, target_port: int) -> Iterator[None]:
+    """A TCP forwarder 127.0.0.1:listen_port -> 127.0.0.1:target_port: an engine's address that
+    answers only from now on (as a pod that just became Ready)."""
+    server = socket.create_server(("127.0.0.1", listen_port))
+
+    def pipe(source: socket.socket, sink: socket.socket) -> None:
+        try:
+            while data := source.recv(65536):
+                sink.sendall(data)
+        except OSError:
+            pass
+        finally:
+            for end in (source, sink):
+                with contextlib.suppress(OSError):
+                    end.shutdown(socket.SHUT_RDWR)
+
+    def accept() -> None:
+        while True:
+            try:
+                client, _ = server.accept()
+            except OSError:
+                return  # closed
+            upstream = socket.create_connection(("127.0.0.1", target_port))
+            for pair in ((client, upstream), (upstream, client)):
+                threading.Thread(target=pipe, args=pair, daemon=True).start()
+
+    threading.Thread(target=accept, daemon=True).start()
+    try:
+        yield
+    finally:
+        server.close()
+
+
+def load_router(router_url: str, model: str, opening: contextlib.ExitStack, opens: Any) -> None:
+    """Requests that give the router's series samples: one held until its replica's address
+    answers (`opens`), then routed (twice: a prefix hit), and one for a model whose only replica
+    is down (held, then 503 at the hold timeout)."""
     with httpx.Client(base_url=router_url, timeout=120) as http:
         chat = {"model": model, "messages": [{"role": "user", "content": "Hi."}], "max_tokens": 2}
-        for _ in range(2):
-            assert http.post("/v1/chat/completions", json=chat).status_code == 200
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            first = pool.submit(http.post, "/v1/chat/completions", json=chat)
+            time.sleep(0.5)
+            assert not first.done()  # held: no routable replica yet
+            opening.enter_context(opens())
+            assert first.result().status_code == 200
+        assert http.post("/v1/chat/completions", json=chat).status_code == 200
         held = http.post("/v1/chat/completions", json={**chat, "model": "asleep"})
         assert held.status_code == 503, held.text
 
@@ -162,11 +205,15 @@ def scrapes() -> Iterator[dict[str, set[str]]]:
         load_engine(serve.url)
         engine_text = httpx.get(f"{serve.url}/metrics", timeout=30).text
         model = httpx.get(f"{serve.url}/v1/models", timeout=30).json()["data"][0]["id"]
-        dead = f"http://127.0.0.1:{free_port()}"
-        with launch_router(f"{model}={serve.url}", f"asleep={dead}") as router:
-            load_router(router.url, model)
-            router_text = httpx.get(f"{router.url}/metrics", timeout=30).text
         assert serve.port is not None
+        dead = f"http://127.0.0.1:{free_port()}"
+        late = free_port()
+        with (
+            contextlib.ExitStack() as opening,
+            launch_router(f"{model}=http://127.0.0.1:{late}", f"asleep={dead}") as router,
+        ):
+            load_router(router.url, model, opening, lambda: forwarding(late, serve.port))
+            router_text = httpx.get(f"{router.url}/metrics", timeout=30).text
         metrics = OperatorMetrics(CollectorRegistry())
         asyncio.run(tick_against(serve.port, metrics))
     reconcile_into(metrics)

@@ -16,6 +16,8 @@ from typing import Any
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Gauge, generate_latest
 
+from kvpilot.router.metrics import RouterMetrics
+
 MODEL_NAME = "smollm2-135m-instruct"
 SLOW_SECONDS = 5.0
 
@@ -147,3 +149,65 @@ def merge_patch(target: dict[str, Any], patch: dict[str, Any]) -> None:
             merge_patch(child, value)
         else:
             target[key] = value
+
+
+class FakeRouterPod:
+    """A kvpilot router's /metrics: the router's own RouterMetrics on a real registry, set by the
+    test as the router's proxy and registry set them."""
+
+    def __init__(self) -> None:
+        self.metrics = RouterMetrics(CollectorRegistry())
+        self.num_scrapes = 0
+        self.mode = "ok"  # ok | error
+
+    def hold(self, model: str, namespace: str, name: str, held: int, in_flight: int = 0) -> None:
+        self.metrics.held.labels(model, namespace, name).set(held)
+        self.metrics.in_flight.labels(model, namespace, name).set(in_flight)
+
+    async def handle(self, request: web.Request) -> web.Response:
+        self.num_scrapes += 1
+        if self.mode == "error":
+            return web.Response(status=503, text="router starting")
+        return web.Response(
+            body=generate_latest(self.metrics.registry),
+            headers={"Content-Type": CONTENT_TYPE_LATEST},
+        )
+
+
+@contextlib.asynccontextmanager
+async def serve_routers(count: int) -> AsyncIterator[list[tuple[FakeRouterPod, int]]]:
+    """`count` routers' /metrics on 127.0.0.1, each on its own free port: [(router, port)]."""
+    routers = [FakeRouterPod() for _ in range(count)]
+    runners: list[web.AppRunner] = []
+    served = []
+    try:
+        for router in routers:
+            app = web.Application()
+            app.router.add_get("/metrics", router.handle)
+            runner = web.AppRunner(app, shutdown_timeout=0.5)
+            await runner.setup()
+            runners.append(runner)
+            await web.TCPSite(runner, "127.0.0.1", 0).start()
+            served.append((router, int(runner.addresses[0][1])))
+        yield served
+    finally:
+        for runner in runners:
+            await runner.cleanup()
+
+
+def router_pod_dict(
+    name: str, ip: str | None, port: int, *, is_ready: bool = True, namespace: str = "kvpilot"
+) -> dict[str, Any]:
+    """A router pod as the API returns it: the chart's labels, container and port name."""
+    pod = pod_dict(name, ip, is_ready=is_ready)
+    pod["metadata"]["namespace"] = namespace
+    pod["metadata"]["labels"] = {
+        "app.kubernetes.io/name": "kvpilot",
+        "app.kubernetes.io/instance": "kvpilot",
+        "app.kubernetes.io/component": "router",
+        "app.kubernetes.io/part-of": "kvpilot",
+    }
+    pod["spec"] = {
+        "containers": [{"name": "router", "ports": [{"name": "http", "containerPort": port}]}]
+    }
+    return pod

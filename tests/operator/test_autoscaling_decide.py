@@ -299,3 +299,69 @@ def test_decision_messages_say_why() -> None:
     assert decision.state.decisions[-1].to_replicas == decision.replicas == 6
     assert decision.state.last_scale_time == T0
     assert decision.direction == "up"
+
+
+# ---- requests held at the routers (a queue no engine reports) ----
+
+
+def pods_at(gauges: tuple[float, float], count: int) -> tuple[PodSample, ...]:
+    return tuple(PodSample(f"pod-{i}", PodMetrics(*gauges)) for i in range(count))
+
+
+def test_held_requests_add_to_the_queue_and_scale_saturated_replicas_up_to_max() -> None:
+    """Two pods exactly at target (load 2.0, within tolerance alone) plus 20 requests held at
+    the routers (20 / targetQueueDepth 5 = 4 more pods' worth): 6 wanted, clamped to max 5."""
+    policy = AutoscalingPolicy(max_replicas=5)
+    alone = decide(policy, Observations(2, pods_at(AT_TARGET, 2)), AutoscalerState(), T0)
+    assert (alone.replicas, alone.reason, alone.load) == (2, "WithinTolerance", 2.0)
+
+    held = decide(
+        policy, Observations(2, pods_at(AT_TARGET, 2), num_held=20), AutoscalerState(), T0
+    )
+    assert held.load == 6.0
+    assert held.saturation == 3.0  # per Ready pod: the held queue counts against them
+    # Saturation 3 per pod is panic: up at once, 6 wanted, clamped to maxReplicas.
+    assert (held.replicas, held.reason) == (5, "PanicScaleUp")
+    assert "20 requests held at the routers" in held.message
+    assert "clamped to [1, 5]" in held.message
+
+
+def test_held_requests_wake_a_service_at_zero_without_any_annotation() -> None:
+    policy = AutoscalingPolicy(max_replicas=3, min_replicas=0, scale_to_zero_after_s=60.0)
+    idle = decide(policy, Observations(0, ()), AutoscalerState(), T0)
+    assert (idle.replicas, idle.reason) == (0, "NoMetrics")
+
+    woken = decide(policy, Observations(0, (), num_held=3), idle.state, T0 + INTERVAL)
+    assert (woken.replicas, woken.reason, woken.direction) == (1, "ScaleFromZero", "up")
+    assert woken.load == 0.6 and woken.saturation is None
+    assert woken.state.samples == ()  # the replica reports the released queue itself
+    # The wake is a recommendation of 1: the replica is not taken away at once when idle.
+    state, replicas = woken.state, woken.replicas
+    for step in range(2, 6):
+        decision = decide(policy, Observations(replicas, pods_at(IDLE, 1)), state, T0 + step * 5)
+        state, replicas = decision.state, decision.replicas
+        assert replicas == 1
+    assert decision.reason in ("ScaleDownStabilizing", "ScaleToZeroWaiting")
+
+
+def test_held_requests_while_the_pods_start_do_not_scale_further() -> None:
+    policy = AutoscalingPolicy(max_replicas=4, min_replicas=0)
+    # One replica wanted, its pod not Ready yet: nothing reports, nothing to add to.
+    decision = decide(policy, Observations(1, (), 1, num_held=30), AutoscalerState(), T0)
+    assert (decision.replicas, decision.reason) == (1, "NoMetrics")
+    assert "30 requests held" in decision.message
+
+
+def test_router_in_flight_is_reported_not_added() -> None:
+    """The engines count what the routers have in flight (running or waiting) already."""
+    policy = AutoscalingPolicy(max_replicas=5)
+    plain = decide(policy, Observations(2, pods_at(BUSY, 2)), AutoscalerState(), T0)
+    counted = decide(
+        policy, Observations(2, pods_at(BUSY, 2), router_in_flight=40.0), AutoscalerState(), T0
+    )
+    assert counted.load == plain.load == 1.5
+
+
+def test_a_negative_held_count_is_refused() -> None:
+    with pytest.raises(ValueError, match="num_held"):
+        Observations(1, (), num_held=-1)

@@ -121,9 +121,18 @@ def test_values_reach_the_operator() -> None:
 def test_watched_namespaces_get_role_bindings_instead_of_a_cluster_binding() -> None:
     docs = render({"watchNamespaces": ["team-a", "team-b"]})
     assert of_kind(docs, "ClusterRoleBinding") == []
-    bindings = of_kind(docs, "RoleBinding")
+    bindings = [b for b in of_kind(docs, "RoleBinding") if b["roleRef"]["kind"] == "ClusterRole"]
     assert sorted(b["metadata"]["namespace"] for b in bindings) == ["team-a", "team-b"]
-    assert {b["roleRef"]["kind"] for b in bindings} == {"ClusterRole"}
+    # And one Role in the release namespace: listing the router pods, whose /metrics it reads.
+    (role,) = of_kind(docs, "Role")
+    assert role["metadata"]["namespace"] == "kvpilot-system"
+    assert role["rules"] == [{"apiGroups": [""], "resources": ["pods"], "verbs": ["list"]}]
+    (binding,) = [b for b in of_kind(docs, "RoleBinding") if b["roleRef"]["kind"] == "Role"]
+    assert binding["metadata"]["namespace"] == "kvpilot-system"
+    assert binding["roleRef"]["name"] == role["metadata"]["name"]
+    # Not when the release namespace is watched anyway, nor without a router.
+    assert of_kind(render({"watchNamespaces": ["kvpilot-system"]}), "Role") == []
+    assert of_kind(render({"watchNamespaces": ["a"], "router": {"enabled": False}}), "Role") == []
 
 
 def test_values_schema_rejects_bad_values() -> None:

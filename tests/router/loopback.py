@@ -5,16 +5,20 @@ objects that make the emulator look like a cluster running them."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import subprocess
 import sys
 import threading
 import time
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
+import aiohttp
 import httpx
+from aiohttp import web
 
 from kvpilot.router.index import BlockIndex
 
@@ -182,3 +186,53 @@ async def eventually_async(check: Any, *, timeout: float = 20.0, interval: float
             return last
         await asyncio.sleep(interval)
     raise AssertionError(f"condition not met in {timeout} s (last: {last!r})")
+
+
+class TokenizerGate:
+    """A reverse proxy on loopback in front of a real engine, passing everything through as it
+    streams (the kv-events stream included) except the tokenizer files, which it holds until
+    `opened` is set: a replica whose tokenizer takes as long as the test wants to fetch."""
+
+    def __init__(self, upstream: str) -> None:
+        self.upstream = upstream
+        self.opened = asyncio.Event()
+        self.tokenizer_requests = 0
+        self.port = 0
+        self._session: aiohttp.ClientSession | None = None
+
+    async def handle(self, request: web.Request) -> web.StreamResponse:
+        if request.path.startswith("/kvpilot/v1/tokenizer/"):
+            self.tokenizer_requests += 1
+            await self.opened.wait()
+        assert self._session is not None
+        headers = {k: v for k, v in request.headers.items() if k.lower() == "content-type"}
+        async with self._session.request(
+            request.method, self.upstream + request.path_qs, data=await request.read(),
+            headers=headers,
+        ) as upstream:  # fmt: skip
+            response = web.StreamResponse(status=upstream.status)
+            if "Content-Type" in upstream.headers:
+                response.headers["Content-Type"] = upstream.headers["Content-Type"]
+            await response.prepare(request)
+            async for chunk in upstream.content.iter_any():
+                await response.write(chunk)
+            await response.write_eof()
+            return response
+
+
+@contextlib.asynccontextmanager
+async def tokenizer_gate(upstream: str) -> AsyncIterator[TokenizerGate]:
+    gate = TokenizerGate(upstream)
+    app = web.Application()
+    app.router.add_route("*", "/{tail:.*}", gate.handle)
+    runner = web.AppRunner(app, shutdown_timeout=0.5)
+    await runner.setup()
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None)) as session:
+        gate._session = session
+        try:
+            await web.TCPSite(runner, "127.0.0.1", 0).start()
+            gate.port = int(runner.addresses[0][1])
+            yield gate
+        finally:
+            gate.opened.set()
+            await runner.cleanup()

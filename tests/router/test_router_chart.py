@@ -58,3 +58,11 @@ def test_the_operator_shows_the_routers_url_as_every_services_endpoint() -> None
     config = config_from(operator_args(), {})
     assert config.router_url == "http://kvpilot-router.kvpilot-system.svc:80/v1"
     assert config_from(operator_args({"router": {"enabled": False}}), {}).router_url is None
+    # ... and reads the routers' held requests: their pods, by exactly the router's labels.
+    assert config.router_namespace == "kvpilot-system"
+    (router,) = of_kind(render(component="router"), "Deployment")
+    assert (
+        dict(item.split("=") for item in config.router_selector.split(","))
+        == router["spec"]["selector"]["matchLabels"]
+    )
+    assert config_from(operator_args({"router": {"enabled": False}}), {}).router_namespace is None

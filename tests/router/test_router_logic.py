@@ -1,5 +1,6 @@
 """The router's pure parts, exactly: scoring with the bounded-load rule, the block index, the
-event-stream bookkeeping of a replica, reading Kubernetes objects, and the hold queue."""
+event-stream bookkeeping of a replica, reading Kubernetes objects, the hold queue, and when a
+loaded tokenizer is kept."""
 
 from __future__ import annotations
 
@@ -7,14 +8,18 @@ import asyncio
 import math
 import random
 
+import httpx
 import pytest
+from prometheus_client import CollectorRegistry
 
 from kvpilot.engine.block_events import KvHeartbeat, KvSnapshot, KvUpdate, Load
 from kvpilot.engine.block_hash import HASH_SCHEME
 from kvpilot.router.cluster import endpoint, service_info
-from kvpilot.router.config import HoldConfig, RoutingConfig
+from kvpilot.router.config import HoldConfig, RouterConfig, RoutingConfig
 from kvpilot.router.hold import HoldFull, HoldQueue, HoldTimeout
 from kvpilot.router.index import BlockIndex
+from kvpilot.router.metrics import RouterMetrics
+from kvpilot.router.registry import Registry
 from kvpilot.router.replica import Replica, StreamGap
 from kvpilot.router.scoring import Candidate, choose, rendezvous, within_bound
 
@@ -117,6 +122,16 @@ def test_replica_applies_a_snapshot_then_only_consecutive_deltas() -> None:
         replica.apply(KvHeartbeat(6, Load()), now=4.0)  # a delta passed us by
     replica.desync()
     assert replica.index.hashes == set() and not replica.is_routable(4.0, 2.0)
+    # A request that could not reach it takes it out of rotation for dead_after_s (by then its
+    # stream has told whether it is gone), or until a fresh snapshot.
+    replica.apply(KvSnapshot(9, "m", 16, HASH_SCHEME, [], Load()), now=10.0)
+    replica.failed_at = 10.5
+    assert not replica.is_routable(now=11.0, dead_after_s=2.0)
+    replica.apply(KvHeartbeat(9, Load()), now=12.4)
+    assert replica.is_routable(now=12.5, dead_after_s=2.0)
+    replica.failed_at = 12.6
+    replica.apply(KvSnapshot(1, "m", 16, HASH_SCHEME, [], Load()), now=12.7)
+    assert replica.is_routable(now=12.8, dead_after_s=2.0)
     with pytest.raises(ValueError, match="hashes blocks with"):
         replica.apply(KvSnapshot(1, "m", 16, "python-hash", [], Load()), now=1.0)
 
@@ -192,3 +207,29 @@ async def test_hold_queue_releases_in_order_bounds_and_times_out() -> None:
     with pytest.raises(HoldTimeout):
         await queue.wait(timeout_s=0.05)
     assert len(queue) == 0
+
+
+async def test_a_tokenizer_is_kept_while_the_weights_stay_and_dropped_when_they_change() -> None:
+    def isvc(uri: str, max_replicas: int = 2) -> dict:
+        return {
+            "metadata": {"name": "chat", "namespace": "ns", "creationTimestamp": "t"},
+            "spec": {
+                "model": {"uri": uri},
+                "autoscaling": {"minReplicas": 0, "maxReplicas": max_replicas},
+            },
+        }
+
+    async with httpx.AsyncClient() as client:
+        registry = Registry(
+            RouterConfig(namespaces=("ns",)), client, RouterMetrics(CollectorRegistry())
+        )
+    registry.services_listed("ns", [isvc("hf://org/a")])
+    pool = registry.pools["chat"]
+    tokenizer = object()  # what a load left there
+    pool.tokenizer, pool.tokenizer_uri = tokenizer, "hf://org/a"
+    # At zero replicas and after an unrelated spec change: kept.
+    registry.service_event("MODIFIED", isvc("hf://org/a", max_replicas=4))
+    assert registry.pools["chat"] is pool and pool.tokenizer is tokenizer
+    # Other weights: loaded afresh from the next replica.
+    registry.service_event("MODIFIED", isvc("hf://org/b"))
+    assert pool.tokenizer is None and pool.tokenizer_uri == "hf://org/b"

@@ -8,7 +8,9 @@ KV pools, so eviction happens), discovering them through kmock's Kubernetes API 
 - a replica that dies is skipped (its Pod still says Ready);
 - an unknown model is a 404 with an OpenAI error body;
 - a model at zero replicas: requests are held, the InferenceService is annotated for the operator
-  within 2 s, and they are served once a replica is Ready; a hold that times out is a 503.
+  within 2 s, and they are served once a replica is Ready; a hold that times out is a 503;
+- held requests go as soon as the replica is routable, not after the router fetched and loaded
+  its tokenizer (routed by load meanwhile), and a model woken again keeps the tokenizer.
 """
 
 from __future__ import annotations
@@ -26,6 +28,8 @@ import pytest
 from kvpilot.router.kube import WAKE_ANNOTATION
 from kvpilot.router.scoring import rendezvous
 
+from ..operator.conftest import NAMESPACE, PODS_PATH
+from ..operator.emulated import api
 from ..operator.kube_emulator import KubeEmulator
 from ..server.serve_process import ServeProcess
 from .loopback import (
@@ -39,6 +43,7 @@ from .loopback import (
     start_router,
     start_serve,
     stop,
+    tokenizer_gate,
     wait_ready,
 )
 
@@ -87,11 +92,19 @@ async def router(
 
 
 async def wait_routable(router: RouterProcess, pods: set[str]) -> None:
+    """Every pod routable, and the tokenizer loaded (until then requests go by load alone)."""
+
     async def check() -> bool:
         replicas = (await router_index(router)).get(MODEL, {})
         return {name for name, r in replicas.items() if r["routable"]} == pods
 
+    async def tokenizer_loaded() -> bool:
+        async with httpx.AsyncClient(timeout=10) as http:
+            card = (await http.get(f"{router.url}/v1/models/{MODEL}")).json()
+        return bool(card["kvpilot"]["tokenizerLoaded"])
+
     await eventually_async(check, timeout=30)
+    await eventually_async(tokenizer_loaded, timeout=30)
 
 
 def client(router: RouterProcess) -> openai.AsyncOpenAI:
@@ -311,7 +324,11 @@ async def test_scale_from_zero_holds_wakes_and_serves_and_a_hold_times_out(
                 )
                 assert time.monotonic() - first_held < 2.0
                 metrics = (await http.get(f"{router.url}/metrics")).text
-                assert 'kvpilot_router_held_requests{model="sleepy"} 3.0' in metrics
+                held_sample = (
+                    "kvpilot_router_held_requests"
+                    f'{{inferenceservice="sleepy",model="sleepy",namespace="{NAMESPACE}"}}'
+                )
+                assert metric(metrics, held_sample) == 3.0
                 assert not any(task.done() for task in held)
 
                 await wait_ready(waking)
@@ -322,8 +339,70 @@ async def test_scale_from_zero_holds_wakes_and_serves_and_a_hold_times_out(
                 assert {r.headers["x-kvpilot-replica"] for r in responses} == {"sleepy-0"}
                 metrics = (await http.get(f"{router.url}/metrics")).text
                 assert 'kvpilot_router_hold_seconds_count{model="sleepy"} 3.0' in metrics
-                assert 'kvpilot_router_held_requests{model="sleepy"} 0.0' in metrics
+                assert metric(metrics, held_sample) == 0.0
         finally:
             stop(router.proc)
     finally:
         stop(waking.proc)
+
+
+async def held_count(http: httpx.AsyncClient, router: RouterProcess, isvc: str) -> float:
+    text = (await http.get(f"{router.url}/metrics")).text
+    sample = (
+        "kvpilot_router_held_requests"
+        f'{{inferenceservice="{isvc}",model="{MODEL}",namespace="{NAMESPACE}"}}'
+    )
+    return metric(text, sample) if sample in text else 0.0
+
+
+async def test_a_woken_model_is_served_before_its_tokenizer_loads_and_keeps_it(
+    kmock: KubeEmulator, kubeconfig: Path, replicas: dict[str, ServeProcess]
+) -> None:
+    engine = replicas["engine-a"]
+    assert engine.proc.poll() is None
+    await create_isvc(kmock, "lazy", MODEL, min_replicas=0)
+    router = await start_router(kubeconfig)
+    try:
+        async with tokenizer_gate(engine.url) as gate, httpx.AsyncClient(timeout=120) as http:
+
+            async def complete(prompt: str) -> httpx.Response:
+                body = {"model": MODEL, "prompt": prompt, "max_tokens": 2}
+                return await http.post(f"{router.url}/v1/completions", json=body)
+
+            async def wake(pod: str) -> httpx.Response:
+                held = asyncio.create_task(complete(f"{TENANT} Wake up, {pod}."))
+                await eventually_async(lambda: held_count(http, router, "lazy"), timeout=10)
+                await create_pod(kmock, pod, "lazy", gate.port)
+                return await asyncio.wait_for(held, 60)
+
+            # The tokenizer fetch hangs: the held request is served all the same, by load.
+            first = await wake("lazy-0")
+            assert first.status_code == 200, first.text
+            assert first.headers["x-kvpilot-replica"] == "lazy-0"
+            assert first.headers["x-kvpilot-route"].startswith("fallback")
+            assert gate.tokenizer_requests >= 1 and not gate.opened.is_set()
+
+            # Once it loads, requests are routed by their prefix again.
+            gate.opened.set()
+
+            async def tokenized() -> bool:
+                response = await complete(f"{TENANT} Are helmets free?")
+                return not response.headers["x-kvpilot-route"].startswith("fallback")
+
+            await eventually_async(tokenized, timeout=30, interval=0.2)
+            fetched = gate.tokenizer_requests
+
+            # Scaled to zero and woken again: the same tokenizer, not fetched again.
+            await api(kmock, "DELETE", f"{PODS_PATH}/lazy-0")
+
+            async def at_zero() -> bool:
+                return not (await router_index(router)).get(MODEL)
+
+            await eventually_async(at_zero, timeout=10)
+            again = await wake("lazy-1")
+            assert again.status_code == 200, again.text
+            assert again.headers["x-kvpilot-replica"] == "lazy-1"
+            assert not again.headers["x-kvpilot-route"].startswith("fallback")
+            assert gate.tokenizer_requests == fetched
+    finally:
+        stop(router.proc)
