@@ -34,6 +34,16 @@ SET_BY_THE_OPERATOR: dict[str, tuple[str, str]] = {
         "--kv-cache-memory-bytes",
         "set spec.engine.kvCacheBytes or spec.engine.kvCacheMemoryFraction",
     ),
+    # The KV budget is the spec's: the operator's memory check (limit vs the engine's need) and
+    # the engine's own at start must add up the same bytes.
+    "kv_cache_gib": (
+        "--kv-cache-gib",
+        "set spec.engine.kvCacheBytes (the memory limit is checked against it)",
+    ),
+    "num_gpu_blocks_override": (
+        "--num-gpu-blocks-override",
+        "set spec.engine.kvCacheBytes (the memory limit is checked against it)",
+    ),
     "enable_prefix_caching": ("--enable-prefix-caching", "set spec.engine.enablePrefixCaching"),
     "structured_outputs_backend": (
         "--structured-outputs-backend",

@@ -36,9 +36,8 @@ def with_extra(args: list[str], **engine: Any) -> dict[str, Any]:
         # Refused by the engine's settings after parsing: the same rules, the same words.
         (["--max-queue", "-1"], "max_queue must be >= 0, got -1"),
         (["--retry-after=0"], "retry_after_s must be >= 1, got 0"),
-        (["--kv-cache-gib", "-2"], "kv_cache_gib must be > 0 and finite, got -2.0"),
-        (["--kv-cache-gib", "nan"], "kv_cache_gib must be > 0 and finite, got nan"),
-        (["--num-gpu-blocks-override", "0"], "num_blocks must be >= 1, got 0"),
+        (["--max-tokens-limit", "0"], "max_tokens must be >= 1, got 0"),
+        (["--distributed-timeout", "nan"], "distributed_timeout_s must be > 0 and finite, got nan"),
         (["--distributed-timeout", "-1"], "distributed_timeout_s must be > 0 and finite, got -1.0"),
         (["--seed", str(2**64)], "seed must be in [-2**63, 2**64), got 18446744073709551616"),
         (["--device", "gpu"], "device must be auto, cpu, cuda or cuda:N, got 'gpu'"),
@@ -67,6 +66,11 @@ def test_what_the_engine_refuses_is_invalid_spec(args: list[str], message: str) 
         (["--shutdown-timeout=5"], "--shutdown-timeout", "spec.drainSeconds"),
         (["--seed", "1", "--kv-cache-memory-bytes", "1"], "--kv-cache-memory-bytes",
          "spec.engine.kvCacheBytes"),
+        # The KV budget the memory check adds up: the spec's alone.
+        (["--kv-cache-gib", "6"], "--kv-cache-gib", "spec.engine.kvCacheBytes"),
+        (["--num-gpu-blocks-override=4"], "--num-gpu-blocks-override",
+         "spec.engine.kvCacheBytes"),
+        (["--api-key-file", "/k"], "--api-key-file", "spec.engine.apiKeySecret"),
     ],
 )  # fmt: skip
 def test_an_option_the_operator_sets_is_refused_however_written(
@@ -78,7 +82,12 @@ def test_an_option_the_operator_sets_is_refused_however_written(
 
 @pytest.mark.parametrize(
     "args",
-    [["--max-queue", "-1"], ["--retry-after", "0"], ["--kv-cache-gib=-1"], ["--device", "npu"]],
+    [
+        ["--max-queue", "-1"],
+        ["--retry-after", "0"],
+        ["--distributed-timeout=0"],
+        ["--device", "npu"],
+    ],
 )
 def test_the_operator_gives_the_words_kvpilot_serve_prints(
     args: list[str], capsys: pytest.CaptureFixture[str]

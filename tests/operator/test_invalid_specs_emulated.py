@@ -87,8 +87,10 @@ TABLE: list[tuple[str, dict[str, Any], str, str]] = [
      "max_queue must be >= 0, got -1"),
     ("extra-args-retry-after", {"engine": {"extraArgs": ["--retry-after=0"]}}, "operator",
      "retry_after_s must be >= 1, got 0"),
-    ("extra-args-kv-gib", {"engine": {"extraArgs": ["--kv-cache-gib", "-1"]}}, "operator",
-     "kv_cache_gib must be > 0 and finite, got -1.0"),
+    ("extra-args-timeout-nan", {"engine": {"extraArgs": ["--distributed-timeout=nan"]}},
+     "operator", "distributed_timeout_s must be > 0 and finite, got nan"),
+    ("extra-args-kv-gib", {"engine": {"extraArgs": ["--kv-cache-gib", "64"]}}, "operator",
+     "extraArgs may not set --kv-cache-gib: set spec.engine.kvCacheBytes"),
     ("extra-args-device-name", {"engine": {"extraArgs": ["--device", "gpu"]}}, "operator",
      "device must be auto, cpu, cuda or cuda:N, got 'gpu'"),
     # The pod gets no GPU (spec.gpus 0): the engine would refuse --device cuda at start.
