@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
+import math
+import re
 from dataclasses import dataclass, field
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from kvpilot.engine.choices import (
     ATTENTION_BACKENDS,
@@ -15,8 +15,16 @@ from kvpilot.engine.choices import (
     STRUCTURED_OUTPUTS_BACKENDS,
 )
 
-DTYPES: dict[str, torch.dtype] = {name: getattr(torch, name) for name in DTYPE_NAMES}
+if TYPE_CHECKING:
+    import torch
+
+# Torch is imported only where a device or dtype is resolved: the value checks here are torch-free,
+# so that `kvpilot serve`'s flags are checked by them in the operator too (engine/server/flags.py).
 SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2")
+
+
+DEVICE_PATTERN = re.compile(r"auto|cpu|cuda(:[0-9]+)?")
+SEED_MIN, SEED_END = -(2**63), 2**64
 
 
 @dataclass(frozen=True)
@@ -149,8 +157,8 @@ class CacheConfig:
                 f"block_size must be one of {', '.join(map(str, BLOCK_SIZES))}, got "
                 f"{self.block_size}"
             )
-        if self.kv_cache_gib <= 0:
-            raise ValueError(f"kv_cache_gib must be > 0, got {self.kv_cache_gib}")
+        if not 0 < self.kv_cache_gib < math.inf:
+            raise ValueError(f"kv_cache_gib must be > 0 and finite, got {self.kv_cache_gib}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(
                 f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}"
@@ -199,8 +207,10 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.load_format not in LOAD_FORMATS:
             raise ValueError(f"load_format must be one of {LOAD_FORMATS}, got {self.load_format!r}")
-        if self.dtype != "auto" and self.dtype not in DTYPES:
-            raise ValueError(f"dtype must be auto or one of {tuple(DTYPES)}, got {self.dtype!r}")
+        if self.dtype != "auto" and self.dtype not in DTYPE_NAMES:
+            raise ValueError(f"dtype must be auto or one of {DTYPE_NAMES}, got {self.dtype!r}")
+        if not DEVICE_PATTERN.fullmatch(self.device):
+            raise ValueError(f"device must be auto, cpu, cuda or cuda:N, got {self.device!r}")
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(
                 f"attention_backend must be one of {ATTENTION_BACKENDS}, got "
@@ -215,11 +225,41 @@ class EngineConfig:
             raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
         if self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
-        if self.distributed_timeout_s <= 0:
-            raise ValueError(f"distributed_timeout_s must be > 0, got {self.distributed_timeout_s}")
+        if not 0 < self.distributed_timeout_s < math.inf:
+            raise ValueError(
+                f"distributed_timeout_s must be > 0 and finite, got {self.distributed_timeout_s}"
+            )
+        if not SEED_MIN <= self.seed < SEED_END:  # what torch.Generator.manual_seed takes
+            raise ValueError(f"seed must be in [-2**63, 2**64), got {self.seed}")
+
+    def device_type(self, num_gpus: int) -> str:
+        """The device type this config runs on ("cuda" or "cpu") with `num_gpus` GPUs visible."""
+        if self.device == "auto":
+            return "cuda" if num_gpus else "cpu"
+        return self.device.partition(":")[0]
+
+    def check_placement(self, num_gpus: int) -> None:
+        """ValueError, with the numbers, where this config cannot run with `num_gpus` visible
+        GPUs. Torch-free: `kvpilot serve` checks its machine with it, the operator a pod with
+        spec.gpus."""
+        device_type = self.device_type(num_gpus)
+        check_dtype_on(self.dtype, device_type)
+        if device_type != "cuda":
+            return
+        first = int(self.device.partition(":")[2] or 0)
+        if not num_gpus:
+            raise ValueError(f"device {self.device} needs a GPU, but none is visible: use cpu")
+        if first >= num_gpus:
+            raise ValueError(f"device {self.device} needs GPU {first}, but {num_gpus} are visible")
+        try:  # the ranks take one GPU each, from the device's on
+            check_gpus_for_ranks(self.tensor_parallel_size, num_gpus - first)
+        except ValueError as error:
+            raise ValueError(f"{error} from {self.device} on" if first else str(error)) from None
 
     @property
     def resolved_device(self) -> torch.device:
+        import torch
+
         if self.device == "auto":
             return torch.device("cuda" if torch.cuda.is_available() else "cpu")
         return torch.device(self.device)
@@ -227,6 +267,8 @@ class EngineConfig:
     def rank_device(self, rank: int) -> torch.device:
         """The device of tensor-parallel rank `rank`: cuda:rank on GPUs (counting from the
         configured index), the CPU otherwise."""
+        import torch
+
         device = self.resolved_device
         if device.type != "cuda" or self.tensor_parallel_size == 1:
             return device
@@ -240,10 +282,26 @@ class EngineConfig:
 
     @property
     def resolved_dtype(self) -> torch.dtype:
+        import torch
+
         device = self.resolved_device
         if self.dtype == "auto":
             return torch.bfloat16 if device.type == "cuda" else torch.float32
-        dtype = DTYPES[self.dtype]
-        if device.type == "cpu" and dtype == torch.float16:
-            raise ValueError("dtype float16 is not supported on CPU: use float32 or bfloat16")
+        check_dtype_on(self.dtype, device.type)
+        dtype: torch.dtype = getattr(torch, self.dtype)
         return dtype
+
+
+def check_dtype_on(dtype: str, device_type: str) -> None:
+    if device_type == "cpu" and dtype == "float16":
+        raise ValueError("dtype float16 is not supported on CPU: use float32 or bfloat16")
+
+
+def check_gpus_for_ranks(tensor_parallel_size: int, num_gpus: int | None) -> None:
+    """ValueError unless each rank has a GPU of its own (num_gpus None: on CPU, where the ranks
+    share the cores)."""
+    if num_gpus is not None and tensor_parallel_size > num_gpus:
+        raise ValueError(
+            f"tensor_parallel_size {tensor_parallel_size} needs {tensor_parallel_size} GPUs, "
+            f"but {num_gpus} are visible"
+        )

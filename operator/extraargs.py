@@ -1,16 +1,17 @@
 """spec.engine.extraArgs read by `kvpilot serve`'s own argument parser (torch-free), so that what
 the engine would refuse at start is an InvalidSpec instead of a crash-looping pod: an unknown
-flag, a missing or malformed value, a value out of range, or -h. Options the operator sets from
-the spec are refused too, however written (`--port=1`, an abbreviation, an alias such as -tp):
-appended last, they would silently win over the spec field, and the pod's contract (probes, the
-Service, the drain, the memory check) is built from the spec.
+flag, a missing or malformed value, a value out of range, -h, or a device the pod's GPUs
+(spec.gpus) cannot serve. Options the operator sets from the spec are refused too, however
+written (`--port=1`, an abbreviation, an alias such as -tp): appended last, they would silently
+win over the spec field, and the pod's contract (probes, the Service, the drain, the memory
+check, the API key's Secret) is built from the spec.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
-from kvpilot.engine.server.flags import FlagError, parse_flags
+from kvpilot.engine.server.flags import FlagError, engine_config, parse_flags
 from kvpilot.operator.constants import ENGINE_PORT
 
 # `kvpilot serve` option (argparse dest) -> (its flag, what sets it instead). The builder's own
@@ -33,6 +34,16 @@ SET_BY_THE_OPERATOR: dict[str, tuple[str, str]] = {
         "--kv-cache-memory-bytes",
         "set spec.engine.kvCacheBytes or spec.engine.kvCacheMemoryFraction",
     ),
+    # The KV budget is the spec's: the operator's memory check (limit vs the engine's need) and
+    # the engine's own at start must add up the same bytes.
+    "kv_cache_gib": (
+        "--kv-cache-gib",
+        "set spec.engine.kvCacheBytes (the memory limit is checked against it)",
+    ),
+    "num_gpu_blocks_override": (
+        "--num-gpu-blocks-override",
+        "set spec.engine.kvCacheBytes (the memory limit is checked against it)",
+    ),
     "enable_prefix_caching": ("--enable-prefix-caching", "set spec.engine.enablePrefixCaching"),
     "structured_outputs_backend": (
         "--structured-outputs-backend",
@@ -52,6 +63,10 @@ SET_BY_THE_OPERATOR: dict[str, tuple[str, str]] = {
         "--api-key",
         "the key would show in the Deployment and the process list: use spec.engine.apiKeySecret",
     ),
+    "api_key_file": (
+        "--api-key-file",
+        "the operator hands the engine its key from spec.engine.apiKeySecret (a Secret)",
+    ),
 }
 
 
@@ -66,3 +81,19 @@ def check_extra_args(args: Sequence[str]) -> None:
         parse_flags(args)
     except FlagError as error:
         raise ValueError(f"`kvpilot serve` would refuse them: {error}") from None
+
+
+def check_placement(
+    args: Sequence[str], *, gpus: int, dtype: str | None, tensor_parallel_size: int
+) -> None:
+    """ValueError where the engine, with these extraArgs and the spec's settings, would refuse a
+    pod with `gpus` GPUs at start (`--device cuda` without a GPU, float16 on `--device cpu`),
+    by the engine's own rule (EngineConfig.check_placement). `args` passed check_extra_args."""
+    spec_set = ["--dtype", dtype or "auto", "--tensor-parallel-size", str(tensor_parallel_size)]
+    try:
+        engine_config(parse_flags([*spec_set, *args])).check_placement(gpus)
+    except ValueError as error:
+        raise ValueError(
+            f"engine.extraArgs: `kvpilot serve` would refuse them in a pod with {gpus} GPU(s) "
+            f"(spec.gpus): {error}"
+        ) from None

@@ -26,7 +26,7 @@ from kvpilot.operator.constants import (
     LABEL_NAME,
     NVIDIA_GPU,
 )
-from kvpilot.operator.extraargs import check_extra_args
+from kvpilot.operator.extraargs import check_extra_args, check_placement
 from kvpilot.operator.kubetypes import (
     EnvVar,
     FreeForm,
@@ -451,6 +451,12 @@ class InferenceServiceSpec(KubeModel):
                 f"engine.env may not set {API_KEY_ENV} together with engine.apiKeySecret"
             )
         check_tensor_parallel_size(self)
+        check_placement(
+            self.engine.extra_args,
+            gpus=self.gpus,
+            dtype=self.engine.dtype,
+            tensor_parallel_size=self.effective_tensor_parallel_size,
+        )
         reserved = sorted(set(self.pod_labels) & set(RESERVED_LABELS))
         if reserved:
             raise ValueError(

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvpilot.engine.config import ModelConfig
+from kvpilot.engine.config import ModelConfig, check_gpus_for_ranks
 
 
 def check_tensor_parallel_size(cfg: ModelConfig, size: int, *, num_gpus: int | None = None) -> None:
@@ -20,10 +20,7 @@ def check_tensor_parallel_size(cfg: ModelConfig, size: int, *, num_gpus: int | N
     each rank has one)."""
     if size < 1:
         raise ValueError(f"tensor_parallel_size must be >= 1, got {size}")
-    if num_gpus is not None and size > num_gpus:
-        raise ValueError(
-            f"tensor_parallel_size {size} needs {size} GPUs, but {num_gpus} are visible"
-        )
+    check_gpus_for_ranks(size, num_gpus)
     heads, kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
     if heads % size:
         raise ValueError(

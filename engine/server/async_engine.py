@@ -51,7 +51,8 @@ from kvpilot.engine.sampling_params import SamplingParams
 from kvpilot.engine.server.kv_events import KvEventHub
 from kvpilot.engine.server.limits import RequestLimits
 from kvpilot.engine.server.metrics import EngineCounters, ServerMetrics, finished_reason
-from kvpilot.engine.server.preprocess import ChatOptions, PromptLimits, max_chars_per_token
+from kvpilot.engine.server.preprocess import PromptLimits, max_chars_per_token
+from kvpilot.engine.server.settings import ChatOptions
 
 logger = logging.getLogger("kvpilot.server")
 

@@ -24,12 +24,12 @@ from types import FrameType
 import uvicorn
 from prometheus_client import CollectorRegistry
 
-from kvpilot.engine.config import CacheConfig, EngineConfig, SchedulerConfig
+from kvpilot.engine.config import EngineConfig
 from kvpilot.engine.server.app import create_app
 from kvpilot.engine.server.async_engine import AsyncEngine
-from kvpilot.engine.server.flags import API_KEY_ENV, build_parser, request_limits
-from kvpilot.engine.server.preprocess import ChatOptions
-from kvpilot.engine.server.state import ServerSettings, ServerState
+from kvpilot.engine.server.flags import API_KEY_ENV, build_parser, engine_config, server_settings
+from kvpilot.engine.server.settings import ChatOptions, ServerSettings
+from kvpilot.engine.server.state import ServerState
 
 logger = logging.getLogger("kvpilot.server")
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
@@ -73,32 +73,29 @@ def resolve_api_key(flag: str | None, file: str | None, env: Mapping[str, str]) 
     return env.get(API_KEY_ENV) or None
 
 
-def engine_config(args: argparse.Namespace) -> EngineConfig:
-    """Map the flags onto the engine's frozen configs (which validate themselves)."""
-    return EngineConfig(
-        model=args.model,
-        load_format=args.load_format,
-        dtype=args.dtype,
-        device=args.device,
-        attention_backend=args.attention_backend,
-        max_model_len=args.max_model_len,
-        seed=args.seed,
-        served_model_name=args.served_model_name,
-        tensor_parallel_size=args.tensor_parallel_size,
-        distributed_timeout_s=args.distributed_timeout,
-        structured_outputs_backend=args.structured_outputs_backend,
-        cache=CacheConfig(
-            block_size=args.block_size,
-            enable_prefix_caching=args.enable_prefix_caching,
-            kv_cache_gib=args.kv_cache_gib,
-            kv_cache_bytes=args.kv_cache_memory_bytes,
-            gpu_memory_utilization=args.gpu_memory_utilization,
-            num_blocks=args.num_gpu_blocks_override,
-        ),
-        scheduler=SchedulerConfig(
-            max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs
+def startup_settings(args: argparse.Namespace) -> tuple[EngineConfig, ServerSettings]:
+    """Everything `kvpilot serve` checks before it starts the engine (ValueError): the flags'
+    values (as parse_flags checks them, in engine/server/flags.py), then what only this machine
+    can tell: its GPUs, the model's shape, the files named."""
+    config = engine_config(args)
+    check_placement(config)
+    check_parallelism(config)
+    settings = server_settings(
+        args,
+        api_key=resolve_api_key(args.api_key, args.api_key_file, os.environ),
+        chat=ChatOptions(
+            chat_template=read_chat_template(args.chat_template),
+            tool_call_parser=args.tool_call_parser,
         ),
     )
+    return config, settings
+
+
+def check_placement(config: EngineConfig) -> None:
+    """ValueError for a device or dtype the GPUs of this machine cannot serve."""
+    import torch
+
+    config.check_placement(torch.cuda.device_count())
 
 
 def check_parallelism(config: EngineConfig) -> None:
@@ -177,23 +174,9 @@ def main(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format=LOG_FORMAT, stream=sys.stderr)
     try:
-        config = engine_config(args)
-        check_parallelism(config)
-        settings = ServerSettings(
-            max_queue=args.max_queue,
-            retry_after_s=args.retry_after,
-            api_key=resolve_api_key(args.api_key, args.api_key_file, os.environ),
-            limits=request_limits(args),
-            chat=ChatOptions(
-                chat_template=read_chat_template(args.chat_template),
-                tool_call_parser=args.tool_call_parser,
-            ),
-        )
+        config, settings = startup_settings(args)
     except ValueError as exc:
         print(f"kvpilot serve: {exc}", file=sys.stderr)
-        return 2
-    if args.shutdown_timeout < 0:
-        print("kvpilot serve: --shutdown-timeout must be >= 0", file=sys.stderr)
         return 2
 
     registry = CollectorRegistry()
@@ -215,7 +198,7 @@ def main(argv: list[str]) -> int:
         timeout_graceful_shutdown=5,  # after the drain: only cut-off requests are left
         access_log=args.log_level == "debug",
     )
-    server = DrainingServer(uv_config, state, args.shutdown_timeout)
+    server = DrainingServer(uv_config, state, settings.shutdown_timeout_s)
     logger.info("loading %s", args.model or "the bundled SmolLM2-135M-Instruct")
     engine.start()
     try:

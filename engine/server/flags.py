@@ -1,7 +1,10 @@
-"""`kvpilot serve`'s flags: its argument parser, and reading it without exiting.
+"""`kvpilot serve`'s flags: its argument parser, their mapping onto the engine's and the server's
+settings (which check their values), and reading them without exiting.
 
-Torch-free on purpose: the operator checks spec.engine.extraArgs with this very parser, so that
-an argument the engine would refuse at start is an InvalidSpec, not a crash-looping pod.
+Torch-free on purpose: the operator checks spec.engine.extraArgs with this very parser and these
+very settings, so that an argument the engine would refuse at start is an InvalidSpec, not a
+crash-looping pod. What only the pod can tell (the model, files, the GPUs it sees) is checked by
+`kvpilot serve` at start (engine/server/cli.py).
 """
 
 from __future__ import annotations
@@ -17,7 +20,9 @@ from kvpilot.engine.choices import (
     LOAD_FORMATS,
     STRUCTURED_OUTPUTS_BACKENDS,
 )
+from kvpilot.engine.config import CacheConfig, EngineConfig, SchedulerConfig
 from kvpilot.engine.server.limits import RequestLimits
+from kvpilot.engine.server.settings import ChatOptions, ServerSettings
 from kvpilot.engine.server.tools.parsers import PARSER_NAMES
 
 API_KEY_ENV = "KVPILOT_API_KEY"
@@ -44,7 +49,9 @@ def build_parser(
     )
     h = p.add_argument_group("HTTP")
     h.add_argument("--host", default="127.0.0.1")
-    h.add_argument("--port", type=int, default=8000, help="0 picks a free port (logged at startup)")
+    h.add_argument(
+        "--port", type=port_number, default=8000, help="0 picks a free port (logged at startup)"
+    )
     h.add_argument(
         "--api-key",
         default=None,
@@ -181,6 +188,58 @@ def non_empty(value: str) -> str:
     return value
 
 
+def port_number(value: str) -> int:
+    """An argparse type: a TCP port (uvicorn would fail to bind any other number, after the
+    model started loading)."""
+    port = int(value)
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"must be in [0, 65535], got {port}")
+    return port
+
+
+def engine_config(args: argparse.Namespace) -> EngineConfig:
+    """Map the flags onto the engine's frozen configs (which validate themselves)."""
+    return EngineConfig(
+        model=args.model,
+        load_format=args.load_format,
+        dtype=args.dtype,
+        device=args.device,
+        attention_backend=args.attention_backend,
+        max_model_len=args.max_model_len,
+        seed=args.seed,
+        served_model_name=args.served_model_name,
+        tensor_parallel_size=args.tensor_parallel_size,
+        distributed_timeout_s=args.distributed_timeout,
+        structured_outputs_backend=args.structured_outputs_backend,
+        cache=CacheConfig(
+            block_size=args.block_size,
+            enable_prefix_caching=args.enable_prefix_caching,
+            kv_cache_gib=args.kv_cache_gib,
+            kv_cache_bytes=args.kv_cache_memory_bytes,
+            gpu_memory_utilization=args.gpu_memory_utilization,
+            num_blocks=args.num_gpu_blocks_override,
+        ),
+        scheduler=SchedulerConfig(
+            max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs
+        ),
+    )
+
+
+def server_settings(
+    args: argparse.Namespace, api_key: str | None = None, chat: ChatOptions | None = None
+) -> ServerSettings:
+    """The server's settings from the flags (ValueError for one out of range); the API key and
+    the chat template are read by the caller (from files only the pod has)."""
+    return ServerSettings(
+        max_queue=args.max_queue,
+        retry_after_s=args.retry_after,
+        api_key=api_key,
+        limits=request_limits(args),
+        chat=chat or ChatOptions(tool_call_parser=args.tool_call_parser),
+        shutdown_timeout_s=args.shutdown_timeout,
+    )
+
+
 def request_limits(args: argparse.Namespace) -> RequestLimits:
     """The request limits the flags set (ValueError for one out of range)."""
     return RequestLimits(
@@ -194,7 +253,7 @@ def request_limits(args: argparse.Namespace) -> RequestLimits:
 
 
 class FlagError(ValueError):
-    """Arguments `kvpilot serve` refuses; the message is argparse's (or the limits')."""
+    """Arguments `kvpilot serve` refuses; the message is argparse's or the settings'."""
 
 
 class _Parser(argparse.ArgumentParser):
@@ -211,9 +270,10 @@ class _Parser(argparse.ArgumentParser):
 
 
 def parse_flags(argv: Sequence[str], *, only_given: bool = False) -> argparse.Namespace:
-    """`argv` read as `kvpilot serve` reads it, with its value checks; FlagError where the
-    command would refuse to start. only_given: the namespace holds only the options that
-    `argv` sets (aliases and abbreviations resolved), for telling which ones it sets."""
+    """`argv` read as `kvpilot serve` reads it, with every value check it makes that needs
+    neither the model, nor a file, nor the GPUs: FlagError where the command would refuse to
+    start. only_given: the namespace holds only the options that `argv` sets (aliases and
+    abbreviations resolved), for telling which ones it sets; no value check beyond argparse's."""
     parser = build_parser(_Parser)
     if only_given:
         for action in parser._actions:
@@ -221,7 +281,8 @@ def parse_flags(argv: Sequence[str], *, only_given: bool = False) -> argparse.Na
         return parser.parse_args(list(argv))
     args = parser.parse_args(list(argv))
     try:
-        request_limits(args)
+        engine_config(args)
+        server_settings(args)
     except ValueError as error:
         raise FlagError(str(error)) from None
     return args

@@ -38,7 +38,8 @@ from kvpilot.engine.server.protocol import (
     requested_max_tokens,
     sequences_per_prompt,
 )
-from kvpilot.engine.server.tools.parsers import PARSER_NAMES, parser_for_template
+from kvpilot.engine.server.settings import ChatOptions
+from kvpilot.engine.server.tools.parsers import parser_for_template
 from kvpilot.engine.server.tools.plan import ToolPlan, plan_tools
 from kvpilot.engine.server.tools.prompt import template_inputs
 from kvpilot.engine.structured.spec import StructuredSpec
@@ -49,21 +50,6 @@ BIG_BODY_BYTES = 1 << 20
 _NORMALIZER_FACTOR = 4
 
 RequestKind = Literal["completion", "chat"]
-
-
-@dataclass(frozen=True)
-class ChatOptions:
-    """The server's chat settings: a template to use instead of the model's, and the tool-call
-    format to parse (None: the one the template speaks)."""
-
-    chat_template: str | None = None
-    tool_call_parser: str | None = None
-
-    def __post_init__(self) -> None:
-        if self.tool_call_parser not in (None, *PARSER_NAMES):
-            raise ValueError(
-                f"tool_call_parser must be one of {PARSER_NAMES}, got {self.tool_call_parser!r}"
-            )
 
 
 @dataclass(frozen=True)

@@ -12,40 +12,23 @@ import threading
 from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
-from dataclasses import dataclass, field
 from typing import Any
 
 from starlette.requests import Request
 
 from kvpilot.engine.server import errors
 from kvpilot.engine.server.async_engine import TOKENIZER_THREADS, AsyncEngine, ModelInfo
-from kvpilot.engine.server.limits import RequestLimits
 from kvpilot.engine.server.preprocess import (
     BIG_BODY_BYTES,
-    ChatOptions,
     Preprocessed,
     RequestKind,
     init_worker,
     preprocess,
     preprocess_in_worker,
 )
+from kvpilot.engine.server.settings import ServerSettings
 
 logger = logging.getLogger("kvpilot.server")
-
-
-@dataclass(frozen=True)
-class ServerSettings:
-    max_queue: int | None = None  # None: no limit on waiting requests
-    retry_after_s: int = 1  # the Retry-After a 429 carries
-    api_key: str | None = None
-    limits: RequestLimits = field(default_factory=RequestLimits)
-    chat: ChatOptions = field(default_factory=ChatOptions)
-
-    def __post_init__(self) -> None:
-        if self.max_queue is not None and self.max_queue < 0:
-            raise ValueError(f"max_queue must be >= 0, got {self.max_queue}")
-        if self.retry_after_s < 1:
-            raise ValueError(f"retry_after_s must be >= 1, got {self.retry_after_s}")
 
 
 class InFlight:

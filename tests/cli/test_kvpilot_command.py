@@ -28,15 +28,18 @@ def test_usage_and_unknown_command(capsys: pytest.CaptureFixture[str]) -> None:
     assert "unknown command 'bogus'" in capsys.readouterr().err
 
 
-# Of the engine, the operator loads only `kvpilot serve`'s argument parser (torch-free), which it
-# checks spec.engine.extraArgs with, and what that parser is built from.
+# Of the engine, the operator loads only `kvpilot serve`'s argument parser and the settings whose
+# rules check the flags' values (torch-free), which it checks spec.engine.extraArgs with, and what
+# they are built from.
 ENGINE_FLAGS = (
     "kvpilot.engine",
     "kvpilot.engine.choices",
+    "kvpilot.engine.config",
     "kvpilot.engine.server",
     "kvpilot.engine.server.errors",
     "kvpilot.engine.server.flags",
     "kvpilot.engine.server.limits",
+    "kvpilot.engine.server.settings",
     "kvpilot.engine.server.tools",
     "kvpilot.engine.server.tools.json_scan",
     "kvpilot.engine.server.tools.parsers",

@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 from kubernetes.utils import parse_quantity
 
-from kvpilot.engine.config import BLOCK_SIZES, DTYPES
+from kvpilot.engine.choices import BLOCK_SIZES, DTYPE_NAMES
 from kvpilot.engine.model.loader import peek_model_config
 from kvpilot.engine.parallel.sharding import check_tensor_parallel_size
 from kvpilot.engine.server.cli import build_parser, engine_config
@@ -45,7 +45,7 @@ ENGINE_SETTINGS: dict[str, list[Any]] = {
     # A string or a number is no boolean: the CRD refuses it, so must the operator's model
     # (a lax one would read "yes" as true); the engine's flag takes no value at all.
     "enablePrefixCaching": [True, False, "yes", "false", 1],
-    "dtype": ["auto", *DTYPES, "int8", "fp8", "Float32"],
+    "dtype": ["auto", *DTYPE_NAMES, "int8", "fp8", "Float32"],
     "gpuMemoryUtilization": FLOATS,
     "kvCacheBytes": QUANTITIES,
     "kvCacheMemoryFraction": FLOATS,
@@ -248,7 +248,7 @@ def test_every_typed_engine_field_is_probed_with_wrong_types() -> None:
 def test_block_sizes_come_from_the_engine() -> None:
     node = crd_schema(CRD)["properties"]["spec"]["properties"]["engine"]["properties"]
     assert tuple(node["blockSize"]["enum"]) == BLOCK_SIZES
-    assert set(node["dtype"]["enum"]) == {"auto", *DTYPES}
+    assert set(node["dtype"]["enum"]) == {"auto", *DTYPE_NAMES}
 
 
 @pytest.mark.parametrize(

@@ -79,6 +79,23 @@ TABLE: list[tuple[str, dict[str, Any], str, str]] = [
      "extraArgs may not set --tensor-parallel-size"),
     ("extra-args-api-key", {"engine": {"extraArgs": ["--api-key", "s3cret"]}}, "operator",
      "use spec.engine.apiKeySecret"),
+    ("extra-args-api-key-file", {"engine": {"extraArgs": ["--api-key-file", "/k"]}}, "operator",
+     "extraArgs may not set --api-key-file: the operator hands the engine its key from "
+     "spec.engine.apiKeySecret"),
+    # Values the engine's settings refuse after parsing (the same rules `kvpilot serve` applies).
+    ("extra-args-max-queue", {"engine": {"extraArgs": ["--max-queue", "-1"]}}, "operator",
+     "max_queue must be >= 0, got -1"),
+    ("extra-args-retry-after", {"engine": {"extraArgs": ["--retry-after=0"]}}, "operator",
+     "retry_after_s must be >= 1, got 0"),
+    ("extra-args-timeout-nan", {"engine": {"extraArgs": ["--distributed-timeout=nan"]}},
+     "operator", "distributed_timeout_s must be > 0 and finite, got nan"),
+    ("extra-args-kv-gib", {"engine": {"extraArgs": ["--kv-cache-gib", "64"]}}, "operator",
+     "extraArgs may not set --kv-cache-gib: set spec.engine.kvCacheBytes"),
+    ("extra-args-device-name", {"engine": {"extraArgs": ["--device", "gpu"]}}, "operator",
+     "device must be auto, cpu, cuda or cuda:N, got 'gpu'"),
+    # The pod gets no GPU (spec.gpus 0): the engine would refuse --device cuda at start.
+    ("extra-args-cuda-on-cpu", {"engine": {"extraArgs": ["--device", "cuda"]}}, "operator",
+     "in a pod with 0 GPU(s) (spec.gpus): device cuda needs a GPU, but none is visible"),
     ("image-empty", {"engine": {"image": ""}}, "api", "image"),
     ("startup-timeout", {"engine": {"startupTimeoutSeconds": 1}}, "api", "startupTimeoutSeconds"),
     ("memory-limit-below-need", {"resources": {"limits": {"memory": "1Gi"}}}, "operator",
