@@ -63,6 +63,11 @@ class Result:
     cached_tokens: int
     ttft_s: float
     latency_s: float
+    # Which conversation and tenant (for a loss breakdown) and the router's x-kvpilot-route.
+    conversation: int = -1
+    tenant: int = -1
+    route: str = ""
+    sent_s: float = 0.0  # when the request left, from the pass's start
 
 
 @dataclass
@@ -181,6 +186,7 @@ class Conversation:
     tenant: int
     system: str
     questions: tuple[str, ...]
+    number: int = -1
 
 
 def workload(args: argparse.Namespace) -> list[Conversation]:
@@ -190,7 +196,7 @@ def workload(args: argparse.Namespace) -> list[Conversation]:
     for c in range(args.conversations):
         tenant = c % args.tenants
         questions = tuple(user_message(rng) for _ in range(args.turns))
-        conversations.append(Conversation(tenant, systems[tenant], questions))
+        conversations.append(Conversation(tenant, systems[tenant], questions, c))
     rng.shuffle(conversations)
     return conversations
 
@@ -215,6 +221,7 @@ async def one_turn(
         if response.status_code != 200:
             raise RuntimeError(f"{response.status_code}: {(await response.aread())[:300]!r}")
         replica = response.headers.get("x-kvpilot-replica", url)
+        route = response.headers.get("x-kvpilot-route", "")
         async for line in response.aiter_lines():
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
@@ -230,6 +237,7 @@ async def one_turn(
     latency = time.perf_counter() - started
     cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
     result = Result(0, replica, usage.get("prompt_tokens", 0), cached, ttft or latency, latency)
+    result.route, result.sent_s = route, started
     return result, "".join(text)
 
 
@@ -241,6 +249,7 @@ async def run_pass(
     for conversation in conversations:
         queue.put_nowait(conversation)
     counter = iter(range(1 << 30))
+    pass_started = time.perf_counter()
 
     async def worker(http: httpx.AsyncClient) -> None:
         while not queue.empty():
@@ -253,6 +262,8 @@ async def run_pass(
                     http, url, messages, f"{name}-{conversation.tenant}", args.max_tokens
                 )
                 result.turn = turn
+                result.conversation, result.tenant = conversation.number, conversation.tenant
+                result.sent_s -= pass_started
                 report.results.append(result)
                 messages.append({"role": "assistant", "content": answer})
 
