@@ -10,15 +10,16 @@ class RoutingConfig:
     # Bounded load (as KubeAI's CHWBL): no replica takes a request that would put its in-flight
     # count above load_factor x the mean (the new request included).
     load_factor: float = 1.25
-    # Among the allowed replicas holding the longest prefix (kvpilot.router.scoring): queue
-    # (in-flight and waiting, relative to the busiest of them) against KV-cache utilization.
+    # Score weights: prefix match (fraction of the prompt's blocks held) against queue (in-flight
+    # and waiting, relative to the busiest candidate) and KV-cache utilization.
+    prefix_weight: float = 3.0
     queue_weight: float = 2.0
     kv_weight: float = 2.0
 
     def __post_init__(self) -> None:
         if self.load_factor < 1.0:
             raise ValueError(f"load_factor must be >= 1, got {self.load_factor}")
-        if min(self.queue_weight, self.kv_weight) < 0:
+        if min(self.prefix_weight, self.queue_weight, self.kv_weight) < 0:
             raise ValueError("routing weights must be >= 0")
 
 

@@ -4,16 +4,10 @@
    load_factor x the mean (the new request counted), so one hot prefix cannot pile every request
    onto one replica. The least-loaded replica always qualifies.
 2. Session affinity (`x-session-id`): the session's rendezvous-hash favourite among those allowed.
-3. Otherwise the longest held prefix among those allowed: the bound already keeps the load
-   even, so within it the cache decides (as KubeAI's CHWBL does). Scoring the match against load
-   instead (llm-d's weights) let a busy holder lose a tenant's new conversation to a cold replica,
-   which then had to hold a second copy of that tenant's system prompt: with small KV pools the
-   copies evicted each other (bench/router_chat.py). When the holder is over the bound, the
-   next-longest match among the allowed wins, not merely the least loaded.
-4. Among equally long matches (a cold prefix included): queue (relative to the busiest) and
-   KV-cache utilization; then the rendezvous-hash favourite of the request's first block, so
-   routers that share no state send a new prefix to the same replica, where the next request
-   with it will look.
+3. Otherwise the best score: prefix match (fraction of the prompt's blocks held) against queue
+   (relative to the busiest candidate) and KV-cache utilization. Ties go to the rendezvous-hash
+   favourite of the request's first block, so routers that share no state send a new prefix to the
+   same replica, where the next request with it will look.
 """
 
 from __future__ import annotations
@@ -77,19 +71,19 @@ def choose(
             allowed, key=lambda c: (c.in_flight + c.num_waiting, -rendezvous(tie_key, c.name))
         )
         return Decision(pick.name, "fallback", 0)
-    best_match = max(c.matched_blocks for c in allowed)
-    holders = [c for c in allowed if c.matched_blocks == best_match]
-    busiest = max(1, *(c.in_flight + c.num_waiting for c in holders))
+    busiest = max(1, *(c.in_flight + c.num_waiting for c in allowed))
 
-    def load_score(c: Candidate) -> tuple[float, int]:
+    def score(c: Candidate) -> tuple[float, int]:
         value = (
-            -config.queue_weight * (c.in_flight + c.num_waiting) / busiest
+            config.prefix_weight * c.matched_blocks / num_blocks
+            - config.queue_weight * (c.in_flight + c.num_waiting) / busiest
             - config.kv_weight * c.kv_cache_usage
         )
         return round(value, 9), rendezvous(tie_key, c.name)
 
-    pick = max(holders, key=load_score)
-    # `load`: a cold prefix, or the bound sent the request away from a longer match.
-    longest = max(c.matched_blocks for c in candidates)
-    reason: Reason = "prefix" if 0 < best_match == longest else "load"
+    pick = max(allowed, key=score)
+    best_match = max(c.matched_blocks for c in allowed)
+    reason: Reason = (
+        "prefix" if pick.matched_blocks > 0 and pick.matched_blocks == best_match else "load"
+    )
     return Decision(pick.name, reason, pick.matched_blocks)
