@@ -13,6 +13,9 @@ Passes, in one run, on the same 3 `kvpilot serve` replicas (`--blocks` KV blocks
 3. one replica holding everything: the same workload on one replica with 3x the blocks (the
    3 replicas are stopped first), the hit rate a perfect router could reach at best.
 Each pass salts its requests (`cache_salt` per tenant and pass), so no pass reuses another's blocks.
+Each request is recorded with its conversation, tenant, send time and the router's route header;
+`loss_vs_single` in the output sums, per cause, the cached tokens round-robin and the router
+lost against the one-replica pass (conversation moved, history evicted, cold first turn).
 
 Then the router's overhead: one cached-prefix request, sent alternately straight to the replica
 holding it and through the router (`--overhead-samples` each), end-to-end latency p50 of each;
@@ -63,6 +66,11 @@ class Result:
     cached_tokens: int
     ttft_s: float
     latency_s: float
+    # Which conversation and tenant (for a loss breakdown) and the router's x-kvpilot-route.
+    conversation: int = -1
+    tenant: int = -1
+    route: str = ""
+    sent_s: float = 0.0  # when the request left, from the pass's start
 
 
 @dataclass
@@ -181,6 +189,7 @@ class Conversation:
     tenant: int
     system: str
     questions: tuple[str, ...]
+    number: int = -1
 
 
 def workload(args: argparse.Namespace) -> list[Conversation]:
@@ -190,7 +199,7 @@ def workload(args: argparse.Namespace) -> list[Conversation]:
     for c in range(args.conversations):
         tenant = c % args.tenants
         questions = tuple(user_message(rng) for _ in range(args.turns))
-        conversations.append(Conversation(tenant, systems[tenant], questions))
+        conversations.append(Conversation(tenant, systems[tenant], questions, c))
     rng.shuffle(conversations)
     return conversations
 
@@ -215,6 +224,7 @@ async def one_turn(
         if response.status_code != 200:
             raise RuntimeError(f"{response.status_code}: {(await response.aread())[:300]!r}")
         replica = response.headers.get("x-kvpilot-replica", url)
+        route = response.headers.get("x-kvpilot-route", "")
         async for line in response.aiter_lines():
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
@@ -230,6 +240,7 @@ async def one_turn(
     latency = time.perf_counter() - started
     cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
     result = Result(0, replica, usage.get("prompt_tokens", 0), cached, ttft or latency, latency)
+    result.route, result.sent_s = route, started
     return result, "".join(text)
 
 
@@ -241,6 +252,7 @@ async def run_pass(
     for conversation in conversations:
         queue.put_nowait(conversation)
     counter = iter(range(1 << 30))
+    pass_started = time.perf_counter()
 
     async def worker(http: httpx.AsyncClient) -> None:
         while not queue.empty():
@@ -253,6 +265,8 @@ async def run_pass(
                     http, url, messages, f"{name}-{conversation.tenant}", args.max_tokens
                 )
                 result.turn = turn
+                result.conversation, result.tenant = conversation.number, conversation.tenant
+                result.sent_s -= pass_started
                 report.results.append(result)
                 messages.append({"role": "assistant", "content": answer})
 
@@ -410,8 +424,52 @@ def main() -> None:
             single.stop()
     report["summary"] = {name: p.summary() for name, p in passes.items()}
     report["requests"] = {name: [asdict(r) for r in p.results] for name, p in passes.items()}
+    if "single" in passes:
+        report["loss_vs_single"] = {
+            name: loss_breakdown(report["requests"], name) for name in ("round_robin", "router")
+        }
+        print("tokens lost against one replica, by cause", report["loss_vs_single"], flush=True)
     args.out.write_text(json.dumps(report, indent=1))
     plot(report["summary"], args.out.with_suffix(".png"))
+
+
+def loss_breakdown(requests: dict[str, list[dict[str, Any]]], name: str) -> dict[str, list[int]]:
+    """Where a pass loses cached tokens against the one-replica pass, request by request (the
+    same conversation and turn): cause -> [tokens lost, requests]. A turn is `moved` when it
+    went to another replica than its conversation's previous turn (with the router's route
+    reason), `history evicted` when it stayed but found less than the previous turn's prompt; a
+    first turn is cold when it found nothing though its tenant's prompt had been sent before,
+    to another replica or to this one (then evicted, or still being computed)."""
+    single = {(r["conversation"], r["turn"]): r for r in requests["single"]}
+    previous: dict[int, dict[str, Any]] = {}
+    tenant_replicas: dict[int, set[str]] = {}
+    causes: dict[str, list[int]] = {}
+    for r in sorted(requests[name], key=lambda r: r["sent_s"]):
+        reason = f" ({r['route'].split(';')[0]})" if r["route"] else ""
+        seen = tenant_replicas.setdefault(r["tenant"], set())
+        if r["turn"] > 0:
+            before = previous[r["conversation"]]
+            if r["replica"] != before["replica"]:
+                cause = "turn moved off its conversation's replica" + reason
+            elif r["cached_tokens"] < before["prompt_tokens"] // 16 * 16 - 16:
+                cause = "turn on its replica, history evicted"
+            else:
+                cause = "turn on its replica, history held"
+        elif r["cached_tokens"] > 0:
+            cause = "first turn, tenant prompt found"
+        elif not seen:
+            cause = "first turn, tenant never sent before"
+        elif r["replica"] in seen:
+            cause = "first turn cold where the tenant was sent before (evicted or in flight)"
+        else:
+            cause = "first turn cold, tenant prompt on another replica" + reason
+        lost = single[(r["conversation"], r["turn"])]["cached_tokens"] - r["cached_tokens"]
+        entry = causes.setdefault(cause, [0, 0])
+        entry[0] += lost
+        entry[1] += 1
+        previous[r["conversation"]] = r
+        seen.add(r["replica"])
+    return dict(sorted(causes.items(), key=lambda kv: -kv[1][0]))
 
 
 def plot(summary: dict[str, Any], path: Path) -> None:

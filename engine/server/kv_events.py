@@ -78,9 +78,11 @@ class KvEventHub:
                 return None
             return [u for u in self._log if u.seq > seq]
 
-    def heartbeat(self) -> KvHeartbeat:
+    def heartbeat(self, seq: int) -> KvHeartbeat:
+        """For a stream at `seq`: the hub may be ahead already (the output thread published while
+        the stream's timer ran out), and the stream then sends that delta next, not before."""
         with self._lock:
-            return KvHeartbeat(self._seq, self._load)
+            return KvHeartbeat(seq, self._load)
 
     async def subscribe(self, heartbeat_s: float = HEARTBEAT_S) -> AsyncIterator[KvMessage]:
         """A snapshot, then every delta in order (a snapshot again after falling too far behind),
@@ -94,11 +96,11 @@ class KvEventHub:
             seq = snapshot.seq
             yield snapshot
             while True:
+                timed_out = False
                 try:
                     await asyncio.wait_for(event.wait(), heartbeat_s)
                 except asyncio.TimeoutError:
-                    yield self.heartbeat()
-                    continue
+                    timed_out = True
                 event.clear()
                 updates = self.since(seq)
                 if updates is None:
@@ -109,6 +111,8 @@ class KvEventHub:
                 for update in updates:
                     seq = update.seq
                     yield update
+                if timed_out and not updates:
+                    yield self.heartbeat(seq)
         finally:
             with self._lock:
                 self._waiters.discard(waiter)

@@ -9,6 +9,7 @@ import os
 import random
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -134,3 +135,25 @@ async def test_hub_resends_a_snapshot_to_a_subscriber_past_its_log() -> None:
     assert isinstance(resent, KvSnapshot)
     assert (resent.seq, resent.hashes) == (5, [0, 1, 2, 3, 4])
     await stream.aclose()
+
+
+async def test_a_heartbeat_never_claims_a_delta_the_stream_has_not_sent() -> None:
+    # A delta published just as the subscriber's heartbeat timer runs out (as the output thread
+    # may): the heartbeat must carry the seq this stream is at, not the hub's newer one. A router
+    # reading seq n+1 before delta n+1 drops that replica's whole index as out of sync
+    # (bench/router_chat.py's router log showed it: "expected seq 33, got 33").
+    hub = KvEventHub("m", BS)
+    stream = hub.subscribe(heartbeat_s=0.02)
+    assert (await anext(stream)).seq == 0
+    pending = asyncio.ensure_future(anext(stream))
+    await asyncio.sleep(0)
+    await asyncio.sleep(0)  # the subscriber now waits, its heartbeat timer running
+    # Due right after the heartbeat timer: both run in one turn of the loop, the timer first.
+    asyncio.get_running_loop().call_later(0.021, hub.publish, KvDelta([7], []), Load())
+    time.sleep(0.05)  # the loop is busy past both
+    messages = [await asyncio.wait_for(pending, 5)]
+    if isinstance(messages[0], KvHeartbeat):
+        messages.append(await asyncio.wait_for(anext(stream), 5))
+    await stream.aclose()
+    assert messages[-1] == KvUpdate(1, [7], [], Load())
+    assert [m.seq for m in messages[:-1]] in ([], [0])

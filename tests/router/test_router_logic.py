@@ -38,6 +38,24 @@ def test_the_longest_held_prefix_wins_when_load_is_even() -> None:
     assert (decision.name, decision.reason, decision.matched_blocks) == ("b", "prefix", 7)
 
 
+def test_no_replica_exceeds_the_bound_whatever_each_holds() -> None:
+    rng = random.Random(1)
+    names = "abcd"
+    in_flight = dict.fromkeys(names, 0)
+    for _ in range(2000):
+        if rng.random() < 0.45 and any(in_flight.values()):
+            in_flight[rng.choice([n for n, v in in_flight.items() if v])] -= 1
+            continue
+        candidates = [
+            cand(n, rng.randint(0, 8), v, rng.randint(0, 3), rng.random())
+            for n, v in in_flight.items()
+        ]
+        total = sum(in_flight.values()) + 1
+        picked = choose(candidates, num_blocks=8, tie_key="k", session_id=None, config=CONFIG)
+        in_flight[picked.name] += 1
+        assert in_flight[picked.name] <= math.ceil(1.25 * total / len(names))
+
+
 def test_bounded_load_sends_a_hot_prefix_elsewhere() -> None:
     # b holds everything but already has more than 1.25x the mean in flight.
     candidates = [cand("a", 0, in_flight=1), cand("b", 8, in_flight=5), cand("c", 0, in_flight=1)]
