@@ -21,6 +21,7 @@
  */
 #include <math.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 #define MAX_GROUP 16
@@ -187,73 +188,333 @@ DEFINE_BLOCK_OPS(bf16, uint16_t, bf16_to_f32)
 #endif
 
 #define DEFINE_DECODE(NAME, SUFFIX, T, LOAD, STORE)                                               \
+    /* One (sequence, kv head) with a single query token: qtok and otok point at that token's     \
+     * heads, table at the sequence's block table; len >= 0 cached tokens. */                     \
+    static void decode_unit_##SUFFIX(const T *qtok, T *otok, const T *k_cache, const T *v_cache,  \
+                                     const int32_t *table, int64_t len, int64_t kvh,              \
+                                     int64_t group, int64_t D, int64_t block_size, int64_t k_sb,  \
+                                     int64_t k_sh, int64_t k_ss, int64_t v_sb, int64_t v_sh,      \
+                                     int64_t v_ss, float scale) {                                 \
+        float q[MAX_GROUP][MAX_HEAD_DIM], acc[MAX_GROUP][MAX_HEAD_DIM];                           \
+        float p[MAX_GROUP][MAX_CHUNK];                                                            \
+        float m[MAX_GROUP], l[MAX_GROUP];                                                         \
+        for (int64_t j = 0; j < group; j++) {                                                     \
+            const T *qr = qtok + (kvh * group + j) * D;                                           \
+            for (int64_t d = 0; d < D; d++) {                                                     \
+                q[j][d] = LOAD(qr[d]) * scale;                                                    \
+                acc[j][d] = 0.0f;                                                                 \
+            }                                                                                     \
+            m[j] = 0.0f;                                                                          \
+            l[j] = 0.0f;                                                                          \
+        }                                                                                         \
+        const int64_t chunk = (MAX_CHUNK / block_size) * block_size;                              \
+        for (int64_t start = 0; start < len; start += chunk) {                                    \
+            const int64_t n = len - start < chunk ? len - start : chunk;                          \
+            for (int64_t t0 = 0; t0 < n; t0 += block_size) {                                      \
+                const int64_t block = table[(start + t0) / block_size];                           \
+                const int64_t bn = n - t0 < block_size ? n - t0 : block_size;                     \
+                scores_##SUFFIX(q, k_cache + block * k_sb + kvh * k_sh, k_ss, bn, group, D, p,    \
+                                t0);                                                              \
+            }                                                                                     \
+            for (int64_t j = 0; j < group; j++) {                                                 \
+                float chunk_max = p[j][0];                                                        \
+                _Pragma("omp simd reduction(max : chunk_max)")                                    \
+                for (int64_t t = 1; t < n; t++)                                                   \
+                    chunk_max = p[j][t] > chunk_max ? p[j][t] : chunk_max;                        \
+                const float new_max = start == 0 || chunk_max > m[j] ? chunk_max : m[j];          \
+                const float rescale = start == 0 ? 0.0f : exp_approx(m[j] - new_max);             \
+                float sum = 0.0f;                                                                 \
+                _Pragma("omp simd reduction(+ : sum)")                                            \
+                for (int64_t t = 0; t < n; t++) {                                                 \
+                    p[j][t] = exp_approx(p[j][t] - new_max);                                      \
+                    sum += p[j][t];                                                               \
+                }                                                                                 \
+                l[j] = l[j] * rescale + sum;                                                      \
+                m[j] = new_max;                                                                   \
+                for (int64_t d = 0; d < D; d++) acc[j][d] *= rescale;                             \
+            }                                                                                     \
+            for (int64_t t0 = 0; t0 < n; t0 += block_size) {                                      \
+                const int64_t block = table[(start + t0) / block_size];                           \
+                const int64_t bn = n - t0 < block_size ? n - t0 : block_size;                     \
+                accumulate_##SUFFIX(acc, v_cache + block * v_sb + kvh * v_sh, v_ss, bn, group, D, \
+                                    p, t0);                                                       \
+            }                                                                                     \
+        }                                                                                         \
+        for (int64_t j = 0; j < group; j++) {                                                     \
+            T *o = otok + (kvh * group + j) * D;                                                  \
+            const float inv = l[j] > 0.0f ? 1.0f / l[j] : 0.0f; /* len 0: zeros */                \
+            for (int64_t d = 0; d < D; d++) o[d] = STORE(acc[j][d] * inv);                        \
+        }                                                                                         \
+    }                                                                                             \
+                                                                                                  \
     void NAME(const T *query, const T *k_cache, const T *v_cache, const int32_t *block_tables,    \
               const int32_t *seq_lens, T *out, int64_t num_seqs, int64_t num_heads,               \
               int64_t num_kv_heads, int64_t head_dim, int64_t block_size, int64_t table_stride,   \
               int64_t k_sb, int64_t k_ss, int64_t k_sh, int64_t v_sb, int64_t v_ss, int64_t v_sh, \
               float scale) {                                                                      \
         const int64_t group = num_heads / num_kv_heads;                                           \
-        const int64_t D = head_dim;                                                               \
         _Pragma("omp parallel for schedule(dynamic, 1)")                                          \
         for (int64_t unit = 0; unit < num_seqs * num_kv_heads; unit++) {                          \
             const int64_t s = unit / num_kv_heads, kvh = unit % num_kv_heads;                     \
-            const int64_t len = seq_lens[s];                                                      \
-            const int32_t *table = block_tables + s * table_stride;                               \
-            float q[MAX_GROUP][MAX_HEAD_DIM], acc[MAX_GROUP][MAX_HEAD_DIM];                       \
-            float p[MAX_GROUP][MAX_CHUNK];                                                        \
-            float m[MAX_GROUP], l[MAX_GROUP];                                                     \
-            for (int64_t j = 0; j < group; j++) {                                                 \
-                const T *qr = query + (s * num_heads + kvh * group + j) * D;                      \
-                for (int64_t d = 0; d < D; d++) {                                                 \
-                    q[j][d] = LOAD(qr[d]) * scale;                                                \
-                    acc[j][d] = 0.0f;                                                             \
-                }                                                                                 \
-                m[j] = 0.0f;                                                                      \
-                l[j] = 0.0f;                                                                      \
-            }                                                                                     \
-            const int64_t chunk = (MAX_CHUNK / block_size) * block_size;                          \
-            for (int64_t start = 0; start < len; start += chunk) {                                \
-                const int64_t n = len - start < chunk ? len - start : chunk;                      \
-                for (int64_t t0 = 0; t0 < n; t0 += block_size) {                                  \
-                    const int64_t block = table[(start + t0) / block_size];                       \
-                    const int64_t bn = n - t0 < block_size ? n - t0 : block_size;                 \
-                    scores_##SUFFIX(q, k_cache + block * k_sb + kvh * k_sh, k_ss, bn, group, D, p, \
-                                    t0);                                                          \
-                }                                                                                 \
-                for (int64_t j = 0; j < group; j++) {                                             \
-                    float chunk_max = p[j][0];                                                    \
-                    _Pragma("omp simd reduction(max : chunk_max)")                                \
-                    for (int64_t t = 1; t < n; t++)                                              \
-                        chunk_max = p[j][t] > chunk_max ? p[j][t] : chunk_max;                    \
-                    const float new_max = start == 0 || chunk_max > m[j] ? chunk_max : m[j];      \
-                    const float rescale = start == 0 ? 0.0f : exp_approx(m[j] - new_max);         \
-                    float sum = 0.0f;                                                             \
-                    _Pragma("omp simd reduction(+ : sum)")                                        \
-                    for (int64_t t = 0; t < n; t++) {                                             \
-                        p[j][t] = exp_approx(p[j][t] - new_max);                                  \
-                        sum += p[j][t];                                                           \
-                    }                                                                             \
-                    l[j] = l[j] * rescale + sum;                                                  \
-                    m[j] = new_max;                                                               \
-                    for (int64_t d = 0; d < D; d++) acc[j][d] *= rescale;                         \
-                }                                                                                 \
-                for (int64_t t0 = 0; t0 < n; t0 += block_size) {                                  \
-                    const int64_t block = table[(start + t0) / block_size];                       \
-                    const int64_t bn = n - t0 < block_size ? n - t0 : block_size;                 \
-                    accumulate_##SUFFIX(acc, v_cache + block * v_sb + kvh * v_sh, v_ss, bn, group, \
-                                        D, p, t0);                                                \
-                }                                                                                 \
-            }                                                                                     \
-            for (int64_t j = 0; j < group; j++) {                                                 \
-                T *o = out + (s * num_heads + kvh * group + j) * D;                               \
-                const float inv = l[j] > 0.0f ? 1.0f / l[j] : 0.0f; /* len 0: zeros */            \
-                for (int64_t d = 0; d < D; d++) o[d] = STORE(acc[j][d] * inv);                    \
-            }                                                                                     \
+            decode_unit_##SUFFIX(query + s * num_heads * head_dim, out + s * num_heads * head_dim, \
+                                 k_cache, v_cache, block_tables + s * table_stride, seq_lens[s],  \
+                                 kvh, group, head_dim, block_size, k_sb, k_sh, k_ss, v_sb, v_sh,  \
+                                 v_ss, scale);                                                    \
         }                                                                                         \
     }
 
 DEFINE_DECODE(paged_decode_f32, f32, float, LOAD_F32, STORE_F32)
 DEFINE_DECODE(paged_decode_bf16, bf16, uint16_t, bf16_to_f32, f32_to_bf16)
+
+/* Varlen paged attention: every sequence of a step (prefill chunks, over a cached prefix or not,
+ * and decodes) in one call. The step's keys and values are already in the cache.
+ *   query/out [num_tokens, num_heads, head_dim] contiguous; sequence s owns tokens
+ *   query_start_loc[s] .. query_start_loc[s + 1] - 1, the last ones of its seq_lens[s] positions.
+ * A sequence with one query token goes through decode_unit; a longer one is cut into tiles of
+ * TILE_ROWS query rows (tokens x the query heads of one kv head), and each tile streams its keys
+ * once, KEY_CHUNK at a time, with an online softmax. Inside a tile the rows sit in vector lanes
+ * (q and the output transposed: [head_dim][rows]), so both products are broadcast-FMAs of one
+ * key (or value) element against 16 rows, each key and value read once for the whole tile. */
+/* GCC notes that 64-byte vectors change the ABI without AVX-512: these never cross the library's
+ * boundary (static functions only). */
+#pragma GCC diagnostic ignored "-Wpsabi"
+typedef float v16 __attribute__((vector_size(64)));
+typedef int32_t vi16 __attribute__((vector_size(64)));
+
+#define TILE_VECS 3
+#define TILE_ROWS (TILE_VECS * LANES)
+#define KEY_CHUNK 64
+#define KEY_UNROLL 8
+#define DIM_UNROLL 8
+
+static inline v16 vsplat(float x) { return (v16){0} + x; }
+
+static inline v16 vfma(v16 a, v16 b, v16 c) {
+#if defined(__AVX512F__)
+    return _mm512_fmadd_ps(a, b, c);
+#else
+    return a * b + c;
+#endif
+}
+
+static inline v16 vselect(vi16 mask, v16 a, v16 b) {
+    return (v16)((mask & (vi16)a) | (~mask & (vi16)b));
+}
+
+static inline v16 vmax(v16 a, v16 b) { return vselect(a > b, a, b); }
+
+/* exp_approx on 16 lanes, and exactly 0 below -87 (a masked score, -inf, gives 0). */
+static inline v16 vexp(v16 x) {
+    const vi16 tiny = x < vsplat(-87.0f);
+    x = vselect(tiny, vsplat(-87.0f), x);
+    x = vselect(x > vsplat(88.0f), vsplat(88.0f), x);
+    const v16 magic = vsplat(12582912.0f); /* 1.5 * 2^23: adding it rounds to an integer */
+    const v16 n = (x * 1.44269504088896341f + magic) - magic;
+    const v16 r = x - n * 0.693145751953125f - n * 1.428606765330187045e-06f;
+    v16 p = vsplat(1.0f / 720.0f);
+    p = p * r + 1.0f / 120.0f;
+    p = p * r + 1.0f / 24.0f;
+    p = p * r + 1.0f / 6.0f;
+    p = p * r + 0.5f;
+    p = p * r + 1.0f;
+    p = p * r + 1.0f;
+    const vi16 bits = (__builtin_convertvector(n, vi16) + 127) << 23;
+    return (v16)((vi16)(p * (v16)bits) & ~tiny);
+}
+
+/* st[t] = q . kf[t] for the npad keys of a chunk (npad a multiple of KEY_UNROLL). */
+static void tile_scores(const v16 (*qt)[TILE_VECS], const float (*kf)[MAX_HEAD_DIM], int64_t npad,
+                        int64_t D, v16 (*st)[TILE_VECS]) {
+    for (int64_t t0 = 0; t0 < npad; t0 += KEY_UNROLL) {
+        v16 acc[KEY_UNROLL][TILE_VECS];
+        for (int u = 0; u < KEY_UNROLL; u++)
+            for (int v = 0; v < TILE_VECS; v++) acc[u][v] = vsplat(0.0f);
+        for (int64_t d = 0; d < D; d++) {
+            v16 q[TILE_VECS];
+            for (int v = 0; v < TILE_VECS; v++) q[v] = qt[d][v];
+            for (int u = 0; u < KEY_UNROLL; u++) {
+                const v16 k = vsplat(kf[t0 + u][d]);
+                for (int v = 0; v < TILE_VECS; v++) acc[u][v] = vfma(k, q[v], acc[u][v]);
+            }
+        }
+        for (int u = 0; u < KEY_UNROLL; u++)
+            for (int v = 0; v < TILE_VECS; v++) st[t0 + u][v] = acc[u][v];
+    }
+}
+
+/* The online softmax over one chunk of scores, in place (scores -> weights): masks the keys past
+ * each row's position when `mask`, updates the running max m and sum l, rescales the output. */
+static void tile_softmax(v16 (*st)[TILE_VECS], int64_t npad, int64_t k0, const v16 *qpos, int mask,
+                         v16 *m, v16 *l, v16 (*ot)[TILE_VECS], int64_t D) {
+    v16 new_max[TILE_VECS], alpha[TILE_VECS], sum[TILE_VECS];
+    for (int v = 0; v < TILE_VECS; v++) new_max[v] = m[v];
+    for (int64_t t = 0; t < npad; t++) {
+        const v16 key_pos = vsplat((float)(k0 + t));
+        for (int v = 0; v < TILE_VECS; v++) {
+            v16 s = st[t][v];
+            if (mask) s = vselect(key_pos > qpos[v], vsplat(-INFINITY), s);
+            st[t][v] = s;
+            new_max[v] = vmax(new_max[v], s);
+        }
+    }
+    for (int v = 0; v < TILE_VECS; v++) {
+        alpha[v] = vexp(m[v] - new_max[v]); /* 0 on the first chunk (m = -inf) */
+        m[v] = new_max[v];
+        sum[v] = vsplat(0.0f);
+    }
+    for (int64_t t = 0; t < npad; t++)
+        for (int v = 0; v < TILE_VECS; v++) {
+            const v16 p = vexp(st[t][v] - new_max[v]);
+            st[t][v] = p;
+            sum[v] += p;
+        }
+    for (int v = 0; v < TILE_VECS; v++) l[v] = l[v] * alpha[v] + sum[v];
+    for (int64_t d = 0; d < D; d++)
+        for (int v = 0; v < TILE_VECS; v++) ot[d][v] *= alpha[v];
+}
+
+/* ot[d] += sum_t p[t] * vf[t][d] over the n keys of a chunk (D a multiple of DIM_UNROLL). */
+static void tile_pv(v16 (*ot)[TILE_VECS], const v16 (*p)[TILE_VECS],
+                    const float (*vf)[MAX_HEAD_DIM], int64_t n, int64_t D) {
+    for (int64_t d0 = 0; d0 < D; d0 += DIM_UNROLL) {
+        v16 acc[DIM_UNROLL][TILE_VECS];
+        for (int u = 0; u < DIM_UNROLL; u++)
+            for (int v = 0; v < TILE_VECS; v++) acc[u][v] = ot[d0 + u][v];
+        for (int64_t t = 0; t < n; t++) {
+            v16 w[TILE_VECS];
+            for (int v = 0; v < TILE_VECS; v++) w[v] = p[t][v];
+            for (int u = 0; u < DIM_UNROLL; u++) {
+                const v16 x = vsplat(vf[t][d0 + u]);
+                for (int v = 0; v < TILE_VECS; v++) acc[u][v] = vfma(x, w[v], acc[u][v]);
+            }
+        }
+        for (int u = 0; u < DIM_UNROLL; u++)
+            for (int v = 0; v < TILE_VECS; v++) ot[d0 + u][v] = acc[u][v];
+    }
+}
+
+/* One unit of work: a tile of a prefill chunk (under one kv head), or one decode. */
+typedef struct {
+    int64_t cost;
+    int32_t seq, tile;
+} WorkItem;
+
+static int heavier_first(const void *a, const void *b) {
+    const int64_t ca = ((const WorkItem *)a)->cost, cb = ((const WorkItem *)b)->cost;
+    return (ca < cb) - (ca > cb);
+}
+
+#define DEFINE_VARLEN(SUFFIX, T, LOAD, STORE)                                                     \
+    /* ntok query tokens (flat index tok0, absolute positions pos0..) under kv head kvh. */       \
+    static void prefill_tile_##SUFFIX(const T *query, T *out, const T *k_cache, const T *v_cache, \
+                                      const int32_t *table, int64_t tok0, int64_t ntok,           \
+                                      int64_t pos0, int64_t kvh, int64_t num_heads, int64_t group, \
+                                      int64_t D, int64_t block_size, int64_t k_sb, int64_t k_ss,  \
+                                      int64_t k_sh, int64_t v_sb, int64_t v_ss, int64_t v_sh,     \
+                                      float scale) {                                              \
+        v16 qt[MAX_HEAD_DIM][TILE_VECS], ot[MAX_HEAD_DIM][TILE_VECS], st[KEY_CHUNK][TILE_VECS];   \
+        float kf[KEY_CHUNK][MAX_HEAD_DIM], vf[KEY_CHUNK][MAX_HEAD_DIM];                           \
+        v16 qpos[TILE_VECS], m[TILE_VECS], l[TILE_VECS];                                          \
+        float *qf = (float *)qt, *of = (float *)ot, *pos = (float *)qpos, *lf = (float *)l;       \
+        const int64_t rows = ntok * group;                                                        \
+        memset(qt, 0, sizeof(v16) * TILE_VECS * D);                                               \
+        memset(ot, 0, sizeof(v16) * TILE_VECS * D);                                               \
+        for (int64_t r = 0; r < rows; r++) {                                                      \
+            const T *src = query + ((tok0 + r / group) * num_heads + kvh * group + r % group) * D; \
+            for (int64_t d = 0; d < D; d++) qf[d * TILE_ROWS + r] = LOAD(src[d]) * scale;         \
+        }                                                                                         \
+        /* Padding rows take the last token's position: finite scores, never written out. */      \
+        for (int64_t r = 0; r < TILE_ROWS; r++)                                                   \
+            pos[r] = (float)(pos0 + (r < rows ? r / group : ntok - 1));                           \
+        for (int v = 0; v < TILE_VECS; v++) {                                                     \
+            m[v] = vsplat(-INFINITY);                                                             \
+            l[v] = vsplat(0.0f);                                                                  \
+        }                                                                                         \
+        const int64_t kv_end = pos0 + ntok;                                                       \
+        for (int64_t k0 = 0; k0 < kv_end; k0 += KEY_CHUNK) {                                      \
+            const int64_t n = kv_end - k0 < KEY_CHUNK ? kv_end - k0 : KEY_CHUNK;                  \
+            const int64_t npad = (n + KEY_UNROLL - 1) / KEY_UNROLL * KEY_UNROLL;                  \
+            for (int64_t t = 0; t < n; t++) {                                                     \
+                const int64_t key = k0 + t;                                                       \
+                const int64_t block = table[key / block_size], slot = key % block_size;           \
+                const T *ks = k_cache + block * k_sb + slot * k_ss + kvh * k_sh;                  \
+                const T *vs = v_cache + block * v_sb + slot * v_ss + kvh * v_sh;                  \
+                for (int64_t d = 0; d < D; d++) {                                                 \
+                    kf[t][d] = LOAD(ks[d]);                                                       \
+                    vf[t][d] = LOAD(vs[d]);                                                       \
+                }                                                                                 \
+            }                                                                                     \
+            for (int64_t t = n; t < npad; t++) memset(kf[t], 0, sizeof(float) * D);               \
+            tile_scores(qt, kf, npad, D, st);                                                     \
+            tile_softmax(st, npad, k0, qpos, k0 + npad - 1 > pos0, m, l, ot, D);                  \
+            tile_pv(ot, st, vf, n, D);                                                            \
+        }                                                                                         \
+        for (int64_t r = 0; r < rows; r++) {                                                      \
+            T *dst = out + ((tok0 + r / group) * num_heads + kvh * group + r % group) * D;        \
+            const float inv = 1.0f / lf[r];                                                       \
+            for (int64_t d = 0; d < D; d++) dst[d] = STORE(of[d * TILE_ROWS + r] * inv);          \
+        }                                                                                         \
+    }                                                                                             \
+                                                                                                  \
+    /* Returns 0, or 1 (computing nothing) when the work list cannot be allocated. */             \
+    int paged_attention_##SUFFIX(const T *query, const T *k_cache, const T *v_cache,              \
+                                 const int32_t *block_tables, const int32_t *query_start_loc,     \
+                                 const int32_t *seq_lens, T *out, int64_t num_seqs,               \
+                                 int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,       \
+                                 int64_t block_size, int64_t table_stride, int64_t k_sb,          \
+                                 int64_t k_ss, int64_t k_sh, int64_t v_sb, int64_t v_ss,          \
+                                 int64_t v_sh, float scale) {                                     \
+        const int64_t group = num_heads / num_kv_heads, D = head_dim;                             \
+        const int64_t tile_tokens = TILE_ROWS / group;                                            \
+        int64_t count = 0;                                                                        \
+        for (int64_t s = 0; s < num_seqs; s++) {                                                  \
+            const int64_t q_len = query_start_loc[s + 1] - query_start_loc[s];                    \
+            count += q_len == 1 ? 1 : (q_len + tile_tokens - 1) / tile_tokens;                    \
+        }                                                                                         \
+        WorkItem *items = malloc(sizeof(WorkItem) * (count > 0 ? count : 1));                     \
+        if (items == NULL) return 1;                                                              \
+        int64_t next = 0;                                                                         \
+        for (int64_t s = 0; s < num_seqs; s++) {                                                  \
+            const int64_t q_len = query_start_loc[s + 1] - query_start_loc[s];                    \
+            const int64_t pos0 = seq_lens[s] - q_len;                                             \
+            if (q_len == 1) {                                                                     \
+                items[next++] = (WorkItem){(int64_t)seq_lens[s] * group, (int32_t)s, 0};          \
+                continue;                                                                         \
+            }                                                                                     \
+            /* A tile's cost: its keys (causal: up to its last token) x a full tile of rows. */   \
+            for (int64_t tile = 0; tile * tile_tokens < q_len; tile++) {                          \
+                const int64_t last = (tile + 1) * tile_tokens < q_len ? (tile + 1) * tile_tokens  \
+                                                                      : q_len;                    \
+                items[next++] = (WorkItem){(pos0 + last) * TILE_ROWS, (int32_t)s, (int32_t)tile}; \
+            }                                                                                     \
+        }                                                                                         \
+        /* Longest first, so that the long prefills do not finish last on one thread. */          \
+        qsort(items, count, sizeof(WorkItem), heavier_first);                                     \
+        _Pragma("omp parallel for schedule(dynamic, 1)")                                          \
+        for (int64_t unit = 0; unit < count * num_kv_heads; unit++) {                             \
+            const WorkItem item = items[unit / num_kv_heads];                                     \
+            const int64_t kvh = unit % num_kv_heads, s = item.seq;                                \
+            const int64_t tok = query_start_loc[s];                                               \
+            const int64_t q_len = query_start_loc[s + 1] - tok;                                   \
+            const int32_t *table = block_tables + s * table_stride;                               \
+            if (q_len == 1) {                                                                     \
+                decode_unit_##SUFFIX(query + tok * num_heads * D, out + tok * num_heads * D,      \
+                                     k_cache, v_cache, table, seq_lens[s], kvh, group, D,         \
+                                     block_size, k_sb, k_sh, k_ss, v_sb, v_sh, v_ss, scale);      \
+                continue;                                                                         \
+            }                                                                                     \
+            const int64_t first = item.tile * tile_tokens;                                        \
+            const int64_t ntok = q_len - first < tile_tokens ? q_len - first : tile_tokens;       \
+            prefill_tile_##SUFFIX(query, out, k_cache, v_cache, table, tok + first, ntok,         \
+                                  seq_lens[s] - q_len + first, kvh, num_heads, group, D,          \
+                                  block_size, k_sb, k_ss, k_sh, v_sb, v_ss, v_sh, scale);         \
+        }                                                                                         \
+        free(items);                                                                              \
+        return 0;                                                                                 \
+    }
+
+DEFINE_VARLEN(f32, float, LOAD_F32, STORE_F32)
+DEFINE_VARLEN(bf16, uint16_t, bf16_to_f32, f32_to_bf16)
 
 /* Rounds a float32 to the storage dtype and back: torch rounds every op's result to the tensor's
  * dtype, so the float32 path rounds nowhere and the bfloat16 path after each op. */
