@@ -3,10 +3,11 @@
 prefix or not, and decodes), each a single call per layer.
 
 On CPU the torch path's decode cost is mostly memory traffic of its own making: gathering every
-sequence's blocks into a contiguous copy, then copying again for the batched matmuls. The C kernel
-reads each cached key and value once, in place, with an online softmax over chunks of the context.
+sequence's blocks into a contiguous copy, then copying again for the batched matmuls. The C kernels
+read each cached key and value in place, with an online softmax over chunks of the context; for a
+prefill chunk, once per tile of query rows instead of one SDPA call (and gather) per sequence.
 
-The kernel is compiled on first use with the host's C compiler (`cc`, or $CC) for this machine's
+The kernels are compiled on first use with the host's C compiler (`cc`, or $CC) for this machine's
 instruction set (see build.py). Without a compiler, or for shapes and dtypes the kernel does not
 cover, everything goes to the torch reference: choosing this backend never changes what the engine
 can run, only how fast.

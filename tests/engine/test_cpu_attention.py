@@ -250,9 +250,12 @@ def test_varlen_large_scores_stay_finite() -> None:
 
 @needs_kernel
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_varlen_portable_path_without_avx512(dtype: torch.dtype) -> None:
-    portable = load_library(("-mno-avx512f",))
-    assert portable is not None
+@pytest.mark.parametrize("flags", [("-mno-avx512f",), ("-mno-avx512bf16",)])
+def test_varlen_other_instruction_sets(dtype: torch.dtype, flags: tuple[str, ...]) -> None:
+    """The plain-C build (no AVX-512), and AVX-512 without its bf16 dot product (bfloat16 then
+    converts to float32 and uses FMAs, like float32)."""
+    portable = load_library(flags)
+    assert portable is not None and portable is not LIB
     query_lens, seq_lens = random_step(random.Random(5), 6, 16)
     query, k_cache, v_cache, meta = make_batch(query_lens, seq_lens, 9, 3, 64, 16, dtype)
     out = paged_attention(portable, query, k_cache, v_cache, meta, 0.125)

@@ -2,6 +2,8 @@
  * and called through ctypes:
  * - paged decode attention: one query token per sequence, read straight from the paged KV cache
  *   (no gather into a contiguous copy), with an online softmax over chunks of the context;
+ * - varlen paged attention: every sequence of a step (prefill chunks and decodes) in one call,
+ *   flash-attention style, each key and value read once per tile of query rows;
  * - three of the decoder's elementwise steps (rotary embedding, the KV-cache write, RMSNorm around
  *   torch's mean), in float32 math with the result rounded to the storage dtype at the points where
  *   the torch ops of kvpilot.engine.model.layers round.
@@ -115,7 +117,7 @@ static inline __m512 load16_bf16(const uint16_t *x) {
 
 #define DEFINE_BLOCK_OPS(SUFFIX, T, LOAD16)                                                       \
     static inline __attribute__((always_inline)) void scores_impl_##SUFFIX(                      \
-        const float (*q)[MAX_HEAD_DIM], const T *kb, int64_t ss, int64_t n, int64_t group,         \
+        const float (*q)[MAX_HEAD_DIM], const T *kb, int64_t ss, int64_t n, int64_t group,        \
         int64_t D, float (*p)[MAX_CHUNK], int64_t t0) {                                           \
         __m512 row[MAX_HEAD_DIM / 16];                                                            \
         for (int64_t t = 0; t < n; t++) {                                                         \
@@ -129,7 +131,7 @@ static inline __m512 load16_bf16(const uint16_t *x) {
         }                                                                                         \
     }                                                                                             \
     static inline __attribute__((always_inline)) void accumulate_impl_##SUFFIX(                  \
-        float (*acc)[MAX_HEAD_DIM], const T *vb, int64_t ss, int64_t n, int64_t group, int64_t D,  \
+        float (*acc)[MAX_HEAD_DIM], const T *vb, int64_t ss, int64_t n, int64_t group, int64_t D, \
         const float (*p)[MAX_CHUNK], int64_t t0) {                                                \
         for (int64_t c = 0; c < D / 16; c++) {                                                    \
             __m512 sums[MAX_GROUP];                                                               \
@@ -404,9 +406,137 @@ static int heavier_first(const void *a, const void *b) {
     return (ca < cb) - (ca > cb);
 }
 
-#define DEFINE_VARLEN(SUFFIX, T, LOAD, STORE)                                                     \
+#if defined(__AVX512BF16__)
+/* bfloat16 on CPUs with AVX512_BF16: both products as pairwise bf16 dot products (vdpbf16ps: two
+ * products per f32 lane and instruction, accumulated in f32) on the cache's own values. q and k
+ * are exact (the scale multiplies the f32 scores); the softmax weights are rounded to bf16 for
+ * the second product, as torch's bf16 attention rounds them. */
+#define BF16_PAIRS(x) ((__m512bh)(x))
+
+/* Lane i of the result: (bf16(lo[i]), bf16(hi[i])), the pair for keys t and t + 1. */
+static inline __m512i pack_pairs(__m512 lo, __m512 hi) {
+    const __m512i order = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9,
+                                           24, 8, 23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1,
+                                           16, 0);
+    return _mm512_permutexvar_epi16(order, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+}
+
+/* 16 bf16 values zero-extended to 32-bit lanes. */
+static inline __m512i widen16(const uint16_t *x) {
+    return _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)x));
+}
+
+/* Stands in for the keys and values past the end of a chunk. */
+static const uint32_t zero_pairs[MAX_HEAD_DIM / 2];
+
+static void prefill_tile_bf16_pairs(const uint16_t *query, uint16_t *out, const uint16_t *k_cache,
+                                    const uint16_t *v_cache, const int32_t *table, int64_t tok0,
+                                    int64_t ntok, int64_t pos0, int64_t kvh, int64_t num_heads,
+                                    int64_t group, int64_t D, int64_t block_size, int64_t k_sb,
+                                    int64_t k_ss, int64_t k_sh, int64_t v_sb, int64_t v_ss,
+                                    int64_t v_sh, float scale) {
+    /* qp[d / 2][v]: lane r holds row r's (q[d], q[d + 1]); vp[t / 2][d]: (v[t][d], v[t + 1][d]). */
+    __m512i qp[MAX_HEAD_DIM / 2][TILE_VECS], pp[KEY_CHUNK / 2][TILE_VECS];
+    v16 ot[MAX_HEAD_DIM][TILE_VECS], st[KEY_CHUNK][TILE_VECS];
+    uint32_t vp[KEY_CHUNK / 2][MAX_HEAD_DIM] __attribute__((aligned(64)));
+    const uint32_t *krow[KEY_CHUNK];
+    v16 qpos[TILE_VECS], m[TILE_VECS], l[TILE_VECS];
+    uint32_t *qf = (uint32_t *)qp;
+    float *of = (float *)ot, *pos = (float *)qpos, *lf = (float *)l;
+    const int64_t rows = ntok * group, half = D / 2;
+    memset(qp, 0, sizeof(__m512i) * TILE_VECS * half);
+    memset(ot, 0, sizeof(v16) * TILE_VECS * D);
+    for (int64_t r = 0; r < rows; r++) {
+        const uint16_t *src =
+            query + ((tok0 + r / group) * num_heads + kvh * group + r % group) * D;
+        for (int64_t i = 0; i < half; i++) {
+            uint32_t pair;
+            memcpy(&pair, src + 2 * i, sizeof pair);
+            qf[i * TILE_ROWS + r] = pair;
+        }
+    }
+    for (int64_t r = 0; r < TILE_ROWS; r++)
+        pos[r] = (float)(pos0 + (r < rows ? r / group : ntok - 1));
+    for (int v = 0; v < TILE_VECS; v++) {
+        m[v] = vsplat(-INFINITY);
+        l[v] = vsplat(0.0f);
+    }
+    const int64_t kv_end = pos0 + ntok;
+    for (int64_t k0 = 0; k0 < kv_end; k0 += KEY_CHUNK) {
+        const int64_t n = kv_end - k0 < KEY_CHUNK ? kv_end - k0 : KEY_CHUNK;
+        const int64_t npad = (n + KEY_UNROLL - 1) / KEY_UNROLL * KEY_UNROLL;
+        const int64_t npairs = (n + 1) / 2;
+        for (int64_t t = 0; t < npad; t++) {
+            const int64_t key = k0 + t;
+            krow[t] = t < n ? (const uint32_t *)(k_cache + table[key / block_size] * k_sb +
+                                                 (key % block_size) * k_ss + kvh * k_sh)
+                            : zero_pairs;
+        }
+        for (int64_t i = 0; i < npairs; i++) {
+            const uint16_t *rows2[2];
+            for (int64_t h = 0; h < 2; h++) {
+                const int64_t key = k0 + 2 * i + h;
+                rows2[h] = 2 * i + h < n ? v_cache + table[key / block_size] * v_sb +
+                                               (key % block_size) * v_ss + kvh * v_sh
+                                         : (const uint16_t *)zero_pairs;
+            }
+            for (int64_t d = 0; d < D; d += 16) {
+                const __m512i lo = widen16(rows2[0] + d), hi = widen16(rows2[1] + d);
+                _mm512_store_si512(vp[i] + d, _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16)));
+            }
+        }
+        for (int64_t t0 = 0; t0 < npad; t0 += KEY_UNROLL) {
+            __m512 acc[KEY_UNROLL][TILE_VECS];
+            for (int u = 0; u < KEY_UNROLL; u++)
+                for (int v = 0; v < TILE_VECS; v++) acc[u][v] = _mm512_setzero_ps();
+            for (int64_t i = 0; i < half; i++) {
+                __m512i q[TILE_VECS];
+                for (int v = 0; v < TILE_VECS; v++) q[v] = qp[i][v];
+                for (int u = 0; u < KEY_UNROLL; u++) {
+                    const __m512i k = _mm512_set1_epi32((int)krow[t0 + u][i]);
+                    for (int v = 0; v < TILE_VECS; v++)
+                        acc[u][v] = _mm512_dpbf16_ps(acc[u][v], BF16_PAIRS(q[v]), BF16_PAIRS(k));
+                }
+            }
+            for (int u = 0; u < KEY_UNROLL; u++)
+                for (int v = 0; v < TILE_VECS; v++) st[t0 + u][v] = acc[u][v] * scale;
+        }
+        tile_softmax(st, npad, k0, qpos, k0 + npad - 1 > pos0, m, l, ot, D);
+        for (int64_t i = 0; i < npairs; i++)
+            for (int v = 0; v < TILE_VECS; v++)
+                pp[i][v] = pack_pairs(st[2 * i][v], st[2 * i + 1][v]);
+        for (int64_t d0 = 0; d0 < D; d0 += DIM_UNROLL) {
+            __m512 acc[DIM_UNROLL][TILE_VECS];
+            for (int u = 0; u < DIM_UNROLL; u++)
+                for (int v = 0; v < TILE_VECS; v++) acc[u][v] = ot[d0 + u][v];
+            for (int64_t i = 0; i < npairs; i++) {
+                __m512i w[TILE_VECS];
+                for (int v = 0; v < TILE_VECS; v++) w[v] = pp[i][v];
+                for (int u = 0; u < DIM_UNROLL; u++) {
+                    const __m512i x = _mm512_set1_epi32((int)vp[i][d0 + u]);
+                    for (int v = 0; v < TILE_VECS; v++)
+                        acc[u][v] = _mm512_dpbf16_ps(acc[u][v], BF16_PAIRS(w[v]), BF16_PAIRS(x));
+                }
+            }
+            for (int u = 0; u < DIM_UNROLL; u++)
+                for (int v = 0; v < TILE_VECS; v++) ot[d0 + u][v] = acc[u][v];
+        }
+    }
+    for (int64_t r = 0; r < rows; r++) {
+        uint16_t *dst = out + ((tok0 + r / group) * num_heads + kvh * group + r % group) * D;
+        const float inv = 1.0f / lf[r];
+        for (int64_t d = 0; d < D; d++) dst[d] = f32_to_bf16(of[d * TILE_ROWS + r] * inv);
+    }
+}
+#define PREFILL_TILE_BF16 prefill_tile_bf16_pairs
+#else
+#define PREFILL_TILE_BF16 prefill_tile_bf16
+#endif
+
+#define DEFINE_VARLEN(SUFFIX, T, LOAD, STORE, TILE)                                               \
     /* ntok query tokens (flat index tok0, absolute positions pos0..) under kv head kvh. */       \
-    static void prefill_tile_##SUFFIX(const T *query, T *out, const T *k_cache, const T *v_cache, \
+    __attribute__((unused)) static void prefill_tile_##SUFFIX(                                    \
+        const T *query, T *out, const T *k_cache, const T *v_cache,                               \
                                       const int32_t *table, int64_t tok0, int64_t ntok,           \
                                       int64_t pos0, int64_t kvh, int64_t num_heads, int64_t group, \
                                       int64_t D, int64_t block_size, int64_t k_sb, int64_t k_ss,  \
@@ -505,7 +635,7 @@ static int heavier_first(const void *a, const void *b) {
             }                                                                                     \
             const int64_t first = item.tile * tile_tokens;                                        \
             const int64_t ntok = q_len - first < tile_tokens ? q_len - first : tile_tokens;       \
-            prefill_tile_##SUFFIX(query, out, k_cache, v_cache, table, tok + first, ntok,         \
+            TILE(query, out, k_cache, v_cache, table, tok + first, ntok,                          \
                                   seq_lens[s] - q_len + first, kvh, num_heads, group, D,          \
                                   block_size, k_sb, k_ss, k_sh, v_sb, v_ss, v_sh, scale);         \
         }                                                                                         \
@@ -513,8 +643,8 @@ static int heavier_first(const void *a, const void *b) {
         return 0;                                                                                 \
     }
 
-DEFINE_VARLEN(f32, float, LOAD_F32, STORE_F32)
-DEFINE_VARLEN(bf16, uint16_t, bf16_to_f32, f32_to_bf16)
+DEFINE_VARLEN(f32, float, LOAD_F32, STORE_F32, prefill_tile_f32)
+DEFINE_VARLEN(bf16, uint16_t, bf16_to_f32, f32_to_bf16, PREFILL_TILE_BF16)
 
 /* Rounds a float32 to the storage dtype and back: torch rounds every op's result to the tensor's
  * dtype, so the float32 path rounds nowhere and the bfloat16 path after each op. */
@@ -568,8 +698,8 @@ DEFINE_VARLEN(bf16, uint16_t, bf16_to_f32, f32_to_bf16)
  *   apply:   out = weight * T(float(sum) * (1 / sqrt(variance + eps))).
  * Every tensor is contiguous: element (t, i) at t * hidden + i. */
 #define DEFINE_RMS_NORM(SUFFIX, T, LOAD, STORE, ROUND)                                            \
-    void rms_norm_prepare_##SUFFIX(const T *x, const T *residual, T *sum, float *squares,          \
-                                   int64_t tokens, int64_t hidden) {                               \
+    void rms_norm_prepare_##SUFFIX(const T *x, const T *residual, T *sum, float *squares,         \
+                                   int64_t tokens, int64_t hidden) {                              \
         _Pragma("omp parallel for if (tokens > 64)")                                              \
         for (int64_t t = 0; t < tokens; t++) {                                                    \
             const T *xr = x + t * hidden;                                                         \
