@@ -1,8 +1,9 @@
 """One layer's attention for a step with prefill chunks on CPU: the varlen C kernel (one call for
 the whole step) against the path it replaced (torch SDPA per prefill sequence, plus the C decode
 kernel for the step's decodes), at SmolLM2-135M's shape (9 query / 3 KV heads, head_dim 64) and
-Llama-3-8B's (32 / 8, 128), block size 32, float32 and bfloat16. Milliseconds per call, best of 3
-loops. Also a decode-only step through both C kernels (paged_decode vs the varlen kernel).
+Llama-3-8B's (32 / 8, 128), block size 32, float32 and bfloat16. Milliseconds per call, the
+fastest of 15 (SmolLM2) or 5 (8B) calls. Also a decode-only step through both C kernels
+(paged_decode vs the varlen kernel).
 
     python bench/cpu_prefill_attention_bench.py
 """
@@ -24,13 +25,14 @@ SHAPES = {"smollm2": (9, 3, 64), "llama3-8b": (32, 8, 128)}
 
 
 def ms_per_call(fn: Callable[[], object], calls: int) -> float:
+    """The fastest of `calls` single calls (after one warm-up): on a VM shared with other work,
+    the least disturbed call."""
     fn()
     best = float("inf")
-    for _ in range(3):
+    for _ in range(calls):
         start = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        best = min(best, (time.perf_counter() - start) / calls)
+        fn()
+        best = min(best, time.perf_counter() - start)
     return best * 1e3
 
 
@@ -94,7 +96,7 @@ def main() -> None:
             name = str(dtype).removeprefix("torch.")
             for step, seqs in STEPS.items():
                 q, k, v, meta = make_step(seqs, heads, dtype)
-                calls = 5 if shape == "smollm2" else 2
+                calls = 15 if shape == "smollm2" else 5
                 t_old = ms_per_call(partial(old.forward, q, k, v, meta, scale), calls)
                 t_new = ms_per_call(partial(new.forward, q, k, v, meta, scale), calls)
                 print(
@@ -105,8 +107,8 @@ def main() -> None:
             # the same per-(sequence, kv head) code, so this is the cost of its set-up.
             q, k, v, meta = make_step([(200, 1)] * 64, heads, dtype)
             tables, lens = meta.block_tables, meta.seq_lens
-            t_dec = ms_per_call(partial(paged_decode, new.lib, q, k, v, tables, lens, scale), 20)
-            t_var = ms_per_call(partial(paged_attention, new.lib, q, k, v, meta, scale), 20)
+            t_dec = ms_per_call(partial(paged_decode, new.lib, q, k, v, tables, lens, scale), 40)
+            t_var = ms_per_call(partial(paged_attention, new.lib, q, k, v, meta, scale), 40)
             print(
                 f"{shape:>9} {name:>9} {'64 decodes (decode kernel)':>26} {t_dec:>8.2f} "
                 f"{t_var:>10.2f} {t_dec / t_var:>8.2f}x"

@@ -395,15 +395,65 @@ static void tile_pv(v16 (*ot)[TILE_VECS], const v16 (*p)[TILE_VECS],
     }
 }
 
-/* One unit of work: a tile of a prefill chunk (under one kv head), or one decode. */
+/* One unit of work: a tile of a prefill chunk under one kv head, or one decode under one. */
 typedef struct {
-    int64_t cost;
-    int32_t seq, tile;
+    int32_t seq, kvh, tile;
 } WorkItem;
 
+typedef struct {
+    int64_t cost;
+    int32_t seq;
+} SeqCost;
+
 static int heavier_first(const void *a, const void *b) {
-    const int64_t ca = ((const WorkItem *)a)->cost, cb = ((const WorkItem *)b)->cost;
+    const int64_t ca = ((const SeqCost *)a)->cost, cb = ((const SeqCost *)b)->cost;
     return (ca < cb) - (ca > cb);
+}
+
+/* The step's work items in the order the threads take them (dynamically): sequences heaviest
+ * first, so that a long prefill does not finish last on one thread; within a sequence, kv head by
+ * kv head and its tiles from the last (longest context) back, so that consecutive items on a
+ * thread read the same keys and values, which then stay in its L2 cache. NULL when out of memory;
+ * *count: the number of items. */
+static WorkItem *plan_work(const int32_t *query_start_loc, const int32_t *seq_lens,
+                           int64_t num_seqs, int64_t num_kv_heads, int64_t group,
+                           int64_t tile_tokens, int64_t *count) {
+    SeqCost *order = malloc(sizeof(SeqCost) * (num_seqs > 0 ? num_seqs : 1));
+    if (order == NULL) return NULL;
+    int64_t total = 0;
+    for (int64_t s = 0; s < num_seqs; s++) {
+        const int64_t q_len = query_start_loc[s + 1] - query_start_loc[s];
+        const int64_t pos0 = seq_lens[s] - q_len;
+        int64_t cost = 0;
+        if (q_len == 1) {
+            cost = (int64_t)seq_lens[s] * group; /* its keys x its rows */
+            total += num_kv_heads;
+        } else {
+            /* A tile's keys (causal: up to its last token) x a full tile of rows. */
+            for (int64_t first = 0; first < q_len; first += tile_tokens) {
+                const int64_t last = first + tile_tokens < q_len ? first + tile_tokens : q_len;
+                cost += (pos0 + last) * TILE_ROWS;
+                total += num_kv_heads;
+            }
+        }
+        order[s] = (SeqCost){cost, (int32_t)s};
+    }
+    qsort(order, num_seqs, sizeof(SeqCost), heavier_first);
+    WorkItem *items = malloc(sizeof(WorkItem) * (total > 0 ? total : 1));
+    if (items != NULL) {
+        int64_t next = 0;
+        for (int64_t i = 0; i < num_seqs; i++) {
+            const int32_t s = order[i].seq;
+            const int64_t q_len = query_start_loc[s + 1] - query_start_loc[s];
+            const int64_t tiles = q_len == 1 ? 1 : (q_len + tile_tokens - 1) / tile_tokens;
+            for (int64_t kvh = 0; kvh < num_kv_heads; kvh++)
+                for (int64_t tile = tiles - 1; tile >= 0; tile--)
+                    items[next++] = (WorkItem){s, (int32_t)kvh, (int32_t)tile};
+        }
+    }
+    free(order);
+    *count = total;
+    return items;
 }
 
 #if defined(__AVX512BF16__)
@@ -597,33 +647,13 @@ static void prefill_tile_bf16_pairs(const uint16_t *query, uint16_t *out, const 
         const int64_t group = num_heads / num_kv_heads, D = head_dim;                             \
         const int64_t tile_tokens = TILE_ROWS / group;                                            \
         int64_t count = 0;                                                                        \
-        for (int64_t s = 0; s < num_seqs; s++) {                                                  \
-            const int64_t q_len = query_start_loc[s + 1] - query_start_loc[s];                    \
-            count += q_len == 1 ? 1 : (q_len + tile_tokens - 1) / tile_tokens;                    \
-        }                                                                                         \
-        WorkItem *items = malloc(sizeof(WorkItem) * (count > 0 ? count : 1));                     \
+        WorkItem *items = plan_work(query_start_loc, seq_lens, num_seqs, num_kv_heads, group,     \
+                                    tile_tokens, &count);                                         \
         if (items == NULL) return 1;                                                              \
-        int64_t next = 0;                                                                         \
-        for (int64_t s = 0; s < num_seqs; s++) {                                                  \
-            const int64_t q_len = query_start_loc[s + 1] - query_start_loc[s];                    \
-            const int64_t pos0 = seq_lens[s] - q_len;                                             \
-            if (q_len == 1) {                                                                     \
-                items[next++] = (WorkItem){(int64_t)seq_lens[s] * group, (int32_t)s, 0};          \
-                continue;                                                                         \
-            }                                                                                     \
-            /* A tile's cost: its keys (causal: up to its last token) x a full tile of rows. */   \
-            for (int64_t tile = 0; tile * tile_tokens < q_len; tile++) {                          \
-                const int64_t last = (tile + 1) * tile_tokens < q_len ? (tile + 1) * tile_tokens  \
-                                                                      : q_len;                    \
-                items[next++] = (WorkItem){(pos0 + last) * TILE_ROWS, (int32_t)s, (int32_t)tile}; \
-            }                                                                                     \
-        }                                                                                         \
-        /* Longest first, so that the long prefills do not finish last on one thread. */          \
-        qsort(items, count, sizeof(WorkItem), heavier_first);                                     \
         _Pragma("omp parallel for schedule(dynamic, 1)")                                          \
-        for (int64_t unit = 0; unit < count * num_kv_heads; unit++) {                             \
-            const WorkItem item = items[unit / num_kv_heads];                                     \
-            const int64_t kvh = unit % num_kv_heads, s = item.seq;                                \
+        for (int64_t unit = 0; unit < count; unit++) {                                            \
+            const WorkItem item = items[unit];                                                    \
+            const int64_t kvh = item.kvh, s = item.seq;                                           \
             const int64_t tok = query_start_loc[s];                                               \
             const int64_t q_len = query_start_loc[s + 1] - tok;                                   \
             const int32_t *table = block_tables + s * table_stride;                               \
@@ -636,8 +666,8 @@ static void prefill_tile_bf16_pairs(const uint16_t *query, uint16_t *out, const 
             const int64_t first = item.tile * tile_tokens;                                        \
             const int64_t ntok = q_len - first < tile_tokens ? q_len - first : tile_tokens;       \
             TILE(query, out, k_cache, v_cache, table, tok + first, ntok,                          \
-                                  seq_lens[s] - q_len + first, kvh, num_heads, group, D,          \
-                                  block_size, k_sb, k_ss, k_sh, v_sb, v_ss, v_sh, scale);         \
+                 seq_lens[s] - q_len + first, kvh, num_heads, group, D, block_size, k_sb, k_ss,   \
+                 k_sh, v_sb, v_ss, v_sh, scale);                                                  \
         }                                                                                         \
         free(items);                                                                              \
         return 0;                                                                                 \
