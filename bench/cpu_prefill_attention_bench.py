@@ -5,7 +5,12 @@ Llama-3-8B's (32 / 8, 128), block size 32, float32 and bfloat16. Milliseconds pe
 fastest of 15 (SmolLM2) or 5 (8B) calls. Also a decode-only step through both C kernels
 (paged_decode vs the varlen kernel).
 
+--model-step: instead, SmolLM2-135M's whole forward pass (30 layers, the bundled weights) over one
+2048-token step, the same step with the varlen kernel on and off in turn (fastest of --rounds
+each): the attention's share of a prefill step, without the scheduler's variation.
+
     python bench/cpu_prefill_attention_bench.py
+    python bench/cpu_prefill_attention_bench.py --model-step --dtype bfloat16
 """
 
 from __future__ import annotations
@@ -79,10 +84,70 @@ STEPS: dict[str, list[tuple[int, int]]] = {
 }
 
 
+def model_step(dtype: str, rounds: int) -> None:
+    """One forward pass over a fresh 2048-token step, varlen kernel on vs off, interleaved."""
+    from kvpilot.engine import LLM
+    from kvpilot.engine.model.llama import ForwardContext
+
+    llm = LLM(dtype=dtype, attention_backend="cpu", max_num_batched_tokens=2048)
+    runner = llm.engine.runner
+    backend = runner.model.model.layers[0].self_attn.backend
+    block_size = runner.kv_caches[0][0].shape[1]
+    for k_cache, v_cache in runner.kv_caches:  # the cached prefixes: finite values, not garbage
+        k_cache.zero_()
+        v_cache.zero_()
+    vocab = runner.model_config.vocab_size
+    for name, seqs in STEPS.items():
+        q_lens = [q for _, q in seqs]
+        seq_lens = [p + q for p, q in seqs]
+        tables, slots, positions, next_block = [], [], [], 0
+        for (prefix, _), seq_len in zip(seqs, seq_lens, strict=True):
+            n = -(-seq_len // block_size)
+            tables.append(list(range(next_block, next_block + n)))
+            next_block += n
+            for pos in range(prefix, seq_len):
+                slots.append(tables[-1][pos // block_size] * block_size + pos % block_size)
+                positions.append(pos)
+        width = max(len(t) for t in tables)
+        starts = [0]
+        for q in q_lens:
+            starts.append(starts[-1] + q)
+        meta = AttentionMetadata(
+            query_start_loc=torch.tensor(starts, dtype=torch.int32),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+            block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables]).int(),
+            slot_mapping=torch.tensor(slots),
+            max_query_len=max(q_lens),
+            max_seq_len=max(seq_lens),
+            query_lens_cpu=tuple(q_lens),
+            seq_lens_cpu=tuple(seq_lens),
+        )
+        ctx = ForwardContext(torch.tensor(positions), meta, runner.kv_caches)
+        ids = torch.randint(0, vocab, (len(positions),), generator=torch.Generator().manual_seed(0))
+        best = {True: float("inf"), False: float("inf")}
+        with torch.inference_mode():
+            for _ in range(rounds):
+                for on in (True, False):
+                    backend.varlen_kernel = on
+                    start = time.perf_counter()
+                    runner.model(ids, ctx)
+                    best[on] = min(best[on], time.perf_counter() - start)
+        print(
+            f"{dtype:>9} {name:>26}: varlen {1e3 * best[True]:7.1f} ms, old path "
+            f"{1e3 * best[False]:7.1f} ms per forward ({best[False] / best[True]:.2f}x)"
+        )
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--shapes", default="smollm2,llama3-8b")
+    ap.add_argument("--model-step", action="store_true")
+    ap.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
+    ap.add_argument("--rounds", type=int, default=6)
     args = ap.parse_args()
+    if args.model_step:
+        model_step(args.dtype, args.rounds)
+        return
     old, new = CpuAttentionBackend(), CpuAttentionBackend()
     if new.lib is None:
         raise SystemExit("no C compiler: the CPU kernels could not be built")
