@@ -8,6 +8,8 @@ as "decode", the rest as "mixed" (prefill chunks, usually with decodes).
     python bench/engine_step_breakdown.py --dtype bfloat16 --backends torch,cpu
     python bench/engine_step_breakdown.py --dtype float32 --rounds 2 \
         --backends cpu,cpu-torch-rmsnorm
+    python bench/engine_step_breakdown.py --dtype bfloat16 --rounds 2 \
+        --backends cpu,cpu-ref-prefill
 """
 
 from __future__ import annotations
@@ -26,6 +28,9 @@ sys.path.insert(0, str(Path(__file__).parent))
 from offline_throughput import make_requests, prompt_ids, run_kvpilot
 
 TORCH_RMSNORM = "-torch-rmsnorm"  # a backend name suffix: that backend with torch's RMSNorm
+# A suffix for 'cpu': steps with prefill chunks through the torch reference per sequence (and the
+# decode kernel for their decodes), as before the varlen C kernel.
+REF_PREFILL = "-ref-prefill"
 
 
 def build_llm(backend: str, args: argparse.Namespace) -> object:
@@ -34,12 +39,16 @@ def build_llm(backend: str, args: argparse.Namespace) -> object:
     from kvpilot.engine.model import layers
 
     def build() -> object:
-        return LLM(
+        llm = LLM(
             dtype=args.dtype,
-            attention_backend=backend.removesuffix(TORCH_RMSNORM),
+            attention_backend=backend.removesuffix(TORCH_RMSNORM).removesuffix(REF_PREFILL),
             max_num_seqs=args.max_batch,
             max_num_batched_tokens=2048,
         )
+        if backend.endswith(REF_PREFILL):
+            # One backend object serves every layer.
+            llm.engine.runner.model.model.layers[0].self_attn.backend.varlen_kernel = False
+        return llm
 
     if not backend.endswith(TORCH_RMSNORM):
         return build()
@@ -64,9 +73,9 @@ def run(backend: str, args: argparse.Namespace) -> None:
     # kind -> [steps, seconds, tokens]
     totals: dict[str, list[float]] = defaultdict(lambda: [0, 0.0, 0])
 
-    def timed(scheduled: list) -> object:
+    def timed(scheduled: list, *rest: object) -> object:
         start = time.perf_counter()
-        result = execute(scheduled)
+        result = execute(scheduled, *rest)
         seconds = time.perf_counter() - start
         tokens = sum(item.num_new_tokens for item in scheduled)
         entry = totals["decode" if tokens == len(scheduled) else "mixed"]
@@ -98,7 +107,8 @@ def main() -> None:
     ap.add_argument(
         "--backends",
         default="torch,cpu",
-        help=f"comma-separated attention backends ({TORCH_RMSNORM} suffix: with torch's RMSNorm)",
+        help=f"comma-separated attention backends ({TORCH_RMSNORM} suffix: with torch's RMSNorm; "
+        f"cpu{REF_PREFILL}: prefill steps through the torch reference)",
     )
     ap.add_argument("--rounds", type=int, default=1, help="run the backends in turn this often")
     ap.add_argument("--num-requests", type=int, default=64)

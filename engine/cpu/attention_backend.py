@@ -1,11 +1,13 @@
-"""The 'cpu' attention backend: decodes read the paged cache directly in a small C kernel
-(csrc/cpu_ops.c); prefill chunks take the torch reference path (SDPA per sequence).
+"""The 'cpu' attention backend: attention reads the paged cache directly in small C kernels
+(csrc/cpu_ops.c): one for steps of decodes only, one for any step (prefill chunks, over a cached
+prefix or not, and decodes), each a single call per layer.
 
 On CPU the torch path's decode cost is mostly memory traffic of its own making: gathering every
-sequence's blocks into a contiguous copy, then copying again for the batched matmuls. The C kernel
-reads each cached key and value once, in place, with an online softmax over chunks of the context.
+sequence's blocks into a contiguous copy, then copying again for the batched matmuls. The C kernels
+read each cached key and value in place, with an online softmax over chunks of the context; for a
+prefill chunk, once per tile of query rows instead of one SDPA call (and gather) per sequence.
 
-The kernel is compiled on first use with the host's C compiler (`cc`, or $CC) for this machine's
+The kernels are compiled on first use with the host's C compiler (`cc`, or $CC) for this machine's
 instruction set (see build.py). Without a compiler, or for shapes and dtypes the kernel does not
 cover, everything goes to the torch reference: choosing this backend never changes what the engine
 can run, only how fast.
@@ -79,8 +81,48 @@ def paged_decode(
     return out
 
 
+def paged_attention(
+    lib: ctypes.CDLL,
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+) -> torch.Tensor | None:
+    """Causal attention of every query token of the step: query [T, H, D] -> [T, H, D], or None
+    when the kernel could not allocate its work list."""
+    query = query.contiguous()
+    block_tables = meta.block_tables.to(torch.int32).contiguous()
+    query_start_loc = meta.query_start_loc.to(torch.int32).contiguous()
+    seq_lens = meta.seq_lens.to(torch.int32).contiguous()
+    out = torch.empty_like(query)
+    num_heads, head_dim = query.shape[1], query.shape[2]
+    failed = getattr(lib, f"paged_attention_{SUFFIXES[query.dtype]}")(
+        query.data_ptr(),
+        k_cache.data_ptr(),
+        v_cache.data_ptr(),
+        block_tables.data_ptr(),
+        query_start_loc.data_ptr(),
+        seq_lens.data_ptr(),
+        out.data_ptr(),
+        meta.num_seqs,
+        num_heads,
+        k_cache.shape[2],
+        head_dim,
+        k_cache.shape[1],
+        block_tables.stride(0),
+        *k_cache.stride()[:3],
+        *v_cache.stride()[:3],
+        scale,
+    )
+    return None if failed else out
+
+
 class CpuAttentionBackend:
     name = "cpu"
+    # False: steps with prefill chunks take the torch reference per sequence (and the decode kernel
+    # for their decodes), as before the varlen kernel; bench/engine_step_breakdown.py's A/B.
+    varlen_kernel = True
 
     def __init__(self) -> None:
         self.lib = load_library()
@@ -109,6 +151,10 @@ class CpuAttentionBackend:
             return paged_decode(
                 self.lib, query, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale
             )
+        if self.varlen_kernel:
+            out = paged_attention(self.lib, query, k_cache, v_cache, meta, scale)
+            if out is not None:
+                return out
         rows, token_idx = decode_rows(meta)
         out = paged_attention_reference(query, k_cache, v_cache, meta, scale, skip_decodes=True)
         if rows:

@@ -47,6 +47,10 @@ TYPED: dict[str, Signature] = {
     # query, k_cache, v_cache, block_tables, seq_lens, out; num_seqs, num_heads, num_kv_heads,
     # head_dim, block_size, table_stride, k_sb, k_ss, k_sh, v_sb, v_ss, v_sh; scale
     "paged_decode": ([_PTR] * 6 + [_I64] * 12 + [_F32], None),
+    # query, k_cache, v_cache, block_tables, query_start_loc, seq_lens, out; num_seqs, num_heads,
+    # num_kv_heads, head_dim, block_size, table_stride, k_sb, k_ss, k_sh, v_sb, v_ss, v_sh; scale
+    # -> 0, or 1 when its work list could not be allocated
+    "paged_attention": ([_PTR] * 7 + [_I64] * 12 + [_F32], _INT),
     # q, k, positions, cos_sin; num_positions; q_out, k_out; tokens, num_heads, num_kv_heads,
     # head_dim, q_stride, k_stride -> 0, or 1 for a position outside the table
     "rotary": ([_PTR] * 4 + [_I64] + [_PTR] * 2 + [_I64] * 6, _INT),

@@ -1,5 +1,5 @@
-"""The 'cpu' attention backend (C decode kernel) against the torch reference on the same paged
-cache.
+"""The 'cpu' attention backend (C decode kernel, C varlen kernel for steps with prefill chunks)
+against the torch reference on the same paged cache.
 
 The reference runs in float32 on float32 copies of the inputs, so it is the exact answer up to
 float32 rounding; the kernel accumulates in float32 whatever the storage dtype.
@@ -15,7 +15,12 @@ import torch
 from kvpilot.engine.attention import get_attention_backend
 from kvpilot.engine.attention.base import AttentionMetadata
 from kvpilot.engine.attention.torch_ref import paged_attention_reference
-from kvpilot.engine.cpu.attention_backend import is_supported, paged_decode
+from kvpilot.engine.cpu.attention_backend import (
+    CpuAttentionBackend,
+    is_supported,
+    paged_attention,
+    paged_decode,
+)
 from kvpilot.engine.cpu.build import load_library
 
 LIB = load_library()
@@ -155,16 +160,125 @@ def test_large_scores_stay_finite() -> None:
     )
 
 
+def random_step(rng: random.Random, num_seqs: int, block_size: int) -> tuple[list[int], list[int]]:
+    """(query lengths, context lengths) of a mixed step: fresh prefills, chunks over a cached
+    prefix (starting mid-block), decodes; lengths 1..300, most not block-aligned."""
+    query_lens, seq_lens = [], []
+    for i in range(num_seqs):
+        kind = i % 3
+        if kind == 0:  # a whole prompt
+            q_len = rng.randint(2, 300)
+            prefix = 0
+        elif kind == 1:  # a chunk after a cached prefix
+            q_len = rng.randint(2, 150)
+            prefix = rng.randint(1, 150)
+        else:  # a decode
+            q_len = 1
+            prefix = rng.randint(0, 299)
+        query_lens.append(q_len)
+        seq_lens.append(prefix + q_len)
+    # Edges: a chunk that ends exactly on a block boundary and one that crosses it by a token.
+    query_lens += [block_size, block_size + 1, 3]
+    seq_lens += [2 * block_size, 2 * block_size + 1, block_size + 2]
+    return query_lens, seq_lens
+
+
+# The varlen kernel against the float32 reference: float32 within 1e-5 (summation order only);
+# bfloat16 within 1e-2 absolute + 1e-2 relative (the output's own bf16 rounding is up to 0.4%).
+VARLEN_TOL = {torch.float32: (1e-5, 1e-5), torch.bfloat16: (1e-2, 1e-2)}
+
+
 @needs_kernel
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_backend_mixed_batch(dtype: torch.dtype) -> None:
-    """Prefill chunks (fresh and over a cached prefix) and decodes in one step: decodes go to the
-    kernel, the rest to the reference, and the rows land where they belong."""
+@pytest.mark.parametrize(
+    ("num_heads", "num_kv_heads", "head_dim", "block_size"),
+    [(9, 3, 64, 16), (4, 4, 64, 32), (8, 2, 128, 16), (12, 3, 128, 32), (16, 4, 64, 32)],
+)
+def test_varlen_matches_reference(
+    dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_dim: int, block_size: int
+) -> None:
+    """GQA ratios 1, 3 and 4 (and more rows per tile than one tile holds), head sizes 64 and 128,
+    block sizes 16 and 32."""
+    rng = random.Random(num_heads * 1000 + head_dim + block_size)
+    query_lens, seq_lens = random_step(rng, 12, block_size)
+    query, k_cache, v_cache, meta = make_batch(
+        query_lens, seq_lens, num_heads, num_kv_heads, head_dim, block_size, dtype
+    )
+    scale = head_dim**-0.5
+    out = paged_attention(LIB, query, k_cache, v_cache, meta, scale)
+    assert out is not None and out.dtype == dtype and out.shape == query.shape
+    atol, rtol = VARLEN_TOL[dtype]
+    torch.testing.assert_close(
+        out.float(), reference(query, k_cache, v_cache, meta, scale), atol=atol, rtol=rtol
+    )
+
+
+@needs_kernel
+def test_varlen_matches_sdpa_on_one_long_prompt() -> None:
+    """Against plain causal SDPA on the dense keys (no paging in the oracle at all): one prompt
+    of 1000 tokens, several key chunks and many tiles."""
+    query, k_cache, v_cache, meta = make_batch([1000], [1000], 8, 2, 64, 16, torch.float32)
+    out = paged_attention(LIB, query, k_cache, v_cache, meta, 0.125)
+    blocks = meta.block_tables[0].long()
+    k = k_cache[blocks].reshape(-1, 2, 64)[:1000]
+    v = v_cache[blocks].reshape(-1, 2, 64)[:1000]
+    expected = torch.nn.functional.scaled_dot_product_attention(
+        query.transpose(0, 1)[None],
+        k.transpose(0, 1)[None],
+        v.transpose(0, 1)[None],
+        is_causal=True,
+        scale=0.125,
+        enable_gqa=True,
+    )[0].transpose(0, 1)
+    assert out is not None
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+
+
+@needs_kernel
+def test_varlen_large_scores_stay_finite() -> None:
+    """Spiky queries: the masked (future) keys must not leak into the running max or the sum."""
+    query, k_cache, v_cache, meta = make_batch(
+        [70, 1, 9], [70, 700, 600], 4, 2, 64, 16, torch.float32
+    )
+    query = query * 60.0
+    out = paged_attention(LIB, query, k_cache, v_cache, meta, 0.125)
+    assert out is not None and torch.isfinite(out).all()
+    torch.testing.assert_close(
+        out, reference(query, k_cache, v_cache, meta, 0.125), atol=1e-4, rtol=1e-4
+    )
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("flags", [("-mno-avx512f",), ("-mno-avx512bf16",)])
+def test_varlen_other_instruction_sets(dtype: torch.dtype, flags: tuple[str, ...]) -> None:
+    """The plain-C build (no AVX-512), and AVX-512 without its bf16 dot product (bfloat16 then
+    converts to float32 and uses FMAs, like float32)."""
+    portable = load_library(flags)
+    assert portable is not None and portable is not LIB
+    query_lens, seq_lens = random_step(random.Random(5), 6, 16)
+    query, k_cache, v_cache, meta = make_batch(query_lens, seq_lens, 9, 3, 64, 16, dtype)
+    out = paged_attention(portable, query, k_cache, v_cache, meta, 0.125)
+    assert out is not None
+    atol, rtol = VARLEN_TOL[dtype]
+    torch.testing.assert_close(
+        out.float(), reference(query, k_cache, v_cache, meta, 0.125), atol=atol, rtol=rtol
+    )
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("varlen_kernel", [True, False])
+def test_backend_mixed_batch(dtype: torch.dtype, varlen_kernel: bool) -> None:
+    """Prefill chunks (fresh and over a cached prefix) and decodes in one step, through the varlen
+    kernel or (varlen_kernel off) the reference plus the decode kernel: the rows land where they
+    belong."""
     query_lens = [1, 37, 1, 16, 1, 1]
     seq_lens = [120, 37, 5, 80, 260, 33]
     query, k_cache, v_cache, meta = make_batch(query_lens, seq_lens, 9, 3, 64, 16, dtype)
     backend = get_attention_backend("cpu")
-    assert backend.lib is not None
+    assert isinstance(backend, CpuAttentionBackend) and backend.lib is not None
+    backend.varlen_kernel = varlen_kernel
     out = backend.forward(query, k_cache, v_cache, meta, 0.125)
     torch.testing.assert_close(
         out.float(), reference(query, k_cache, v_cache, meta, 0.125), atol=ATOL[dtype], rtol=0

@@ -2,6 +2,8 @@
  * and called through ctypes:
  * - paged decode attention: one query token per sequence, read straight from the paged KV cache
  *   (no gather into a contiguous copy), with an online softmax over chunks of the context;
+ * - varlen paged attention: every sequence of a step (prefill chunks and decodes) in one call,
+ *   flash-attention style, each key and value read once per tile of query rows;
  * - three of the decoder's elementwise steps (rotary embedding, the KV-cache write, RMSNorm around
  *   torch's mean), in float32 math with the result rounded to the storage dtype at the points where
  *   the torch ops of kvpilot.engine.model.layers round.
@@ -21,6 +23,7 @@
  */
 #include <math.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 #define MAX_GROUP 16
@@ -114,7 +117,7 @@ static inline __m512 load16_bf16(const uint16_t *x) {
 
 #define DEFINE_BLOCK_OPS(SUFFIX, T, LOAD16)                                                       \
     static inline __attribute__((always_inline)) void scores_impl_##SUFFIX(                      \
-        const float (*q)[MAX_HEAD_DIM], const T *kb, int64_t ss, int64_t n, int64_t group,         \
+        const float (*q)[MAX_HEAD_DIM], const T *kb, int64_t ss, int64_t n, int64_t group,        \
         int64_t D, float (*p)[MAX_CHUNK], int64_t t0) {                                           \
         __m512 row[MAX_HEAD_DIM / 16];                                                            \
         for (int64_t t = 0; t < n; t++) {                                                         \
@@ -128,7 +131,7 @@ static inline __m512 load16_bf16(const uint16_t *x) {
         }                                                                                         \
     }                                                                                             \
     static inline __attribute__((always_inline)) void accumulate_impl_##SUFFIX(                  \
-        float (*acc)[MAX_HEAD_DIM], const T *vb, int64_t ss, int64_t n, int64_t group, int64_t D,  \
+        float (*acc)[MAX_HEAD_DIM], const T *vb, int64_t ss, int64_t n, int64_t group, int64_t D, \
         const float (*p)[MAX_CHUNK], int64_t t0) {                                                \
         for (int64_t c = 0; c < D / 16; c++) {                                                    \
             __m512 sums[MAX_GROUP];                                                               \
@@ -187,73 +190,491 @@ DEFINE_BLOCK_OPS(bf16, uint16_t, bf16_to_f32)
 #endif
 
 #define DEFINE_DECODE(NAME, SUFFIX, T, LOAD, STORE)                                               \
+    /* One (sequence, kv head) with a single query token: qtok and otok point at that token's     \
+     * heads, table at the sequence's block table; len >= 0 cached tokens. */                     \
+    static void decode_unit_##SUFFIX(const T *qtok, T *otok, const T *k_cache, const T *v_cache,  \
+                                     const int32_t *table, int64_t len, int64_t kvh,              \
+                                     int64_t group, int64_t D, int64_t block_size, int64_t k_sb,  \
+                                     int64_t k_sh, int64_t k_ss, int64_t v_sb, int64_t v_sh,      \
+                                     int64_t v_ss, float scale) {                                 \
+        float q[MAX_GROUP][MAX_HEAD_DIM], acc[MAX_GROUP][MAX_HEAD_DIM];                           \
+        float p[MAX_GROUP][MAX_CHUNK];                                                            \
+        float m[MAX_GROUP], l[MAX_GROUP];                                                         \
+        for (int64_t j = 0; j < group; j++) {                                                     \
+            const T *qr = qtok + (kvh * group + j) * D;                                           \
+            for (int64_t d = 0; d < D; d++) {                                                     \
+                q[j][d] = LOAD(qr[d]) * scale;                                                    \
+                acc[j][d] = 0.0f;                                                                 \
+            }                                                                                     \
+            m[j] = 0.0f;                                                                          \
+            l[j] = 0.0f;                                                                          \
+        }                                                                                         \
+        const int64_t chunk = (MAX_CHUNK / block_size) * block_size;                              \
+        for (int64_t start = 0; start < len; start += chunk) {                                    \
+            const int64_t n = len - start < chunk ? len - start : chunk;                          \
+            for (int64_t t0 = 0; t0 < n; t0 += block_size) {                                      \
+                const int64_t block = table[(start + t0) / block_size];                           \
+                const int64_t bn = n - t0 < block_size ? n - t0 : block_size;                     \
+                scores_##SUFFIX(q, k_cache + block * k_sb + kvh * k_sh, k_ss, bn, group, D, p,    \
+                                t0);                                                              \
+            }                                                                                     \
+            for (int64_t j = 0; j < group; j++) {                                                 \
+                float chunk_max = p[j][0];                                                        \
+                _Pragma("omp simd reduction(max : chunk_max)")                                    \
+                for (int64_t t = 1; t < n; t++)                                                   \
+                    chunk_max = p[j][t] > chunk_max ? p[j][t] : chunk_max;                        \
+                const float new_max = start == 0 || chunk_max > m[j] ? chunk_max : m[j];          \
+                const float rescale = start == 0 ? 0.0f : exp_approx(m[j] - new_max);             \
+                float sum = 0.0f;                                                                 \
+                _Pragma("omp simd reduction(+ : sum)")                                            \
+                for (int64_t t = 0; t < n; t++) {                                                 \
+                    p[j][t] = exp_approx(p[j][t] - new_max);                                      \
+                    sum += p[j][t];                                                               \
+                }                                                                                 \
+                l[j] = l[j] * rescale + sum;                                                      \
+                m[j] = new_max;                                                                   \
+                for (int64_t d = 0; d < D; d++) acc[j][d] *= rescale;                             \
+            }                                                                                     \
+            for (int64_t t0 = 0; t0 < n; t0 += block_size) {                                      \
+                const int64_t block = table[(start + t0) / block_size];                           \
+                const int64_t bn = n - t0 < block_size ? n - t0 : block_size;                     \
+                accumulate_##SUFFIX(acc, v_cache + block * v_sb + kvh * v_sh, v_ss, bn, group, D, \
+                                    p, t0);                                                       \
+            }                                                                                     \
+        }                                                                                         \
+        for (int64_t j = 0; j < group; j++) {                                                     \
+            T *o = otok + (kvh * group + j) * D;                                                  \
+            const float inv = l[j] > 0.0f ? 1.0f / l[j] : 0.0f; /* len 0: zeros */                \
+            for (int64_t d = 0; d < D; d++) o[d] = STORE(acc[j][d] * inv);                        \
+        }                                                                                         \
+    }                                                                                             \
+                                                                                                  \
     void NAME(const T *query, const T *k_cache, const T *v_cache, const int32_t *block_tables,    \
               const int32_t *seq_lens, T *out, int64_t num_seqs, int64_t num_heads,               \
               int64_t num_kv_heads, int64_t head_dim, int64_t block_size, int64_t table_stride,   \
               int64_t k_sb, int64_t k_ss, int64_t k_sh, int64_t v_sb, int64_t v_ss, int64_t v_sh, \
               float scale) {                                                                      \
         const int64_t group = num_heads / num_kv_heads;                                           \
-        const int64_t D = head_dim;                                                               \
         _Pragma("omp parallel for schedule(dynamic, 1)")                                          \
         for (int64_t unit = 0; unit < num_seqs * num_kv_heads; unit++) {                          \
             const int64_t s = unit / num_kv_heads, kvh = unit % num_kv_heads;                     \
-            const int64_t len = seq_lens[s];                                                      \
-            const int32_t *table = block_tables + s * table_stride;                               \
-            float q[MAX_GROUP][MAX_HEAD_DIM], acc[MAX_GROUP][MAX_HEAD_DIM];                       \
-            float p[MAX_GROUP][MAX_CHUNK];                                                        \
-            float m[MAX_GROUP], l[MAX_GROUP];                                                     \
-            for (int64_t j = 0; j < group; j++) {                                                 \
-                const T *qr = query + (s * num_heads + kvh * group + j) * D;                      \
-                for (int64_t d = 0; d < D; d++) {                                                 \
-                    q[j][d] = LOAD(qr[d]) * scale;                                                \
-                    acc[j][d] = 0.0f;                                                             \
-                }                                                                                 \
-                m[j] = 0.0f;                                                                      \
-                l[j] = 0.0f;                                                                      \
-            }                                                                                     \
-            const int64_t chunk = (MAX_CHUNK / block_size) * block_size;                          \
-            for (int64_t start = 0; start < len; start += chunk) {                                \
-                const int64_t n = len - start < chunk ? len - start : chunk;                      \
-                for (int64_t t0 = 0; t0 < n; t0 += block_size) {                                  \
-                    const int64_t block = table[(start + t0) / block_size];                       \
-                    const int64_t bn = n - t0 < block_size ? n - t0 : block_size;                 \
-                    scores_##SUFFIX(q, k_cache + block * k_sb + kvh * k_sh, k_ss, bn, group, D, p, \
-                                    t0);                                                          \
-                }                                                                                 \
-                for (int64_t j = 0; j < group; j++) {                                             \
-                    float chunk_max = p[j][0];                                                    \
-                    _Pragma("omp simd reduction(max : chunk_max)")                                \
-                    for (int64_t t = 1; t < n; t++)                                              \
-                        chunk_max = p[j][t] > chunk_max ? p[j][t] : chunk_max;                    \
-                    const float new_max = start == 0 || chunk_max > m[j] ? chunk_max : m[j];      \
-                    const float rescale = start == 0 ? 0.0f : exp_approx(m[j] - new_max);         \
-                    float sum = 0.0f;                                                             \
-                    _Pragma("omp simd reduction(+ : sum)")                                        \
-                    for (int64_t t = 0; t < n; t++) {                                             \
-                        p[j][t] = exp_approx(p[j][t] - new_max);                                  \
-                        sum += p[j][t];                                                           \
-                    }                                                                             \
-                    l[j] = l[j] * rescale + sum;                                                  \
-                    m[j] = new_max;                                                               \
-                    for (int64_t d = 0; d < D; d++) acc[j][d] *= rescale;                         \
-                }                                                                                 \
-                for (int64_t t0 = 0; t0 < n; t0 += block_size) {                                  \
-                    const int64_t block = table[(start + t0) / block_size];                       \
-                    const int64_t bn = n - t0 < block_size ? n - t0 : block_size;                 \
-                    accumulate_##SUFFIX(acc, v_cache + block * v_sb + kvh * v_sh, v_ss, bn, group, \
-                                        D, p, t0);                                                \
-                }                                                                                 \
-            }                                                                                     \
-            for (int64_t j = 0; j < group; j++) {                                                 \
-                T *o = out + (s * num_heads + kvh * group + j) * D;                               \
-                const float inv = l[j] > 0.0f ? 1.0f / l[j] : 0.0f; /* len 0: zeros */            \
-                for (int64_t d = 0; d < D; d++) o[d] = STORE(acc[j][d] * inv);                    \
-            }                                                                                     \
+            decode_unit_##SUFFIX(query + s * num_heads * head_dim, out + s * num_heads * head_dim, \
+                                 k_cache, v_cache, block_tables + s * table_stride, seq_lens[s],  \
+                                 kvh, group, head_dim, block_size, k_sb, k_sh, k_ss, v_sb, v_sh,  \
+                                 v_ss, scale);                                                    \
         }                                                                                         \
     }
 
 DEFINE_DECODE(paged_decode_f32, f32, float, LOAD_F32, STORE_F32)
 DEFINE_DECODE(paged_decode_bf16, bf16, uint16_t, bf16_to_f32, f32_to_bf16)
+
+/* Varlen paged attention: every sequence of a step (prefill chunks, over a cached prefix or not,
+ * and decodes) in one call. The step's keys and values are already in the cache.
+ *   query/out [num_tokens, num_heads, head_dim] contiguous; sequence s owns tokens
+ *   query_start_loc[s] .. query_start_loc[s + 1] - 1, the last ones of its seq_lens[s] positions.
+ * A sequence with one query token goes through decode_unit; a longer one is cut into tiles of
+ * TILE_ROWS query rows (tokens x the query heads of one kv head), and each tile streams its keys
+ * once, KEY_CHUNK at a time, with an online softmax. Inside a tile the rows sit in vector lanes
+ * (q and the output transposed: [head_dim][rows]), so both products are broadcast-FMAs of one
+ * key (or value) element against 16 rows, each key and value read once for the whole tile. */
+/* GCC notes that 64-byte vectors change the ABI without AVX-512: these never cross the library's
+ * boundary (static functions only). */
+#pragma GCC diagnostic ignored "-Wpsabi"
+typedef float v16 __attribute__((vector_size(64)));
+typedef int32_t vi16 __attribute__((vector_size(64)));
+
+#define TILE_VECS 3
+#define TILE_ROWS (TILE_VECS * LANES)
+#define KEY_CHUNK 64
+#define KEY_UNROLL 8
+#define DIM_UNROLL 8
+
+static inline v16 vsplat(float x) { return (v16){0} + x; }
+
+static inline v16 vfma(v16 a, v16 b, v16 c) {
+#if defined(__AVX512F__)
+    return _mm512_fmadd_ps(a, b, c);
+#else
+    return a * b + c;
+#endif
+}
+
+static inline v16 vselect(vi16 mask, v16 a, v16 b) {
+    return (v16)((mask & (vi16)a) | (~mask & (vi16)b));
+}
+
+static inline v16 vmax(v16 a, v16 b) { return vselect(a > b, a, b); }
+
+/* exp_approx on 16 lanes, and exactly 0 below -87 (a masked score, -inf, gives 0). */
+static inline v16 vexp(v16 x) {
+    const vi16 tiny = x < vsplat(-87.0f);
+    x = vselect(tiny, vsplat(-87.0f), x);
+    x = vselect(x > vsplat(88.0f), vsplat(88.0f), x);
+    const v16 magic = vsplat(12582912.0f); /* 1.5 * 2^23: adding it rounds to an integer */
+    const v16 n = (x * 1.44269504088896341f + magic) - magic;
+    const v16 r = x - n * 0.693145751953125f - n * 1.428606765330187045e-06f;
+    v16 p = vsplat(1.0f / 720.0f);
+    p = p * r + 1.0f / 120.0f;
+    p = p * r + 1.0f / 24.0f;
+    p = p * r + 1.0f / 6.0f;
+    p = p * r + 0.5f;
+    p = p * r + 1.0f;
+    p = p * r + 1.0f;
+    const vi16 bits = (__builtin_convertvector(n, vi16) + 127) << 23;
+    return (v16)((vi16)(p * (v16)bits) & ~tiny);
+}
+
+/* st[t] = q . kf[t] for the npad keys of a chunk (npad a multiple of KEY_UNROLL). */
+static void tile_scores(const v16 (*qt)[TILE_VECS], const float (*kf)[MAX_HEAD_DIM], int64_t npad,
+                        int64_t D, v16 (*st)[TILE_VECS]) {
+    for (int64_t t0 = 0; t0 < npad; t0 += KEY_UNROLL) {
+        v16 acc[KEY_UNROLL][TILE_VECS];
+        for (int u = 0; u < KEY_UNROLL; u++)
+            for (int v = 0; v < TILE_VECS; v++) acc[u][v] = vsplat(0.0f);
+        for (int64_t d = 0; d < D; d++) {
+            v16 q[TILE_VECS];
+            for (int v = 0; v < TILE_VECS; v++) q[v] = qt[d][v];
+            for (int u = 0; u < KEY_UNROLL; u++) {
+                const v16 k = vsplat(kf[t0 + u][d]);
+                for (int v = 0; v < TILE_VECS; v++) acc[u][v] = vfma(k, q[v], acc[u][v]);
+            }
+        }
+        for (int u = 0; u < KEY_UNROLL; u++)
+            for (int v = 0; v < TILE_VECS; v++) st[t0 + u][v] = acc[u][v];
+    }
+}
+
+/* The online softmax over one chunk of scores, in place (scores -> weights): masks the keys past
+ * each row's position when `mask`, updates the running max m and sum l, rescales the output. */
+static void tile_softmax(v16 (*st)[TILE_VECS], int64_t npad, int64_t k0, const v16 *qpos, int mask,
+                         v16 *m, v16 *l, v16 (*ot)[TILE_VECS], int64_t D) {
+    v16 new_max[TILE_VECS], alpha[TILE_VECS], sum[TILE_VECS];
+    for (int v = 0; v < TILE_VECS; v++) new_max[v] = m[v];
+    for (int64_t t = 0; t < npad; t++) {
+        const v16 key_pos = vsplat((float)(k0 + t));
+        for (int v = 0; v < TILE_VECS; v++) {
+            v16 s = st[t][v];
+            if (mask) s = vselect(key_pos > qpos[v], vsplat(-INFINITY), s);
+            st[t][v] = s;
+            new_max[v] = vmax(new_max[v], s);
+        }
+    }
+    for (int v = 0; v < TILE_VECS; v++) {
+        alpha[v] = vexp(m[v] - new_max[v]); /* 0 on the first chunk (m = -inf) */
+        m[v] = new_max[v];
+        sum[v] = vsplat(0.0f);
+    }
+    for (int64_t t = 0; t < npad; t++)
+        for (int v = 0; v < TILE_VECS; v++) {
+            const v16 p = vexp(st[t][v] - new_max[v]);
+            st[t][v] = p;
+            sum[v] += p;
+        }
+    for (int v = 0; v < TILE_VECS; v++) l[v] = l[v] * alpha[v] + sum[v];
+    for (int64_t d = 0; d < D; d++)
+        for (int v = 0; v < TILE_VECS; v++) ot[d][v] *= alpha[v];
+}
+
+/* ot[d] += sum_t p[t] * vf[t][d] over the n keys of a chunk (D a multiple of DIM_UNROLL). */
+static void tile_pv(v16 (*ot)[TILE_VECS], const v16 (*p)[TILE_VECS],
+                    const float (*vf)[MAX_HEAD_DIM], int64_t n, int64_t D) {
+    for (int64_t d0 = 0; d0 < D; d0 += DIM_UNROLL) {
+        v16 acc[DIM_UNROLL][TILE_VECS];
+        for (int u = 0; u < DIM_UNROLL; u++)
+            for (int v = 0; v < TILE_VECS; v++) acc[u][v] = ot[d0 + u][v];
+        for (int64_t t = 0; t < n; t++) {
+            v16 w[TILE_VECS];
+            for (int v = 0; v < TILE_VECS; v++) w[v] = p[t][v];
+            for (int u = 0; u < DIM_UNROLL; u++) {
+                const v16 x = vsplat(vf[t][d0 + u]);
+                for (int v = 0; v < TILE_VECS; v++) acc[u][v] = vfma(x, w[v], acc[u][v]);
+            }
+        }
+        for (int u = 0; u < DIM_UNROLL; u++)
+            for (int v = 0; v < TILE_VECS; v++) ot[d0 + u][v] = acc[u][v];
+    }
+}
+
+/* One unit of work: a tile of a prefill chunk under one kv head, or one decode under one. */
+typedef struct {
+    int32_t seq, kvh, tile;
+} WorkItem;
+
+typedef struct {
+    int64_t cost;
+    int32_t seq;
+} SeqCost;
+
+static int heavier_first(const void *a, const void *b) {
+    const int64_t ca = ((const SeqCost *)a)->cost, cb = ((const SeqCost *)b)->cost;
+    return (ca < cb) - (ca > cb);
+}
+
+/* The step's work items in the order the threads take them (dynamically): sequences heaviest
+ * first, so that a long prefill does not finish last on one thread; within a sequence, kv head by
+ * kv head and its tiles from the last (longest context) back, so that consecutive items on a
+ * thread read the same keys and values, which then stay in its L2 cache. NULL when out of memory;
+ * *count: the number of items. */
+static WorkItem *plan_work(const int32_t *query_start_loc, const int32_t *seq_lens,
+                           int64_t num_seqs, int64_t num_kv_heads, int64_t group,
+                           int64_t tile_tokens, int64_t *count) {
+    SeqCost *order = malloc(sizeof(SeqCost) * (num_seqs > 0 ? num_seqs : 1));
+    if (order == NULL) return NULL;
+    int64_t total = 0;
+    for (int64_t s = 0; s < num_seqs; s++) {
+        const int64_t q_len = query_start_loc[s + 1] - query_start_loc[s];
+        const int64_t pos0 = seq_lens[s] - q_len;
+        int64_t cost = 0;
+        if (q_len == 1) {
+            cost = (int64_t)seq_lens[s] * group; /* its keys x its rows */
+            total += num_kv_heads;
+        } else {
+            /* A tile's keys (causal: up to its last token) x a full tile of rows. */
+            for (int64_t first = 0; first < q_len; first += tile_tokens) {
+                const int64_t last = first + tile_tokens < q_len ? first + tile_tokens : q_len;
+                cost += (pos0 + last) * TILE_ROWS;
+                total += num_kv_heads;
+            }
+        }
+        order[s] = (SeqCost){cost, (int32_t)s};
+    }
+    qsort(order, num_seqs, sizeof(SeqCost), heavier_first);
+    WorkItem *items = malloc(sizeof(WorkItem) * (total > 0 ? total : 1));
+    if (items != NULL) {
+        int64_t next = 0;
+        for (int64_t i = 0; i < num_seqs; i++) {
+            const int32_t s = order[i].seq;
+            const int64_t q_len = query_start_loc[s + 1] - query_start_loc[s];
+            const int64_t tiles = q_len == 1 ? 1 : (q_len + tile_tokens - 1) / tile_tokens;
+            for (int64_t kvh = 0; kvh < num_kv_heads; kvh++)
+                for (int64_t tile = tiles - 1; tile >= 0; tile--)
+                    items[next++] = (WorkItem){s, (int32_t)kvh, (int32_t)tile};
+        }
+    }
+    free(order);
+    *count = total;
+    return items;
+}
+
+#if defined(__AVX512BF16__)
+/* bfloat16 on CPUs with AVX512_BF16: both products as pairwise bf16 dot products (vdpbf16ps: two
+ * products per f32 lane and instruction, accumulated in f32) on the cache's own values. q and k
+ * are exact (the scale multiplies the f32 scores); the softmax weights are rounded to bf16 for
+ * the second product, as torch's bf16 attention rounds them. */
+#define BF16_PAIRS(x) ((__m512bh)(x))
+
+/* Lane i of the result: (bf16(lo[i]), bf16(hi[i])), the pair for keys t and t + 1. */
+static inline __m512i pack_pairs(__m512 lo, __m512 hi) {
+    const __m512i order = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9,
+                                           24, 8, 23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1,
+                                           16, 0);
+    return _mm512_permutexvar_epi16(order, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+}
+
+/* 16 bf16 values zero-extended to 32-bit lanes. */
+static inline __m512i widen16(const uint16_t *x) {
+    return _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)x));
+}
+
+/* Stands in for the keys and values past the end of a chunk. */
+static const uint32_t zero_pairs[MAX_HEAD_DIM / 2];
+
+static void prefill_tile_bf16_pairs(const uint16_t *query, uint16_t *out, const uint16_t *k_cache,
+                                    const uint16_t *v_cache, const int32_t *table, int64_t tok0,
+                                    int64_t ntok, int64_t pos0, int64_t kvh, int64_t num_heads,
+                                    int64_t group, int64_t D, int64_t block_size, int64_t k_sb,
+                                    int64_t k_ss, int64_t k_sh, int64_t v_sb, int64_t v_ss,
+                                    int64_t v_sh, float scale) {
+    /* qp[d / 2][v]: lane r holds row r's (q[d], q[d + 1]); vp[t / 2][d]: (v[t][d], v[t + 1][d]). */
+    __m512i qp[MAX_HEAD_DIM / 2][TILE_VECS], pp[KEY_CHUNK / 2][TILE_VECS];
+    v16 ot[MAX_HEAD_DIM][TILE_VECS], st[KEY_CHUNK][TILE_VECS];
+    uint32_t vp[KEY_CHUNK / 2][MAX_HEAD_DIM] __attribute__((aligned(64)));
+    const uint32_t *krow[KEY_CHUNK];
+    v16 qpos[TILE_VECS], m[TILE_VECS], l[TILE_VECS];
+    uint32_t *qf = (uint32_t *)qp;
+    float *of = (float *)ot, *pos = (float *)qpos, *lf = (float *)l;
+    const int64_t rows = ntok * group, half = D / 2;
+    memset(qp, 0, sizeof(__m512i) * TILE_VECS * half);
+    memset(ot, 0, sizeof(v16) * TILE_VECS * D);
+    for (int64_t r = 0; r < rows; r++) {
+        const uint16_t *src =
+            query + ((tok0 + r / group) * num_heads + kvh * group + r % group) * D;
+        for (int64_t i = 0; i < half; i++) {
+            uint32_t pair;
+            memcpy(&pair, src + 2 * i, sizeof pair);
+            qf[i * TILE_ROWS + r] = pair;
+        }
+    }
+    for (int64_t r = 0; r < TILE_ROWS; r++)
+        pos[r] = (float)(pos0 + (r < rows ? r / group : ntok - 1));
+    for (int v = 0; v < TILE_VECS; v++) {
+        m[v] = vsplat(-INFINITY);
+        l[v] = vsplat(0.0f);
+    }
+    const int64_t kv_end = pos0 + ntok;
+    for (int64_t k0 = 0; k0 < kv_end; k0 += KEY_CHUNK) {
+        const int64_t n = kv_end - k0 < KEY_CHUNK ? kv_end - k0 : KEY_CHUNK;
+        const int64_t npad = (n + KEY_UNROLL - 1) / KEY_UNROLL * KEY_UNROLL;
+        const int64_t npairs = (n + 1) / 2;
+        for (int64_t t = 0; t < npad; t++) {
+            const int64_t key = k0 + t;
+            krow[t] = t < n ? (const uint32_t *)(k_cache + table[key / block_size] * k_sb +
+                                                 (key % block_size) * k_ss + kvh * k_sh)
+                            : zero_pairs;
+        }
+        for (int64_t i = 0; i < npairs; i++) {
+            const uint16_t *rows2[2];
+            for (int64_t h = 0; h < 2; h++) {
+                const int64_t key = k0 + 2 * i + h;
+                rows2[h] = 2 * i + h < n ? v_cache + table[key / block_size] * v_sb +
+                                               (key % block_size) * v_ss + kvh * v_sh
+                                         : (const uint16_t *)zero_pairs;
+            }
+            for (int64_t d = 0; d < D; d += 16) {
+                const __m512i lo = widen16(rows2[0] + d), hi = widen16(rows2[1] + d);
+                _mm512_store_si512(vp[i] + d, _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16)));
+            }
+        }
+        for (int64_t t0 = 0; t0 < npad; t0 += KEY_UNROLL) {
+            __m512 acc[KEY_UNROLL][TILE_VECS];
+            for (int u = 0; u < KEY_UNROLL; u++)
+                for (int v = 0; v < TILE_VECS; v++) acc[u][v] = _mm512_setzero_ps();
+            for (int64_t i = 0; i < half; i++) {
+                __m512i q[TILE_VECS];
+                for (int v = 0; v < TILE_VECS; v++) q[v] = qp[i][v];
+                for (int u = 0; u < KEY_UNROLL; u++) {
+                    const __m512i k = _mm512_set1_epi32((int)krow[t0 + u][i]);
+                    for (int v = 0; v < TILE_VECS; v++)
+                        acc[u][v] = _mm512_dpbf16_ps(acc[u][v], BF16_PAIRS(q[v]), BF16_PAIRS(k));
+                }
+            }
+            for (int u = 0; u < KEY_UNROLL; u++)
+                for (int v = 0; v < TILE_VECS; v++) st[t0 + u][v] = acc[u][v] * scale;
+        }
+        tile_softmax(st, npad, k0, qpos, k0 + npad - 1 > pos0, m, l, ot, D);
+        for (int64_t i = 0; i < npairs; i++)
+            for (int v = 0; v < TILE_VECS; v++)
+                pp[i][v] = pack_pairs(st[2 * i][v], st[2 * i + 1][v]);
+        for (int64_t d0 = 0; d0 < D; d0 += DIM_UNROLL) {
+            __m512 acc[DIM_UNROLL][TILE_VECS];
+            for (int u = 0; u < DIM_UNROLL; u++)
+                for (int v = 0; v < TILE_VECS; v++) acc[u][v] = ot[d0 + u][v];
+            for (int64_t i = 0; i < npairs; i++) {
+                __m512i w[TILE_VECS];
+                for (int v = 0; v < TILE_VECS; v++) w[v] = pp[i][v];
+                for (int u = 0; u < DIM_UNROLL; u++) {
+                    const __m512i x = _mm512_set1_epi32((int)vp[i][d0 + u]);
+                    for (int v = 0; v < TILE_VECS; v++)
+                        acc[u][v] = _mm512_dpbf16_ps(acc[u][v], BF16_PAIRS(w[v]), BF16_PAIRS(x));
+                }
+            }
+            for (int u = 0; u < DIM_UNROLL; u++)
+                for (int v = 0; v < TILE_VECS; v++) ot[d0 + u][v] = acc[u][v];
+        }
+    }
+    for (int64_t r = 0; r < rows; r++) {
+        uint16_t *dst = out + ((tok0 + r / group) * num_heads + kvh * group + r % group) * D;
+        const float inv = 1.0f / lf[r];
+        for (int64_t d = 0; d < D; d++) dst[d] = f32_to_bf16(of[d * TILE_ROWS + r] * inv);
+    }
+}
+#define PREFILL_TILE_BF16 prefill_tile_bf16_pairs
+#else
+#define PREFILL_TILE_BF16 prefill_tile_bf16
+#endif
+
+#define DEFINE_VARLEN(SUFFIX, T, LOAD, STORE, TILE)                                               \
+    /* ntok query tokens (flat index tok0, absolute positions pos0..) under kv head kvh. */       \
+    __attribute__((unused)) static void prefill_tile_##SUFFIX(                                    \
+        const T *query, T *out, const T *k_cache, const T *v_cache,                               \
+                                      const int32_t *table, int64_t tok0, int64_t ntok,           \
+                                      int64_t pos0, int64_t kvh, int64_t num_heads, int64_t group, \
+                                      int64_t D, int64_t block_size, int64_t k_sb, int64_t k_ss,  \
+                                      int64_t k_sh, int64_t v_sb, int64_t v_ss, int64_t v_sh,     \
+                                      float scale) {                                              \
+        v16 qt[MAX_HEAD_DIM][TILE_VECS], ot[MAX_HEAD_DIM][TILE_VECS], st[KEY_CHUNK][TILE_VECS];   \
+        float kf[KEY_CHUNK][MAX_HEAD_DIM], vf[KEY_CHUNK][MAX_HEAD_DIM];                           \
+        v16 qpos[TILE_VECS], m[TILE_VECS], l[TILE_VECS];                                          \
+        float *qf = (float *)qt, *of = (float *)ot, *pos = (float *)qpos, *lf = (float *)l;       \
+        const int64_t rows = ntok * group;                                                        \
+        memset(qt, 0, sizeof(v16) * TILE_VECS * D);                                               \
+        memset(ot, 0, sizeof(v16) * TILE_VECS * D);                                               \
+        for (int64_t r = 0; r < rows; r++) {                                                      \
+            const T *src = query + ((tok0 + r / group) * num_heads + kvh * group + r % group) * D; \
+            for (int64_t d = 0; d < D; d++) qf[d * TILE_ROWS + r] = LOAD(src[d]) * scale;         \
+        }                                                                                         \
+        /* Padding rows take the last token's position: finite scores, never written out. */      \
+        for (int64_t r = 0; r < TILE_ROWS; r++)                                                   \
+            pos[r] = (float)(pos0 + (r < rows ? r / group : ntok - 1));                           \
+        for (int v = 0; v < TILE_VECS; v++) {                                                     \
+            m[v] = vsplat(-INFINITY);                                                             \
+            l[v] = vsplat(0.0f);                                                                  \
+        }                                                                                         \
+        const int64_t kv_end = pos0 + ntok;                                                       \
+        for (int64_t k0 = 0; k0 < kv_end; k0 += KEY_CHUNK) {                                      \
+            const int64_t n = kv_end - k0 < KEY_CHUNK ? kv_end - k0 : KEY_CHUNK;                  \
+            const int64_t npad = (n + KEY_UNROLL - 1) / KEY_UNROLL * KEY_UNROLL;                  \
+            for (int64_t t = 0; t < n; t++) {                                                     \
+                const int64_t key = k0 + t;                                                       \
+                const int64_t block = table[key / block_size], slot = key % block_size;           \
+                const T *ks = k_cache + block * k_sb + slot * k_ss + kvh * k_sh;                  \
+                const T *vs = v_cache + block * v_sb + slot * v_ss + kvh * v_sh;                  \
+                for (int64_t d = 0; d < D; d++) {                                                 \
+                    kf[t][d] = LOAD(ks[d]);                                                       \
+                    vf[t][d] = LOAD(vs[d]);                                                       \
+                }                                                                                 \
+            }                                                                                     \
+            for (int64_t t = n; t < npad; t++) memset(kf[t], 0, sizeof(float) * D);               \
+            tile_scores(qt, kf, npad, D, st);                                                     \
+            tile_softmax(st, npad, k0, qpos, k0 + npad - 1 > pos0, m, l, ot, D);                  \
+            tile_pv(ot, st, vf, n, D);                                                            \
+        }                                                                                         \
+        for (int64_t r = 0; r < rows; r++) {                                                      \
+            T *dst = out + ((tok0 + r / group) * num_heads + kvh * group + r % group) * D;        \
+            const float inv = 1.0f / lf[r];                                                       \
+            for (int64_t d = 0; d < D; d++) dst[d] = STORE(of[d * TILE_ROWS + r] * inv);          \
+        }                                                                                         \
+    }                                                                                             \
+                                                                                                  \
+    /* Returns 0, or 1 (computing nothing) when the work list cannot be allocated. */             \
+    int paged_attention_##SUFFIX(const T *query, const T *k_cache, const T *v_cache,              \
+                                 const int32_t *block_tables, const int32_t *query_start_loc,     \
+                                 const int32_t *seq_lens, T *out, int64_t num_seqs,               \
+                                 int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,       \
+                                 int64_t block_size, int64_t table_stride, int64_t k_sb,          \
+                                 int64_t k_ss, int64_t k_sh, int64_t v_sb, int64_t v_ss,          \
+                                 int64_t v_sh, float scale) {                                     \
+        const int64_t group = num_heads / num_kv_heads, D = head_dim;                             \
+        const int64_t tile_tokens = TILE_ROWS / group;                                            \
+        int64_t count = 0;                                                                        \
+        WorkItem *items = plan_work(query_start_loc, seq_lens, num_seqs, num_kv_heads, group,     \
+                                    tile_tokens, &count);                                         \
+        if (items == NULL) return 1;                                                              \
+        _Pragma("omp parallel for schedule(dynamic, 1)")                                          \
+        for (int64_t unit = 0; unit < count; unit++) {                                            \
+            const WorkItem item = items[unit];                                                    \
+            const int64_t kvh = item.kvh, s = item.seq;                                           \
+            const int64_t tok = query_start_loc[s];                                               \
+            const int64_t q_len = query_start_loc[s + 1] - tok;                                   \
+            const int32_t *table = block_tables + s * table_stride;                               \
+            if (q_len == 1) {                                                                     \
+                decode_unit_##SUFFIX(query + tok * num_heads * D, out + tok * num_heads * D,      \
+                                     k_cache, v_cache, table, seq_lens[s], kvh, group, D,         \
+                                     block_size, k_sb, k_sh, k_ss, v_sb, v_sh, v_ss, scale);      \
+                continue;                                                                         \
+            }                                                                                     \
+            const int64_t first = item.tile * tile_tokens;                                        \
+            const int64_t ntok = q_len - first < tile_tokens ? q_len - first : tile_tokens;       \
+            TILE(query, out, k_cache, v_cache, table, tok + first, ntok,                          \
+                 seq_lens[s] - q_len + first, kvh, num_heads, group, D, block_size, k_sb, k_ss,   \
+                 k_sh, v_sb, v_ss, v_sh, scale);                                                  \
+        }                                                                                         \
+        free(items);                                                                              \
+        return 0;                                                                                 \
+    }
+
+DEFINE_VARLEN(f32, float, LOAD_F32, STORE_F32, prefill_tile_f32)
+DEFINE_VARLEN(bf16, uint16_t, bf16_to_f32, f32_to_bf16, PREFILL_TILE_BF16)
 
 /* Rounds a float32 to the storage dtype and back: torch rounds every op's result to the tensor's
  * dtype, so the float32 path rounds nowhere and the bfloat16 path after each op. */
@@ -307,8 +728,8 @@ DEFINE_DECODE(paged_decode_bf16, bf16, uint16_t, bf16_to_f32, f32_to_bf16)
  *   apply:   out = weight * T(float(sum) * (1 / sqrt(variance + eps))).
  * Every tensor is contiguous: element (t, i) at t * hidden + i. */
 #define DEFINE_RMS_NORM(SUFFIX, T, LOAD, STORE, ROUND)                                            \
-    void rms_norm_prepare_##SUFFIX(const T *x, const T *residual, T *sum, float *squares,          \
-                                   int64_t tokens, int64_t hidden) {                               \
+    void rms_norm_prepare_##SUFFIX(const T *x, const T *residual, T *sum, float *squares,         \
+                                   int64_t tokens, int64_t hidden) {                              \
         _Pragma("omp parallel for if (tokens > 64)")                                              \
         for (int64_t t = 0; t < tokens; t++) {                                                    \
             const T *xr = x + t * hidden;                                                         \
