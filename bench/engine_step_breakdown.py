@@ -5,15 +5,22 @@ Same workload as offline_throughput.py (64 SmolLM2 chat requests, 64-128 output 
 32). Each model step is timed around ModelRunner.execute; steps whose tokens are all decodes count
 as "decode", the rest as "mixed" (prefill chunks, usually with decodes).
 
+A backend name may end in suffixes that put one of torch's ops back in place of the backend's
+own (see TORCH_OPS), or that fuse the MLP's SiLU-and-multiply into oneDNN (ONEDNN_MLP), so a
+change to one op is A/B'd in one process:
+
     python bench/engine_step_breakdown.py --dtype bfloat16 --backends torch,cpu
     python bench/engine_step_breakdown.py --dtype float32 --rounds 2 \
         --backends cpu,cpu-torch-rmsnorm
+    python bench/engine_step_breakdown.py --dtype bfloat16 --rounds 2 \
+        --backends cpu,cpu-torch-silu,cpu-onednn-mlp
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import os
 import sys
 import time
@@ -25,32 +32,46 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 from offline_throughput import make_requests, prompt_ids, run_kvpilot
 
-TORCH_RMSNORM = "-torch-rmsnorm"  # a backend name suffix: that backend with torch's RMSNorm
+# Backend-name suffix -> the LayerOps field it sets back to the torch version in layers.
+TORCH_OPS = {"-torch-rmsnorm": "rms_norm", "-torch-silu": "silu_and_mul"}
+# Backend-name suffix: the MLP's gate_up as oneDNN linears with SiLU and the multiply as post-ops.
+ONEDNN_MLP = "-onednn-mlp"
+
+
+def split_backend(name: str) -> tuple[str, list[str], bool]:
+    """The attention backend, the LayerOps fields set back to torch, and whether the MLP's gate_up
+    is fused in oneDNN: cpu-torch-rmsnorm-onednn-mlp -> ("cpu", ["rms_norm"], True)."""
+    fused = name.endswith(ONEDNN_MLP)
+    name = name.removesuffix(ONEDNN_MLP)
+    fields = []
+    while suffix := next((s for s in TORCH_OPS if name.endswith(s)), None):
+        name = name.removesuffix(suffix)
+        fields.append(TORCH_OPS[suffix])
+    return name, fields, fused
 
 
 def build_llm(backend: str, args: argparse.Namespace) -> object:
-    from kvpilot.engine import LLM
+    from kvpilot.engine import LLM, model_runner
     from kvpilot.engine.cpu import layer_ops
     from kvpilot.engine.model import layers
 
-    def build() -> object:
+    attention_backend, torch_fields, fuse_gate_up = split_backend(backend)
+    with_c_ops, pack = layer_ops.cpu_layer_ops, model_runner.pack_linears
+    if torch_fields:
+        layer_ops.cpu_layer_ops = lambda: dataclasses.replace(
+            with_c_ops(), **{field: getattr(layers, field) for field in torch_fields}
+        )
+    if fuse_gate_up:
+        model_runner.pack_linears = functools.partial(pack, fuse_gate_up=True)
+    try:
         return LLM(
             dtype=args.dtype,
-            attention_backend=backend.removesuffix(TORCH_RMSNORM),
+            attention_backend=attention_backend,
             max_num_seqs=args.max_batch,
             max_num_batched_tokens=2048,
         )
-
-    if not backend.endswith(TORCH_RMSNORM):
-        return build()
-    with_c_rms_norm = layer_ops.cpu_layer_ops
-    layer_ops.cpu_layer_ops = lambda: dataclasses.replace(
-        with_c_rms_norm(), rms_norm=layers.rms_norm
-    )
-    try:
-        return build()
     finally:
-        layer_ops.cpu_layer_ops = with_c_rms_norm
+        layer_ops.cpu_layer_ops, model_runner.pack_linears = with_c_ops, pack
 
 
 def run(backend: str, args: argparse.Namespace) -> None:
@@ -64,9 +85,9 @@ def run(backend: str, args: argparse.Namespace) -> None:
     # kind -> [steps, seconds, tokens]
     totals: dict[str, list[float]] = defaultdict(lambda: [0, 0.0, 0])
 
-    def timed(scheduled: list) -> object:
+    def timed(scheduled: list, *rest: object) -> object:
         start = time.perf_counter()
-        result = execute(scheduled)
+        result = execute(scheduled, *rest)
         seconds = time.perf_counter() - start
         tokens = sum(item.num_new_tokens for item in scheduled)
         entry = totals["decode" if tokens == len(scheduled) else "mixed"]
@@ -98,7 +119,8 @@ def main() -> None:
     ap.add_argument(
         "--backends",
         default="torch,cpu",
-        help=f"comma-separated attention backends ({TORCH_RMSNORM} suffix: with torch's RMSNorm)",
+        help="comma-separated attention backends, each with optional suffixes "
+        f"{list(TORCH_OPS)} and then {ONEDNN_MLP}",
     )
     ap.add_argument("--rounds", type=int, default=1, help="run the backends in turn this often")
     ap.add_argument("--num-requests", type=int, default=64)
