@@ -14,6 +14,9 @@ change to one op is A/B'd in one process:
         --backends cpu,cpu-torch-rmsnorm
     python bench/engine_step_breakdown.py --dtype bfloat16 --rounds 2 \
         --backends cpu,cpu-torch-silu,cpu-onednn-mlp
+
+Each kind of step also gets this process's CPU seconds: on a machine shared with other jobs, run
+with OMP_NUM_THREADS=1 and compare those, which contention inflates far less than wall time.
 """
 
 from __future__ import annotations
@@ -82,11 +85,11 @@ def run(backend: str, args: argparse.Namespace) -> None:
     ids = prompt_ids(llm.tokenizer, requests)
     runner = llm.engine.runner
     execute = runner.execute
-    # kind -> [steps, seconds, tokens]
-    totals: dict[str, list[float]] = defaultdict(lambda: [0, 0.0, 0])
+    # kind -> [steps, seconds, tokens, CPU seconds of this process]
+    totals: dict[str, list[float]] = defaultdict(lambda: [0, 0.0, 0, 0.0])
 
     def timed(scheduled: list, *rest: object) -> object:
-        start = time.perf_counter()
+        start, start_cpu = time.perf_counter(), time.process_time()
         result = execute(scheduled, *rest)
         seconds = time.perf_counter() - start
         tokens = sum(item.num_new_tokens for item in scheduled)
@@ -94,6 +97,7 @@ def run(backend: str, args: argparse.Namespace) -> None:
         entry[0] += 1
         entry[1] += seconds
         entry[2] += tokens
+        entry[3] += time.process_time() - start_cpu
         return result
 
     llm.generate(ids[:1], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
@@ -104,10 +108,12 @@ def run(backend: str, args: argparse.Namespace) -> None:
         f"\n{backend} ({args.dtype}): {seconds:.1f} s, {result.tokens_per_s:.1f} output tok/s "
         f"({torch.get_num_threads()} threads)"
     )
-    for kind, (steps, secs, tokens) in sorted(totals.items()):
+    # CPU seconds: what a machine shared with other jobs inflates least (with OMP_NUM_THREADS=1
+    # no thread spins waiting for a descheduled sibling), though caches are still shared.
+    for kind, (steps, secs, tokens, cpu) in sorted(totals.items()):
         print(
             f"  {kind:6} steps {int(steps):4d}  {secs:6.1f} s  {1000 * secs / steps:7.1f} ms/step  "
-            f"tokens {int(tokens)}"
+            f"tokens {int(tokens)}  CPU {cpu:6.1f} s ({1000 * cpu / steps:7.1f} ms/step)"
         )
     outside = seconds - sum(v[1] for v in totals.values())
     print(f"  outside the model runner (scheduling, detokenizing): {outside:.1f} s")
