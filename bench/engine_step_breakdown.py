@@ -5,17 +5,28 @@ Same workload as offline_throughput.py (64 SmolLM2 chat requests, 64-128 output 
 32). Each model step is timed around ModelRunner.execute; steps whose tokens are all decodes count
 as "decode", the rest as "mixed" (prefill chunks, usually with decodes).
 
+A backend name may end in suffixes that put one of torch's ops back in place of the backend's
+own (see TORCH_OPS), that send prefill steps through the torch reference attention
+(REF_PREFILL), or that fuse the MLP's SiLU-and-multiply into oneDNN (ONEDNN_MLP), so a change to
+one op is A/B'd in one process:
+
     python bench/engine_step_breakdown.py --dtype bfloat16 --backends torch,cpu
     python bench/engine_step_breakdown.py --dtype float32 --rounds 2 \
         --backends cpu,cpu-torch-rmsnorm
     python bench/engine_step_breakdown.py --dtype bfloat16 --rounds 2 \
+        --backends cpu,cpu-torch-silu,cpu-onednn-mlp
+    python bench/engine_step_breakdown.py --dtype bfloat16 --rounds 2 \
         --backends cpu,cpu-ref-prefill
+
+Each kind of step also gets this process's CPU seconds: on a machine shared with other jobs, run
+with OMP_NUM_THREADS=1 and compare those, which contention inflates far less than wall time.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import os
 import sys
 import time
@@ -27,39 +38,55 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 from offline_throughput import make_requests, prompt_ids, run_kvpilot
 
-TORCH_RMSNORM = "-torch-rmsnorm"  # a backend name suffix: that backend with torch's RMSNorm
+# Backend-name suffix -> the LayerOps field it sets back to the torch version in layers.
+TORCH_OPS = {"-torch-rmsnorm": "rms_norm", "-torch-silu": "silu_and_mul"}
+# Backend-name suffix: the MLP's gate_up as oneDNN linears with SiLU and the multiply as post-ops.
+ONEDNN_MLP = "-onednn-mlp"
 # A suffix for 'cpu': steps with prefill chunks through the torch reference per sequence (and the
 # decode kernel for their decodes), as before the varlen C kernel.
 REF_PREFILL = "-ref-prefill"
 
 
+def split_backend(name: str) -> tuple[str, list[str], bool, bool]:
+    """The attention backend, the LayerOps fields set back to torch, whether the MLP's gate_up
+    is fused in oneDNN and whether prefill steps take the reference attention:
+    cpu-ref-prefill-torch-rmsnorm-onednn-mlp -> ("cpu", ["rms_norm"], True, True)."""
+    fused = name.endswith(ONEDNN_MLP)
+    name = name.removesuffix(ONEDNN_MLP)
+    fields = []
+    while suffix := next((s for s in TORCH_OPS if name.endswith(s)), None):
+        name = name.removesuffix(suffix)
+        fields.append(TORCH_OPS[suffix])
+    ref_prefill = name.endswith(REF_PREFILL)
+    return name.removesuffix(REF_PREFILL), fields, fused, ref_prefill
+
+
 def build_llm(backend: str, args: argparse.Namespace) -> object:
-    from kvpilot.engine import LLM
+    from kvpilot.engine import LLM, model_runner
     from kvpilot.engine.cpu import layer_ops
     from kvpilot.engine.model import layers
 
-    def build() -> object:
+    attention_backend, torch_fields, fuse_gate_up, ref_prefill = split_backend(backend)
+    with_c_ops, pack = layer_ops.cpu_layer_ops, model_runner.pack_linears
+    if torch_fields:
+        layer_ops.cpu_layer_ops = lambda: dataclasses.replace(
+            with_c_ops(), **{field: getattr(layers, field) for field in torch_fields}
+        )
+    if fuse_gate_up:
+        model_runner.pack_linears = functools.partial(pack, fuse_gate_up=True)
+    try:
         llm = LLM(
             dtype=args.dtype,
-            attention_backend=backend.removesuffix(TORCH_RMSNORM).removesuffix(REF_PREFILL),
+            attention_backend=attention_backend,
             max_num_seqs=args.max_batch,
             max_num_batched_tokens=2048,
         )
-        if backend.endswith(REF_PREFILL):
+        if ref_prefill:
             # One backend object serves every layer.
             llm.engine.runner.model.model.layers[0].self_attn.backend.varlen_kernel = False
         return llm
-
-    if not backend.endswith(TORCH_RMSNORM):
-        return build()
-    with_c_rms_norm = layer_ops.cpu_layer_ops
-    layer_ops.cpu_layer_ops = lambda: dataclasses.replace(
-        with_c_rms_norm(), rms_norm=layers.rms_norm
-    )
-    try:
-        return build()
     finally:
-        layer_ops.cpu_layer_ops = with_c_rms_norm
+        layer_ops.cpu_layer_ops, model_runner.pack_linears = with_c_ops, pack
 
 
 def run(backend: str, args: argparse.Namespace) -> None:
@@ -70,11 +97,11 @@ def run(backend: str, args: argparse.Namespace) -> None:
     ids = prompt_ids(llm.tokenizer, requests)
     runner = llm.engine.runner
     execute = runner.execute
-    # kind -> [steps, seconds, tokens]
-    totals: dict[str, list[float]] = defaultdict(lambda: [0, 0.0, 0])
+    # kind -> [steps, seconds, tokens, CPU seconds of this process]
+    totals: dict[str, list[float]] = defaultdict(lambda: [0, 0.0, 0, 0.0])
 
     def timed(scheduled: list, *rest: object) -> object:
-        start = time.perf_counter()
+        start, start_cpu = time.perf_counter(), time.process_time()
         result = execute(scheduled, *rest)
         seconds = time.perf_counter() - start
         tokens = sum(item.num_new_tokens for item in scheduled)
@@ -82,6 +109,7 @@ def run(backend: str, args: argparse.Namespace) -> None:
         entry[0] += 1
         entry[1] += seconds
         entry[2] += tokens
+        entry[3] += time.process_time() - start_cpu
         return result
 
     llm.generate(ids[:1], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
@@ -92,10 +120,12 @@ def run(backend: str, args: argparse.Namespace) -> None:
         f"\n{backend} ({args.dtype}): {seconds:.1f} s, {result.tokens_per_s:.1f} output tok/s "
         f"({torch.get_num_threads()} threads)"
     )
-    for kind, (steps, secs, tokens) in sorted(totals.items()):
+    # CPU seconds: what a machine shared with other jobs inflates least (with OMP_NUM_THREADS=1
+    # no thread spins waiting for a descheduled sibling), though caches are still shared.
+    for kind, (steps, secs, tokens, cpu) in sorted(totals.items()):
         print(
             f"  {kind:6} steps {int(steps):4d}  {secs:6.1f} s  {1000 * secs / steps:7.1f} ms/step  "
-            f"tokens {int(tokens)}"
+            f"tokens {int(tokens)}  CPU {cpu:6.1f} s ({1000 * cpu / steps:7.1f} ms/step)"
         )
     outside = seconds - sum(v[1] for v in totals.values())
     print(f"  outside the model runner (scheduling, detokenizing): {outside:.1f} s")
@@ -107,8 +137,8 @@ def main() -> None:
     ap.add_argument(
         "--backends",
         default="torch,cpu",
-        help=f"comma-separated attention backends ({TORCH_RMSNORM} suffix: with torch's RMSNorm; "
-        f"cpu{REF_PREFILL}: prefill steps through the torch reference)",
+        help="comma-separated attention backends, each with optional suffixes "
+        f"{REF_PREFILL} (cpu only), then {list(TORCH_OPS)}, then {ONEDNN_MLP}",
     )
     ap.add_argument("--rounds", type=int, default=1, help="run the backends in turn this often")
     ap.add_argument("--num-requests", type=int, default=64)

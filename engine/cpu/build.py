@@ -61,6 +61,8 @@ TYPED: dict[str, Signature] = {
     "rms_norm_prepare": ([_PTR] * 4 + [_I64] * 2, None),
     # sum, variance, weight; eps; out; tokens, hidden
     "rms_norm_apply": ([_PTR] * 3 + [_F32] + [_PTR] + [_I64] * 2, None),
+    # gate_up, out; tokens, inter, stride
+    "silu_and_mul": ([_PTR] * 2 + [_I64] * 3, None),
 }
 UNTYPED: dict[str, Signature] = {
     "kvpilot_openmp_threads": ([], _INT),

@@ -1,10 +1,13 @@
-"""Rotary embedding, RMSNorm and the KV-cache write through the C kernels, with the signatures of
-kvpilot.engine.model.layers.apply_rotary and rms_norm and of write_kv_reference, falling back to
-those torch versions for anything the kernels do not take: another dtype, a layout that is not
-contiguous where the kernel needs it, or no compiled library at all.
+"""Rotary embedding, RMSNorm, SiLU-and-multiply and the KV-cache write through the C kernels, with
+the signatures of kvpilot.engine.model.layers.apply_rotary, rms_norm and silu_and_mul and of
+write_kv_reference, falling back to those torch versions for anything the kernels do not take:
+another dtype, a layout that is not contiguous where the kernel needs it, or no compiled library
+at all.
 
 The C versions compute in float32 and round to the storage dtype where the torch ops round, so the
-results are identical (the tests compare them bit for bit).
+results are identical (the tests compare them bit for bit). The one exception: SiLU-and-multiply's
+exp is a polynomial, not torch's, so its float32 results differ in the last bits (at most 5 ulp
+over a dense sweep); in bfloat16 it gives torch's result for every gate value.
 """
 
 from __future__ import annotations
@@ -165,17 +168,37 @@ def rms_norm(
     return out, summed
 
 
+def silu_and_mul(lib: ctypes.CDLL | None, gate_up: torch.Tensor) -> torch.Tensor:
+    """layers.silu_and_mul on a [tokens, 2 * inter] matrix with contiguous rows (the gate_up
+    projection's output), in one pass; anything else goes to the torch version."""
+    if (
+        lib is None
+        or not kernels_take(gate_up)
+        or gate_up.dim() != 2
+        or gate_up.shape[1] % 2
+        or gate_up.stride(0) < gate_up.shape[1]
+    ):
+        return layers.silu_and_mul(gate_up)
+    tokens, inter = gate_up.shape[0], gate_up.shape[1] // 2
+    out = torch.empty((tokens, inter), dtype=gate_up.dtype)
+    getattr(lib, f"silu_and_mul_{SUFFIXES[gate_up.dtype]}")(
+        gate_up.data_ptr(), out.data_ptr(), tokens, inter, gate_up.stride(0)
+    )
+    return out
+
+
 def cpu_layer_ops() -> LayerOps:
     """The C versions bound to the compiled library (each falls back to torch by itself).
 
     RMSNorm leaves the sum of squares to torch's mean: a C sum in another order changed the float32
     variance by an ulp, which bfloat16 rounding turned into different tokens on the real model
-    (torch matches transformers bit for bit there). SiLU-and-multiply stays in torch: its
-    vectorized exp beat a C loop on the development VM."""
+    (torch matches transformers bit for bit there). SiLU-and-multiply is one AVX-512 pass (a
+    plain C loop the compiler left scalar lost to torch's; the explicit one does not)."""
     lib = load_library()
     if lib is None:
         return LayerOps()
     return LayerOps(
         rms_norm=lambda x, weight, eps, residual=None: rms_norm(lib, x, weight, eps, residual),
+        silu_and_mul=lambda gate_up: silu_and_mul(lib, gate_up),
         apply_rotary=lambda q, k, positions, cache: apply_rotary(lib, q, k, positions, cache),
     )

@@ -98,7 +98,11 @@ class MLP(nn.Module):
         self.tp = tp
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = self.down_proj(self.ops.silu_and_mul(self.gate_up_proj(x)))
+        h = self.gate_up_proj(x)
+        # On CPU the projection may apply SiLU-and-multiply itself (cpu_linear.PackedSiluGateUp).
+        if not getattr(self.gate_up_proj, "fuses_silu_and_mul", False):
+            h = self.ops.silu_and_mul(h)
+        out = self.down_proj(h)
         return out if self.tp is None else self.tp.all_reduce(out)
 
 

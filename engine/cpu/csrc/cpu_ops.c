@@ -778,3 +778,112 @@ int kvpilot_openmp_threads(void) {
     return 1;
 #endif
 }
+
+/* ---- The MLP's dense path (issue 12) ------------------------------------------------------- */
+
+/* SiLU-and-multiply over the merged gate_up projection: gate_up [tokens, 2 * inter] (row stride
+ * `stride` elements, gate first), out [tokens, inter] contiguous:
+ *   out = T(T(silu(gate)) * up), silu(g) = g / (1 + exp(-g)),
+ * rounded where kvpilot.engine.model.layers.silu_and_mul rounds (F.silu's result, then the
+ * product), with exp_wide in place of torch's vectorized exp: a float32 result may differ from
+ * torch's in the last bits, a bfloat16 one only where that lands on a rounding boundary.
+ * The AVX-512 loop computes exp_wide's very operations (no fused multiply-adds), so the vector
+ * body and the scalar tail agree bit for bit. */
+
+/* exp_approx's polynomial over [-87, 89], overflowing to +inf past 88.72 as expf does: a gate
+ * below -88.72 then gives silu = -0, as torch's does (clamping at 88 would leave ~1e-37). The
+ * scale is applied as 2^(n-1) * 2 so that n = 128 still has an exponent field. */
+static inline float exp_wide(float x) {
+    if (x < -87.0f) x = -87.0f;
+    if (x > 89.0f) x = 89.0f;
+    float n = floorf(x * 1.44269504088896341f + 0.5f);
+    float r = x - n * 0.693145751953125f - n * 1.428606765330187045e-06f;
+    float p = 1.0f / 720.0f;
+    p = p * r + 1.0f / 120.0f;
+    p = p * r + 1.0f / 24.0f;
+    p = p * r + 1.0f / 6.0f;
+    p = p * r + 0.5f;
+    p = p * r + 1.0f;
+    p = p * r + 1.0f;
+    int32_t bits = ((int32_t)n + 126) << 23;
+    float scale;
+    memcpy(&scale, &bits, sizeof scale);
+    return p * scale * 2.0f;
+}
+
+#if defined(__AVX512F__)
+static inline __m512 exp_wide16(__m512 x) {
+    x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.0f)), _mm512_set1_ps(89.0f));
+    const __m512 n = _mm512_roundscale_ps(
+        _mm512_add_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)), _mm512_set1_ps(0.5f)),
+        _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_sub_ps(x, _mm512_mul_ps(n, _mm512_set1_ps(0.693145751953125f)));
+    r = _mm512_sub_ps(r, _mm512_mul_ps(n, _mm512_set1_ps(1.428606765330187045e-06f)));
+    __m512 p = _mm512_set1_ps(1.0f / 720.0f);
+    p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(1.0f / 120.0f));
+    p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(1.0f / 24.0f));
+    p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(1.0f / 6.0f));
+    p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(0.5f));
+    p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(1.0f));
+    p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(1.0f));
+    const __m512i bits =
+        _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(126)), 23);
+    return _mm512_mul_ps(_mm512_mul_ps(p, _mm512_castsi512_ps(bits)), _mm512_set1_ps(2.0f));
+}
+
+/* f32_to_bf16 on 16 lanes: each result in the low half of a 32-bit lane. */
+static inline __m512i to_bf16_bits16(__m512 v) {
+    const __m512i u = _mm512_castps_si512(v);
+    const __m512i high = _mm512_srli_epi32(u, 16);
+    const __m512i lsb = _mm512_and_si512(high, _mm512_set1_epi32(1));
+    const __m512i rounded =
+        _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff))), 16);
+    const __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+    return _mm512_mask_mov_epi32(rounded, nan, _mm512_or_si512(high, _mm512_set1_epi32(0x40)));
+}
+
+static inline __m512 silu16(__m512 x) {
+    const __m512 e = exp_wide16(_mm512_sub_ps(_mm512_setzero_ps(), x));
+    return _mm512_div_ps(x, _mm512_add_ps(_mm512_set1_ps(1.0f), e));
+}
+
+static inline int64_t silu_and_mul_vec_f32(const float *g, const float *u, float *o, int64_t n) {
+    int64_t i = 0;
+    for (; i + 16 <= n; i += 16)
+        _mm512_storeu_ps(o + i, _mm512_mul_ps(silu16(_mm512_loadu_ps(g + i)), _mm512_loadu_ps(u + i)));
+    return i;
+}
+
+static inline int64_t silu_and_mul_vec_bf16(const uint16_t *g, const uint16_t *u, uint16_t *o,
+                                            int64_t n) {
+    int64_t i = 0;
+    for (; i + 16 <= n; i += 16) {
+        const __m512 silu = _mm512_castsi512_ps(
+            _mm512_slli_epi32(to_bf16_bits16(silu16(load16_bf16(g + i))), 16));
+        const __m512 prod = _mm512_mul_ps(silu, load16_bf16(u + i));
+        _mm256_storeu_si256((__m256i *)(o + i), _mm512_cvtepi32_epi16(to_bf16_bits16(prod)));
+    }
+    return i;
+}
+#else
+#define silu_and_mul_vec_f32(g, u, o, n) ((int64_t)0)
+#define silu_and_mul_vec_bf16(g, u, o, n) ((int64_t)0)
+#endif
+
+#define DEFINE_SILU_AND_MUL(SUFFIX, T, LOAD, STORE, ROUND)                                        \
+    void silu_and_mul_##SUFFIX(const T *gate_up, T *out, int64_t tokens, int64_t inter,           \
+                               int64_t stride) {                                                  \
+        _Pragma("omp parallel for if (tokens * inter > 32768)")                                   \
+        for (int64_t t = 0; t < tokens; t++) {                                                    \
+            const T *g = gate_up + t * stride, *u = g + inter;                                    \
+            T *o = out + t * inter;                                                               \
+            for (int64_t i = silu_and_mul_vec_##SUFFIX(g, u, o, inter); i < inter; i++) {         \
+                const float x = LOAD(g[i]);                                                       \
+                const float silu = ROUND(x / (1.0f + exp_wide(-x)));                              \
+                o[i] = STORE(silu * LOAD(u[i]));                                                  \
+            }                                                                                     \
+        }                                                                                         \
+    }
+
+DEFINE_SILU_AND_MUL(f32, float, LOAD_F32, STORE_F32, ROUND_F32)
+DEFINE_SILU_AND_MUL(bf16, uint16_t, bf16_to_f32, f32_to_bf16, ROUND_BF16)
