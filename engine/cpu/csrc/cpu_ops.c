@@ -49,13 +49,8 @@ static inline uint16_t f32_to_bf16(float f) {
     return (uint16_t)(u >> 16);
 }
 
-/* exp(x) within ~2 ulp for x in [-87, 88] (clamped outside): 2^n * p(r), written so the compiler
- * vectorizes it (libm's expf is a scalar call per element, which would dominate these loops). */
-static inline float exp_approx(float x) {
-    if (x < -87.0f) x = -87.0f;
-    if (x > 88.0f) x = 88.0f;
-    float n = floorf(x * 1.44269504088896341f + 0.5f);
-    float r = x - n * 0.693145751953125f - n * 1.428606765330187045e-06f;
+/* e^r for |r| <= ln(2)/2: the degree-6 Taylor polynomial, shared by exp_approx and exp_wide. */
+static inline float exp_poly(float r) {
     float p = 1.0f / 720.0f;
     p = p * r + 1.0f / 120.0f;
     p = p * r + 1.0f / 24.0f;
@@ -63,6 +58,17 @@ static inline float exp_approx(float x) {
     p = p * r + 0.5f;
     p = p * r + 1.0f;
     p = p * r + 1.0f;
+    return p;
+}
+
+/* exp(x) within ~2 ulp for x in [-87, 88] (clamped outside): 2^n * p(r), written so the compiler
+ * vectorizes it (libm's expf is a scalar call per element, which would dominate these loops). */
+static inline float exp_approx(float x) {
+    if (x < -87.0f) x = -87.0f;
+    if (x > 88.0f) x = 88.0f;
+    float n = floorf(x * 1.44269504088896341f + 0.5f);
+    float r = x - n * 0.693145751953125f - n * 1.428606765330187045e-06f;
+    float p = exp_poly(r);
     int32_t bits = ((int32_t)n + 127) << 23;
     float scale;
     memcpy(&scale, &bits, sizeof scale);
@@ -798,13 +804,7 @@ static inline float exp_wide(float x) {
     if (x > 89.0f) x = 89.0f;
     float n = floorf(x * 1.44269504088896341f + 0.5f);
     float r = x - n * 0.693145751953125f - n * 1.428606765330187045e-06f;
-    float p = 1.0f / 720.0f;
-    p = p * r + 1.0f / 120.0f;
-    p = p * r + 1.0f / 24.0f;
-    p = p * r + 1.0f / 6.0f;
-    p = p * r + 0.5f;
-    p = p * r + 1.0f;
-    p = p * r + 1.0f;
+    float p = exp_poly(r);
     int32_t bits = ((int32_t)n + 126) << 23;
     float scale;
     memcpy(&scale, &bits, sizeof scale);
