@@ -698,6 +698,25 @@ def prompts_and_lengths(
     return [request_prompt(r, args.endpoint) for r in requests], [r.output_len for r in requests]
 
 
+def wait_until_idle(
+    servers: list[ServerProcess],
+    quiet_cpu_s: float = 0.05,
+    window_s: float = 1.0,
+    timeout_s: float = 60.0,
+) -> float:
+    """Wait until the servers together use under `quiet_cpu_s` of CPU in `window_s`; returns the
+    seconds waited. A server keeps working for a while after its last answer (vLLM's engine core
+    used ~1 CPU-s after its runs): without this, whichever system runs right after the other pays
+    for the other's tail on 2 cores, which the alternating order gives kvpilot in 2 of 3 rounds."""
+    start = time.perf_counter()
+    while time.perf_counter() - start < timeout_s:
+        before = sum(server.cpu_seconds() for server in servers)
+        time.sleep(window_s)
+        if sum(server.cpu_seconds() for server in servers) - before < quiet_cpu_s:
+            break
+    return round(time.perf_counter() - start, 3)
+
+
 def format_run_line(record: dict[str, Any]) -> str:
     s = record["summary"]
     health = s.get("health_ms")
@@ -715,6 +734,7 @@ def format_run_line(record: dict[str, Any]) -> str:
         f"{s['total_input_tokens']} prompt tokens ({s['cached_prompt_tokens']} cached), "
         f"failed {s['failed']}; {s['duration_s']:.1f} s, server CPU s "
         + ", ".join(f"{NAMES[n]} {v:.1f}" for n, v in cpu.items())
+        + f" (after {record.get('settle_s', 0.0):.1f} s waiting for both to go quiet)"
     )
 
 
@@ -762,6 +782,7 @@ def peer_serving(
                 requests = peer_dataset(args, seed)
                 order = SYSTEMS if r % 2 == 0 else SYSTEMS[::-1]
                 for position, name in enumerate(order, 1):
+                    settle_s = wait_until_idle(list(servers.values()))
                     cpu = {n: server.cpu_seconds() for n, server in servers.items()}
                     run = run_once(
                         args, urls[name], requests, concurrency, seed, False, args.health_interval
@@ -778,6 +799,7 @@ def peer_serving(
                         "summary": report["summary"],
                         "health_ms": [round(h * 1000, 3) for h in run.health_s],
                         "server_cpu_s": cpu,  # both servers' CPU time during this run
+                        "settle_s": settle_s,  # waited for both servers to go quiet first
                         "requests": report["requests"],
                     }
                     print(format_run_line(record), flush=True)
