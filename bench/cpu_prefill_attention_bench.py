@@ -41,6 +41,25 @@ def ms_per_call(fn: Callable[[], object], calls: int) -> float:
     return best * 1e3
 
 
+def step_metadata(
+    q_lens: list[int], seq_lens: list[int], block_tables: torch.Tensor, slots: torch.Tensor
+) -> AttentionMetadata:
+    """The step's metadata from its per-sequence query and context lengths."""
+    starts = [0]
+    for q in q_lens:
+        starts.append(starts[-1] + q)
+    return AttentionMetadata(
+        query_start_loc=torch.tensor(starts, dtype=torch.int32),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+        block_tables=block_tables,
+        slot_mapping=slots,
+        max_query_len=max(q_lens),
+        max_seq_len=max(seq_lens),
+        query_lens_cpu=tuple(q_lens),
+        seq_lens_cpu=tuple(seq_lens),
+    )
+
+
 def make_step(
     seqs: list[tuple[int, int]], heads: tuple[int, int, int], dtype: torch.dtype
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, AttentionMetadata]:
@@ -60,20 +79,8 @@ def make_step(
     k_cache = torch.randn(shape, generator=gen).to(dtype)
     v_cache = torch.randn(shape, generator=gen).to(dtype)
     query = torch.randn(sum(q_lens), num_heads, head_dim, generator=gen).to(dtype)
-    starts = [0]
-    for q in q_lens:
-        starts.append(starts[-1] + q)
-    meta = AttentionMetadata(
-        query_start_loc=torch.tensor(starts, dtype=torch.int32),
-        seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
-        block_tables=tables,
-        slot_mapping=torch.zeros(sum(q_lens), dtype=torch.int64),
-        max_query_len=max(q_lens),
-        max_seq_len=max(seq_lens),
-        query_lens_cpu=tuple(q_lens),
-        seq_lens_cpu=tuple(seq_lens),
-    )
-    return query, k_cache, v_cache, meta
+    slots = torch.zeros(sum(q_lens), dtype=torch.int64)
+    return query, k_cache, v_cache, step_metadata(q_lens, seq_lens, tables, slots)
 
 
 STEPS: dict[str, list[tuple[int, int]]] = {
@@ -109,19 +116,8 @@ def model_step(dtype: str, rounds: int) -> None:
                 slots.append(tables[-1][pos // block_size] * block_size + pos % block_size)
                 positions.append(pos)
         width = max(len(t) for t in tables)
-        starts = [0]
-        for q in q_lens:
-            starts.append(starts[-1] + q)
-        meta = AttentionMetadata(
-            query_start_loc=torch.tensor(starts, dtype=torch.int32),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
-            block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables]).int(),
-            slot_mapping=torch.tensor(slots),
-            max_query_len=max(q_lens),
-            max_seq_len=max(seq_lens),
-            query_lens_cpu=tuple(q_lens),
-            seq_lens_cpu=tuple(seq_lens),
-        )
+        block_tables = torch.tensor([t + [0] * (width - len(t)) for t in tables]).int()
+        meta = step_metadata(q_lens, seq_lens, block_tables, torch.tensor(slots))
         ctx = ForwardContext(torch.tensor(positions), meta, runner.kv_caches)
         ids = torch.randint(0, vocab, (len(positions),), generator=torch.Generator().manual_seed(0))
         best = {True: float("inf"), False: float("inf")}
