@@ -205,12 +205,17 @@ def workload(args: argparse.Namespace) -> list[Conversation]:
 
 
 async def one_turn(
-    http: httpx.AsyncClient, url: str, messages: list[dict[str, str]], salt: str, max_tokens: int
+    http: httpx.AsyncClient,
+    url: str,
+    messages: list[dict[str, str]],
+    salt: str,
+    args: argparse.Namespace,
 ) -> tuple[Result, str]:
     body = {
         "model": MODEL,
         "messages": messages,
-        "max_tokens": max_tokens,
+        "max_tokens": args.max_tokens,
+        "ignore_eos": args.ignore_eos,
         "temperature": 0,
         "stream": True,
         "stream_options": {"include_usage": True},
@@ -262,7 +267,7 @@ async def run_pass(
                 messages.append({"role": "user", "content": question})
                 url = urls[next(counter) % len(urls)]  # one URL: the router, or round-robin
                 result, answer = await one_turn(
-                    http, url, messages, f"{name}-{conversation.tenant}", args.max_tokens
+                    http, url, messages, f"{name}-{conversation.tenant}", args
                 )
                 result.turn = turn
                 result.conversation, result.tenant = conversation.number, conversation.tenant
@@ -366,6 +371,11 @@ def main() -> None:
     parser.add_argument("--turns", type=int, default=4)
     parser.add_argument("--system-words", type=int, default=300)
     parser.add_argument("--max-tokens", type=int, default=16)
+    parser.add_argument(
+        "--ignore-eos",
+        action="store_true",
+        help="every reply exactly --max-tokens long (chat replies of a realistic length)",
+    )
     parser.add_argument("--concurrency", type=int, default=6)
     parser.add_argument("--blocks", type=int, default=96, help="KV blocks per replica")
     parser.add_argument("--overhead-samples", type=int, default=40)
