@@ -154,7 +154,8 @@ def main() -> None:
         "--backends",
         default="torch,cpu",
         help="comma-separated attention backends, each with optional suffixes "
-        f"{REF_PREFILL} (cpu only), then {list(TORCH_OPS)}, then {ONEDNN_MLP}",
+        f"{REF_PREFILL} (cpu only), then {list(TORCH_OPS)}, then {ONEDNN_MLP}, then "
+        f"{PARALLEL_MEAN} (cpu only)",
     )
     ap.add_argument("--rounds", type=int, default=1, help="run the backends in turn this often")
     ap.add_argument("--num-requests", type=int, default=64)

@@ -11,6 +11,10 @@ its timed parts (Python glue, residual views, the q/k/v split). Figures are per 
 the median over rounds.
 
     python bench/prefill_step_split.py --dtype bfloat16
+    python bench/prefill_step_split.py --dtype bfloat16 --rounds 8 --ab-parallel-mean
+
+--ab-parallel-mean: rounds alternate between the engine's RMSNorm (torch's mean of squares on the
+calling thread) and the same with that mean on all of torch's threads (as before), one table each.
 """
 
 from __future__ import annotations
@@ -26,6 +30,8 @@ from typing import Any
 
 import kvpilot.engine.model_runner as model_runner
 from kvpilot.engine import LLM, SamplingParams
+from kvpilot.engine.cpu import layer_ops
+from kvpilot.engine.cpu.build import load_library
 
 LINEARS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 OPS = ("rms_norm", "silu_and_mul", "apply_rotary")
@@ -38,6 +44,7 @@ def main() -> None:
     ap.add_argument("--num-prompts", type=int, default=64)
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--ab-parallel-mean", action="store_true", help="see the docstring")
     args = ap.parse_args()
     llm = LLM(dtype=args.dtype, block_size=32, max_num_seqs=64, max_num_batched_tokens=2048)
     rng = random.Random(0)
@@ -78,10 +85,17 @@ def main() -> None:
             wrap(getattr(layer.mlp, name), "forward", name)
     # The layers share one LayerOps (frozen) and one backend object.
     ops = model.model.ops
-    timed_ops = dataclasses.replace(ops, **{f: timed(getattr(ops, f), f) for f in OPS})
-    for module in model.modules():
-        if getattr(module, "ops", None) is ops:
-            module.ops = timed_ops
+    variants = {"engine": dataclasses.replace(ops, **{f: timed(getattr(ops, f), f) for f in OPS})}
+    if args.ab_parallel_mean:
+        lib = load_library()
+
+        def parallel_mean_rms_norm(x: Any, weight: Any, eps: float, residual: Any = None) -> Any:
+            return layer_ops.rms_norm(lib, x, weight, eps, residual, serial_mean=False)
+
+        variants["parallel mean"] = dataclasses.replace(
+            variants["engine"], rms_norm=timed(parallel_mean_rms_norm, "rms_norm")
+        )
+    users = [m for m in model.modules() if getattr(m, "ops", None) is ops]
     backend = model.model.layers[0].self_attn.backend
     wrap(backend, "forward", "attention forward")
     wrap(backend, "write_kv", "KV writes")
@@ -92,8 +106,11 @@ def main() -> None:
     wrap(model_runner, "sample", "sampler")
     wrap(llm.engine.core.scheduler, "schedule", "scheduler")
 
-    per_round: list[dict[str, float]] = []
+    per_round: dict[str, list[dict[str, float]]] = {name: [] for name in variants}
     for r in range(args.rounds):
+        variant = list(variants)[r % len(variants)]
+        for module in users:
+            module.ops = variants[variant]
         acc.clear()
         steps = run_round(f"r{r}-")
         tokens = args.num_prompts * args.prompt_len
@@ -103,14 +120,19 @@ def main() -> None:
             parts.get(k, 0.0) for k in INSIDE_FORWARD
         )
         parts["whole step"] = sum(steps) * scale
-        per_round.append(parts)
-        print(f"round {r + 1}: {len(steps)} steps, {parts['whole step']:.1f} ms per 2048 tokens")
-    med = {k: statistics.median(p[k] for p in per_round) for k in per_round[0]}
-    whole = med["whole step"]
-    print(f"\n{args.dtype}, {args.num_prompts} x {args.prompt_len}-token prompts, median of")
-    print(f"{args.rounds} rounds, ms per 2048-token prefill step (share of the whole step):")
-    for label, ms in sorted(med.items(), key=lambda kv: -kv[1]):
-        print(f"  {label:20s} {ms:8.1f}  {100 * ms / whole:5.1f}%")
+        per_round[variant].append(parts)
+        print(
+            f"round {r + 1} ({variant}): {len(steps)} steps, "
+            f"{parts['whole step']:.1f} ms per 2048 tokens",
+            flush=True,
+        )
+    for variant, rounds in per_round.items():
+        med = {k: statistics.median(p[k] for p in rounds) for k in rounds[0]}
+        whole = med["whole step"]
+        print(f"\n{variant}: {args.dtype}, {args.num_prompts} x {args.prompt_len}-token prompts,")
+        print(f"median of {len(rounds)} rounds, ms per 2048-token prefill step (share):")
+        for label, ms in sorted(med.items(), key=lambda kv: -kv[1]):
+            print(f"  {label:20s} {ms:8.1f}  {100 * ms / whole:5.1f}%")
 
 
 if __name__ == "__main__":
