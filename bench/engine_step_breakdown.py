@@ -7,8 +7,9 @@ as "decode", the rest as "mixed" (prefill chunks, usually with decodes).
 
 A backend name may end in suffixes that put one of torch's ops back in place of the backend's
 own (see TORCH_OPS), that send prefill steps through the torch reference attention
-(REF_PREFILL), or that fuse the MLP's SiLU-and-multiply into oneDNN (ONEDNN_MLP), so a change to
-one op is A/B'd in one process:
+(REF_PREFILL), that fuse the MLP's SiLU-and-multiply into oneDNN (ONEDNN_MLP), or that give the
+C RMSNorm's mean of squares back to torch's threads (PARALLEL_MEAN), so a change to one op is A/B'd
+in one process:
 
     python bench/engine_step_breakdown.py --dtype bfloat16 --backends torch,cpu
     python bench/engine_step_breakdown.py --dtype float32 --rounds 2 \
@@ -17,6 +18,8 @@ one op is A/B'd in one process:
         --backends cpu,cpu-torch-silu,cpu-onednn-mlp
     python bench/engine_step_breakdown.py --dtype bfloat16 --rounds 2 \
         --backends cpu,cpu-ref-prefill
+    python bench/engine_step_breakdown.py --dtype bfloat16 --rounds 3 \
+        --backends cpu,cpu-parallel-mean
 
 Each kind of step also gets this process's CPU seconds: on a machine shared with other jobs, run
 with OMP_NUM_THREADS=1 and compare those, which contention inflates far less than wall time.
@@ -45,6 +48,9 @@ ONEDNN_MLP = "-onednn-mlp"
 # A suffix for 'cpu': steps with prefill chunks through the torch reference per sequence (and the
 # decode kernel for their decodes), as before the varlen C kernel.
 REF_PREFILL = "-ref-prefill"
+# A suffix for 'cpu' (last, after any other): the C RMSNorm's torch mean on all of torch's threads,
+# as before layer_ops.rms_norm ran it on one.
+PARALLEL_MEAN = "-parallel-mean"
 
 
 def split_backend(name: str) -> tuple[str, list[str], bool, bool]:
@@ -64,14 +70,24 @@ def split_backend(name: str) -> tuple[str, list[str], bool, bool]:
 def build_llm(backend: str, args: argparse.Namespace) -> object:
     from kvpilot.engine import LLM, model_runner
     from kvpilot.engine.cpu import layer_ops
+    from kvpilot.engine.cpu.build import load_library
     from kvpilot.engine.model import layers
 
+    parallel_mean = backend.endswith(PARALLEL_MEAN)
+    backend = backend.removesuffix(PARALLEL_MEAN)
     attention_backend, torch_fields, fuse_gate_up, ref_prefill = split_backend(backend)
     with_c_ops, pack = layer_ops.cpu_layer_ops, model_runner.pack_linears
-    if torch_fields:
-        layer_ops.cpu_layer_ops = lambda: dataclasses.replace(
-            with_c_ops(), **{field: getattr(layers, field) for field in torch_fields}
+    overrides = {field: getattr(layers, field) for field in torch_fields}
+    if parallel_mean:
+        lib = load_library()
+        overrides.setdefault(
+            "rms_norm",
+            lambda x, weight, eps, residual=None: layer_ops.rms_norm(
+                lib, x, weight, eps, residual, serial_mean=False
+            ),
         )
+    if overrides:
+        layer_ops.cpu_layer_ops = lambda: dataclasses.replace(with_c_ops(), **overrides)
     if fuse_gate_up:
         model_runner.pack_linears = functools.partial(pack, fuse_gate_up=True)
     try:
@@ -138,7 +154,8 @@ def main() -> None:
         "--backends",
         default="torch,cpu",
         help="comma-separated attention backends, each with optional suffixes "
-        f"{REF_PREFILL} (cpu only), then {list(TORCH_OPS)}, then {ONEDNN_MLP}",
+        f"{REF_PREFILL} (cpu only), then {list(TORCH_OPS)}, then {ONEDNN_MLP}, then "
+        f"{PARALLEL_MEAN} (cpu only)",
     )
     ap.add_argument("--rounds", type=int, default=1, help="run the backends in turn this often")
     ap.add_argument("--num-requests", type=int, default=64)

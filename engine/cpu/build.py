@@ -66,6 +66,7 @@ TYPED: dict[str, Signature] = {
 }
 UNTYPED: dict[str, Signature] = {
     "kvpilot_openmp_threads": ([], _INT),
+    "kvpilot_set_openmp_threads": ([_INT], _INT),
 }
 
 

@@ -129,9 +129,16 @@ def rms_norm(
     weight: torch.Tensor,
     eps: float,
     residual: torch.Tensor | None = None,
+    serial_mean: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """layers.rms_norm, bit for bit: the C kernels do the elementwise passes, torch's own mean
-    sums the squares (so the variance is summed in exactly torch's order)."""
+    sums the squares (so the variance is summed in exactly torch's order).
+
+    serial_mean: that mean runs on this thread alone. Each row is summed by one thread in the
+    same order either way (identical results), and the whole mean is ~25-50 us at 2048 tokens,
+    but an OpenMP region waits for its slowest thread: with another process on the cores, one
+    descheduled thread held a 2-thread mean for milliseconds (mean 1.8 ms, p90 7.9 ms per call,
+    61 calls per step; bench/RESULTS.md, issue 12). False: torch's parallel mean (bench A/B)."""
     tensors = (x, weight) if residual is None else (x, weight, residual)
     if (
         lib is None
@@ -154,7 +161,14 @@ def rms_norm(
         tokens,
         hidden,
     )
-    variance = squares.mean(-1)
+    if serial_mean:
+        threads = lib.kvpilot_set_openmp_threads(1)
+        try:
+            variance = squares.mean(-1)
+        finally:
+            lib.kvpilot_set_openmp_threads(threads)
+    else:
+        variance = squares.mean(-1)
     out = torch.empty_like(x)
     getattr(lib, f"rms_norm_apply_{suffix}")(
         summed.data_ptr(),

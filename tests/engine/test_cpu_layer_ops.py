@@ -103,7 +103,9 @@ def test_rotary_positions_beyond_the_table_raise() -> None:
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize(("num_tokens", "hidden"), [(1, 576), (32, 576), (300, 576), (7, 4096)])
+@pytest.mark.parametrize(
+    ("num_tokens", "hidden"), [(1, 576), (32, 576), (300, 576), (2048, 576), (7, 4096)]
+)
 @pytest.mark.parametrize("with_residual", [False, True])
 def test_rms_norm_is_bit_identical(
     dtype: torch.dtype, num_tokens: int, hidden: int, with_residual: bool
@@ -123,6 +125,26 @@ def test_rms_norm_is_bit_identical(
         assert_matches(new_residual, ref_residual)
         if not with_residual:
             assert new_residual is x  # x itself is the residual, as in the torch version
+
+
+def test_rms_norm_mean_on_one_thread_leaves_the_thread_count_and_the_result() -> None:
+    """The mean of squares runs on this thread alone, then torch's team size is what it was; a
+    2048-token step's mean is large enough that torch would split it over its threads."""
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(2048, 576, generator=gen).to(torch.bfloat16)
+    residual = torch.randn(2048, 576, generator=gen).to(torch.bfloat16)
+    weight = torch.randn(576, generator=gen).to(torch.bfloat16)
+    before = torch.get_num_threads()
+    for threads in sorted({1, 2, before}):
+        torch.set_num_threads(threads)
+        try:
+            serial = layer_ops.rms_norm(LIB, x, weight, 1e-5, residual)
+            assert torch.get_num_threads() == threads
+            parallel = layer_ops.rms_norm(LIB, x, weight, 1e-5, residual, serial_mean=False)
+        finally:
+            torch.set_num_threads(before)
+        for a, b in zip(serial, parallel, strict=True):
+            assert_matches(a, b)
 
 
 def test_rms_norm_falls_back_for_what_the_kernel_does_not_take() -> None:

@@ -785,6 +785,22 @@ int kvpilot_openmp_threads(void) {
 #endif
 }
 
+/* Sets the calling thread's OpenMP team size for the parallel regions it starts next (torch's
+ * included: they share this runtime) and returns the one it replaces. Without OpenMP it changes
+ * nothing and returns 1. */
+int kvpilot_set_openmp_threads(int threads) {
+#ifdef _OPENMP
+    extern int omp_get_max_threads(void);
+    extern void omp_set_num_threads(int);
+    int previous = omp_get_max_threads();
+    omp_set_num_threads(threads);
+    return previous;
+#else
+    (void)threads;
+    return 1;
+#endif
+}
+
 /* ---- The MLP's dense path (issue 12) ------------------------------------------------------- */
 
 /* SiLU-and-multiply over the merged gate_up projection: gate_up [tokens, 2 * inter] (row stride
