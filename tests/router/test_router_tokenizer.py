@@ -4,14 +4,16 @@ tokenizer (kvpilot.router.tokenizer.FastEncoding), the engine's through transfor
 from __future__ import annotations
 
 import json
+import random
 from typing import Any
 
 import pytest
+from tokenizers import AddedToken, Tokenizer, models, normalizers, pre_tokenizers
 
 from kvpilot.engine.model.loader import load_tokenizer, resolve_model
 from kvpilot.engine.server.preprocess import PromptLimits, preprocess
 from kvpilot.router.prompts import parse, prompt_token_ids
-from kvpilot.router.tokenizer import FastEncoding, fast_encoding
+from kvpilot.router.tokenizer import FastEncoding, fast_encoding, piece_splitter
 
 CONVERSATIONS: list[list[dict[str, str]]] = [
     [{"role": "user", "content": "Hello?"}],
@@ -76,3 +78,65 @@ def test_everything_but_encode_is_the_wrapped_tokenizer(
     assert len(router_tokenizer) == len(engine_tokenizer)
     ids = engine_tokenizer.encode("A tandem, please.")
     assert router_tokenizer.decode(ids) == engine_tokenizer.decode(ids)
+
+
+def test_texts_cut_at_added_tokens_tokenize_as_a_whole(engine_tokenizer: Any) -> None:
+    """Random texts with every added token (and near misses) anywhere, inside words too:
+    tokenized piece by piece, through a cache small enough to evict, they give the whole
+    text's ids."""
+    tokenizer = fast_encoding(load_tokenizer(resolve_model(None, "auto").hf_dir))
+    assert tokenizer._splitter is not None  # SmolLM2's tokenizer is cut piece by piece
+    tokenizer.max_cached_tokens = 64
+    rng = random.Random(0)
+    added = [
+        t.content for t in engine_tokenizer.backend_tokenizer.get_added_tokens_decoder().values()
+    ]
+    words = [
+        "rent",
+        " a",
+        " tandem",
+        "?",
+        "\n",
+        "  ",
+        "\n\n",
+        " ",
+        "é",
+        "🚲",
+        "日本",
+        "12",
+        "<|",
+        "|>",
+        "<|im_",
+        "_end|>",
+        "im_start",
+    ]
+    for _ in range(300):
+        parts = [rng.choice(words + added) for _ in range(rng.randrange(1, 24))]
+        text = "".join(parts)
+        expected = engine_tokenizer.encode(text, add_special_tokens=False)
+        assert tokenizer.encode(text, add_special_tokens=False) == expected, text
+        assert tokenizer.encode(text, add_special_tokens=False) == expected, text  # cached
+        assert sum(len(ids) for ids in tokenizer._pieces.values()) <= 64
+
+
+def test_pieces_are_not_cut_where_they_could_tokenize_differently() -> None:
+    def backend(**kwargs: Any) -> Tokenizer:
+        rust = Tokenizer(models.BPE())
+        rust.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        for name, value in kwargs.items():
+            setattr(rust, name, value)
+        return rust
+
+    plain = backend()
+    plain.add_special_tokens([AddedToken("<s>", special=True)])
+    assert piece_splitter(plain) is not None
+    normalized = backend(normalizer=normalizers.NFC())
+    normalized.add_special_tokens(["<s>"])
+    prefixed = backend(pre_tokenizer=pre_tokenizers.ByteLevel(add_prefix_space=True))
+    prefixed.add_special_tokens(["<s>"])
+    metaspace = backend(pre_tokenizer=pre_tokenizers.Metaspace())
+    metaspace.add_special_tokens(["<s>"])
+    stripping = backend()
+    stripping.add_special_tokens([AddedToken("<mask>", lstrip=True, special=True)])
+    for rust in (normalized, prefixed, metaspace, stripping):
+        assert piece_splitter(rust) is None
