@@ -22,7 +22,11 @@ holding it and through the router (`--overhead-samples` each), end-to-end latenc
 the router process's CPU time (user + system, from /proc) over those requests, per routed
 request (it includes the block events the direct requests cause: small); and the router's own
 CPU work for that request in this process (parse, chat template, tokenize, hash, choose), timed
-over 200 repetitions.
+over 200 repetitions (the same request each time: the tokenizer's piece cache holds its system
+prompt after the first, as it would a conversation's earlier turns). `--profile FILE` also writes
+the router's CPU by function over the overhead requests (cProfile, process clock; it slows the
+router, so the overhead figures of that run are not comparable): `python bench/router_profile.py
+--print FILE`.
 
     python bench/router_chat.py --out bench/router_chat.json
 """
@@ -391,7 +395,9 @@ def main() -> None:
     logs = args.out.with_suffix("").with_name(args.out.stem + "-logs")
     logs.mkdir(parents=True, exist_ok=True)
     conversations = workload(args)
-    report: dict[str, Any] = {"config": vars(args) | {"out": str(args.out)}}
+    report: dict[str, Any] = {
+        "config": vars(args) | {"out": str(args.out), "profile": args.profile and str(args.profile)}
+    }
 
     replicas = [serve(args.blocks, logs / f"replica-{i}.log") for i in range(3)]
     router = None
