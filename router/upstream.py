@@ -75,6 +75,9 @@ class _Connection(asyncio.Protocol):
     def data_received(self, data: bytes) -> None:
         if self.is_closed:
             return
+        if self.response is None:  # bytes no request asked for: the connection is unusable
+            self.close()
+            return
         try:
             self.parser.feed_data(data)
         except httptools.HttpParserError as exc:
