@@ -22,7 +22,11 @@ holding it and through the router (`--overhead-samples` each), end-to-end latenc
 the router process's CPU time (user + system, from /proc) over those requests, per routed
 request (it includes the block events the direct requests cause: small); and the router's own
 CPU work for that request in this process (parse, chat template, tokenize, hash, choose), timed
-over 200 repetitions.
+over 200 repetitions (the same request each time: the tokenizer's piece cache holds its system
+prompt after the first, as it would a conversation's earlier turns). `--profile FILE` also writes
+the router's CPU by function over the overhead requests (cProfile, process clock; it slows the
+router, so the overhead figures of that run are not comparable): `python bench/router_profile.py
+--print FILE`.
 
     python bench/router_chat.py --out bench/router_chat.json
 """
@@ -35,6 +39,7 @@ import json
 import os
 import random
 import re
+import signal
 import statistics
 import subprocess
 import sys
@@ -306,6 +311,9 @@ async def overhead(router_url: str, router_pid: int, args: argparse.Namespace) -
         index = (await http.get(f"{router_url}/kvpilot/v1/router/index")).json()[MODEL]
         holder_url = index[holder]["url"]
         direct, routed = [], []
+        if args.profile is not None:
+            args.profile.unlink(missing_ok=True)
+            os.kill(router_pid, signal.SIGUSR1)
         cpu_before = process_cpu_s(router_pid)
         for i in range(2 * args.overhead_samples):
             url = holder_url if i % 2 == 0 else router_url
@@ -318,6 +326,8 @@ async def overhead(router_url: str, router_pid: int, args: argparse.Namespace) -
                 assert response.headers["x-kvpilot-route"].startswith("prefix")
             (direct if url == holder_url else routed).append(elapsed)
         cpu_after = process_cpu_s(router_pid)
+        if args.profile is not None:
+            os.kill(router_pid, signal.SIGUSR2)
     cpu_ms = (
         None
         if cpu_before is None or cpu_after is None
@@ -384,12 +394,20 @@ def main() -> None:
     parser.add_argument(
         "--overhead-only", action="store_true", help="only the router's added latency"
     )
+    parser.add_argument(
+        "--profile",
+        type=Path,
+        help="profile the router's CPU (cProfile, process clock) over the overhead requests "
+        "into this pstats file (bench/router_profile.py); it inflates router_process_cpu",
+    )
     parser.add_argument("--out", type=Path, default=Path("bench/router_chat.json"))
     args = parser.parse_args()
     logs = args.out.with_suffix("").with_name(args.out.stem + "-logs")
     logs.mkdir(parents=True, exist_ok=True)
     conversations = workload(args)
-    report: dict[str, Any] = {"config": vars(args) | {"out": str(args.out)}}
+    report: dict[str, Any] = {
+        "config": vars(args) | {"out": str(args.out), "profile": args.profile and str(args.profile)}
+    }
 
     replicas = [serve(args.blocks, logs / f"replica-{i}.log") for i in range(3)]
     router = None
@@ -397,11 +415,14 @@ def main() -> None:
         for replica in replicas:
             replica.wait_ready()
         static = "bench=" + ",".join(r.url for r in replicas)
+        launch = [sys.executable, "-m", "kvpilot.cli"]
+        if args.profile is not None:  # profiled between two signals, around the overhead requests
+            launch = [sys.executable, str(Path(__file__).with_name("router_profile.py"))]
+            launch += [str(args.profile), "--"]
         router = Proc(
-            [sys.executable, "-m", "kvpilot.cli", "router", "--static", static, "--host",
-             "127.0.0.1", "--port", "0"],
+            [*launch, "router", "--static", static, "--host", "127.0.0.1", "--port", "0"],
             logs / "router.log",
-        )  # fmt: skip
+        )
         router.wait_ready()
         urls = [r.url for r in replicas]
         # Warm-up, unmeasured: every replica and the router see a request first.

@@ -10,6 +10,7 @@ byte layout instead. Change the layout only together with HASH_SCHEME: subscribe
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import struct
 from collections.abc import Sequence
@@ -38,12 +39,26 @@ def chain_block_hashes(
     known: Sequence[int] = (),
 ) -> list[int]:
     """The hash chain over every full block of token_ids. `known` is a prefix of the chain that
-    is already computed (it is extended, not recomputed)."""
+    is already computed (it is extended, not recomputed). Each hash is hash_block's; the layout is
+    built once per chain (the router hashes every request's prompt)."""
     if block_size < 1:
         raise ValueError(f"block_size must be >= 1, got {block_size}")
     hashes = list(known)
+    pack = _block_layout(block_size).pack
+    salt = _NO_SALT if cache_salt is None else b"\x01" + cache_salt.encode("utf-8")
     for index in range(len(hashes), len(token_ids) // block_size):
         start = index * block_size
-        parent = hashes[-1] if hashes else None
-        hashes.append(hash_block(parent, token_ids[start : start + block_size], cache_salt))
+        digest = _UNKEYED.copy()
+        parent = _NO_PARENT if not hashes else b"\x01" + hashes[-1].to_bytes(8, "little")
+        # One update of the same bytes hash_block feeds in three.
+        digest.update(parent + pack(block_size, *token_ids[start : start + block_size]) + salt)
+        hashes.append(int.from_bytes(digest.digest(), "little"))
     return hashes
+
+
+_UNKEYED = hashlib.blake2b(digest_size=8, person=_PERSON)
+
+
+@functools.lru_cache(maxsize=8)
+def _block_layout(block_size: int) -> struct.Struct:
+    return struct.Struct(f"<I{block_size}I")

@@ -1,4 +1,5 @@
-"""The router's FastAPI app: the OpenAI routes every model shares, probes and /metrics."""
+"""The router's ASGI app: the OpenAI routes every model shares (kvpilot.router.openai_routes),
+probes, the model list and /metrics (FastAPI)."""
 
 from __future__ import annotations
 
@@ -15,15 +16,14 @@ from starlette.responses import JSONResponse, Response
 
 from kvpilot.engine.gc_freeze import freeze_startup_objects
 from kvpilot.engine.server import errors
-from kvpilot.engine.server.preprocess import RequestKind
-from kvpilot.router.prompts import parse
+from kvpilot.router.openai_routes import OpenAIRoutes
 from kvpilot.router.proxy import error_response
 from kvpilot.router.runtime import RouterRuntime
 
 log = logging.getLogger("kvpilot.router")
 
 
-def create_app(runtime: RouterRuntime) -> FastAPI:
+def create_app(runtime: RouterRuntime) -> OpenAIRoutes:
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         await runtime.start()
@@ -127,34 +127,5 @@ def create_app(runtime: RouterRuntime) -> FastAPI:
             )
         return JSONResponse(card(model))
 
-    async def route(kind: RequestKind, request: Request) -> Response:
-        body = await read_body(request, runtime.config.max_body_bytes)
-        parsed = parse(kind, body)
-        return await runtime.proxy.handle(kind, parsed, body, request.headers)
-
-    async def completions(request: Request) -> Response:
-        return await route("completion", request)
-
-    async def chat_completions(request: Request) -> Response:
-        return await route("chat", request)
-
-    # Plain Starlette routes: they take nothing but the request, and FastAPI's parameter
-    # machinery would cost every request more than choosing its replica does.
-    app.add_route("/v1/completions", completions, methods=["POST"])
-    app.add_route("/v1/chat/completions", chat_completions, methods=["POST"])
-
-    return app
-
-
-async def read_body(request: Request, limit: int) -> bytes:
-    declared = request.headers.get("content-length")
-    if declared is not None and declared.isdigit() and int(declared) > limit:
-        raise errors.too_large(int(declared), limit)
-    chunks: list[bytes] = []
-    size = 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise errors.too_large(None, limit)
-        chunks.append(chunk)
-    return b"".join(chunks)
+    # The OpenAI routes are served in front of it (kvpilot.router.openai_routes).
+    return OpenAIRoutes(app, runtime.proxy, runtime.config.max_body_bytes)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 PREFIX_BUCKETS = (0, 16, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768)
@@ -68,3 +70,17 @@ class RouterMetrics:
             ["model", "state"],
             registry=registry,
         )
+        # Every routed request counts its decision: the labelled children are looked up once
+        # per (model, reason), not per request (labels() validates and locks each time).
+        self._decision_children: dict[tuple[str, str], tuple[Any, Any]] = {}
+
+    def decided(self, model: str, reason: str, prefix_tokens: int) -> None:
+        """One routing decision, and the prompt tokens its replica already held."""
+        children = self._decision_children.get((model, reason))
+        if children is None:
+            children = self._decision_children[(model, reason)] = (
+                self.decisions.labels(model, reason),
+                self.prefix_match_tokens.labels(model),
+            )
+        children[0].inc()
+        children[1].observe(prefix_tokens)

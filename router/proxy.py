@@ -4,9 +4,9 @@ through as it arrives. A replica that fails before anything was sent back is mar
 the request goes to another; once bytes have gone to the client, a failure ends the stream.
 
 The request path is the router's overhead on every request: the client's body is forwarded as
-the bytes it sent (never re-serialized) over a pooled keep-alive aiohttp session (its C parser
-costs a fraction of httpx's per request: bench/RESULTS.md), and a response that is not a stream
-goes back in one piece with its length."""
+the bytes it sent (never re-serialized) over pooled keep-alive connections (kvpilot.router
+.upstream: a small HTTP/1.1 client on httptools, cheaper per request than aiohttp's and httpx's,
+bench/RESULTS.md), and a response that is not a stream goes back in one piece with its length."""
 
 from __future__ import annotations
 
@@ -15,7 +15,6 @@ import logging
 import time
 from collections.abc import AsyncIterator, Mapping
 
-import aiohttp
 import httpx
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
@@ -29,6 +28,7 @@ from kvpilot.router.prompts import ParsedRequest, block_chain, blocks_needed, pr
 from kvpilot.router.registry import ModelPool, Registry
 from kvpilot.router.replica import Replica
 from kvpilot.router.scoring import Candidate, choose
+from kvpilot.router.upstream import BrokenResponse, ConnectError, UpstreamPool, UpstreamResponse
 
 log = logging.getLogger("kvpilot.router")
 
@@ -37,9 +37,9 @@ SESSION_HEADER = "x-session-id"
 _PASSED_HEADERS = ("content-type", "retry-after", "x-request-id")
 _WAKE_REPEAT_S = 5.0
 # Before the first byte: a connection refused, reset or closed by the replica (`connect`).
-_CONNECT_ERRORS = (aiohttp.ClientConnectionError, asyncio.TimeoutError, OSError)
+_CONNECT_ERRORS = (ConnectError, asyncio.TimeoutError, OSError)
 # After it: the response broke off.
-_STREAM_ERRORS = (aiohttp.ClientError, asyncio.TimeoutError, OSError)
+_STREAM_ERRORS = (BrokenResponse, asyncio.TimeoutError, OSError)
 
 
 def error_response(error: errors.APIError) -> JSONResponse:
@@ -66,24 +66,13 @@ class Proxy:
         self.registry = registry
         self.kube = kube
         self.metrics = metrics
-        # Made in the event loop that serves requests (start), closed at stop.
-        self.engines: aiohttp.ClientSession | None = None
-
-    def start(self) -> None:
-        self.engines = aiohttp.ClientSession(
-            # No pool limit: every in-flight request holds a connection; keep-alive saves the
-            # connect on the next one. Idle ones go before the engines' uvicorn closes them
-            # (5 s), so a reused connection is never one the engine is closing.
-            connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=4.0),
-            timeout=aiohttp.ClientTimeout(total=None, sock_connect=10.0),
-            auto_decompress=False,  # passed through as the engine sent it
-            # Nothing compressed: the bytes go to the client as they are, with no Content-Encoding.
-            skip_auto_headers=("User-Agent", "Accept-Encoding"),
-        )
+        # No pool limit: every in-flight request holds a connection; keep-alive saves the
+        # connect on the next one. No Accept-Encoding is sent: the bytes go to the client as the
+        # engine sent them, uncompressed.
+        self.engines = UpstreamPool()
 
     async def stop(self) -> None:
-        if self.engines is not None:
-            await self.engines.close()
+        self.engines.close()
 
     async def handle(
         self, kind: RequestKind, parsed: ParsedRequest, body: bytes, headers: Mapping[str, str]
@@ -117,10 +106,7 @@ class Proxy:
                 response.headers["x-kvpilot-route"] = (
                     f"{reason}; prefix-tokens={matched * (replica.block_size or 0)}"
                 )
-                self.metrics.decisions.labels(model, reason).inc()
-                self.metrics.prefix_match_tokens.labels(model).observe(
-                    matched * (replica.block_size or 0)
-                )
+                self.metrics.decided(model, reason, matched * (replica.block_size or 0))
                 return response
             replicas = pool.routable(time.monotonic(), self.config.dead_after_s)
         raise unavailable(model, "every replica tried failed", self.config.hold.retry_after_s)
@@ -247,7 +233,6 @@ class Proxy:
     ) -> Response | None:
         """The replica's response (passed on as it streams, or whole when it is not a stream);
         None when it failed before answering."""
-        assert self.engines is not None, "Proxy.start() makes the session"
         model = pool.service.model
         outgoing = {"content-type": headers.get("content-type", "application/json")}
         auth = (
@@ -259,9 +244,7 @@ class Proxy:
             outgoing["authorization"] = auth
         replica.in_flight += 1
         try:
-            upstream = await self.engines.post(
-                f"{replica.url}{PATHS[kind]}", data=body, headers=outgoing
-            )
+            upstream = await self.engines.post(replica.url, PATHS[kind], outgoing, body)
         except _CONNECT_ERRORS as exc:
             replica.in_flight -= 1
             replica.failed_at = time.monotonic()
@@ -273,7 +256,7 @@ class Proxy:
             upstream.release()
             self.metrics.upstream_errors.labels(model, f"status_{upstream.status}").inc()
             return None
-        passed = {k: v for k, v in upstream.headers.items() if k.lower() in _PASSED_HEADERS}
+        passed = {k: v for k, v in upstream.raw_headers if k in _PASSED_HEADERS}
         if is_stream:
             return StreamingResponse(
                 self._relay(model, replica, upstream), upstream.status, headers=passed
@@ -296,10 +279,10 @@ class Proxy:
         return Response(content, upstream.status, headers=passed)
 
     async def _relay(
-        self, model: str, replica: Replica, upstream: aiohttp.ClientResponse
+        self, model: str, replica: Replica, upstream: UpstreamResponse
     ) -> AsyncIterator[bytes]:
         try:
-            async for chunk in upstream.content.iter_any():
+            async for chunk in upstream.chunks():
                 yield chunk
         except _STREAM_ERRORS as exc:
             self.metrics.upstream_errors.labels(model, "stream").inc()
@@ -307,7 +290,7 @@ class Proxy:
         finally:
             replica.in_flight -= 1
             # A stream cut short (the client went away) cannot go back to the pool.
-            if upstream.content.is_eof():
+            if upstream.is_eof:
                 upstream.release()
             else:
                 upstream.close()

@@ -11,6 +11,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+import aiohttp
 import httpx
 
 from kvpilot.router.cluster import Endpoint, ServiceInfo, endpoint, service_info
@@ -54,6 +55,8 @@ class Registry:
         self.config = config
         self.engines = engines
         self.metrics = metrics
+        # The replicas' block-event streams (made by RouterRuntime.start, in the serving loop).
+        self.streams: aiohttp.ClientSession | None = None
         self.services: dict[tuple[str, str], ServiceInfo] = {}
         self.endpoints: dict[tuple[str, str], Endpoint] = {}
         self.pools: dict[str, ModelPool] = {}
@@ -140,12 +143,13 @@ class Registry:
                     self._add_replica(pool, found)
 
     def _add_replica(self, pool: ModelPool, found: Endpoint) -> None:
+        assert self.streams is not None, "RouterRuntime.start() gives the streams their session"
         replica = Replica(found.pod, found.url, BlockIndex(self.config.max_blocks_per_replica))
         pool.replicas[found.pod] = replica
         pool.followers[found.pod] = asyncio.get_running_loop().create_task(
             follow(
                 replica,
-                self.engines,
+                self.streams,
                 dead_after_s=self.config.dead_after_s,
                 on_synced=lambda: self._replica_synced(pool, replica),
             ),

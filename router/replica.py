@@ -15,7 +15,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-import httpx
+import aiohttp
 import msgspec
 
 from kvpilot.engine.block_events import KvMessage, KvSnapshot, KvUpdate, Load
@@ -82,7 +82,7 @@ class Replica:
 
 async def follow(
     replica: Replica,
-    client: httpx.AsyncClient,
+    session: aiohttp.ClientSession,
     *,
     dead_after_s: float,
     on_synced: Callable[[], None] | None = None,
@@ -93,20 +93,29 @@ async def follow(
     attempt = 0
     while True:
         try:
-            async with client.stream(
-                "GET",
+            async with session.get(
                 f"{replica.url}/kvpilot/v1/kv-events",
-                timeout=httpx.Timeout(5.0, read=dead_after_s),
+                timeout=aiohttp.ClientTimeout(total=None, sock_connect=5.0, sock_read=dead_after_s),
             ) as response:
                 response.raise_for_status()
-                async for line in response.aiter_lines():
-                    if not line:
+                # Lines as each read brings them: a heartbeat costs one read and one decode.
+                pending = bytearray()
+                async for chunk in response.content.iter_any():
+                    if b"\n" not in chunk:  # part of a long line (a big snapshot)
+                        pending += chunk
                         continue
-                    was_routable = replica.seq is not None
-                    replica.apply(decoder.decode(line), time.monotonic())
-                    attempt = 0
-                    if not was_routable and on_synced is not None:
-                        on_synced()
+                    pending += chunk
+                    end = pending.rindex(b"\n")
+                    lines = bytes(pending[:end]).split(b"\n")
+                    del pending[: end + 1]
+                    for line in lines:
+                        if not line:
+                            continue
+                        was_routable = replica.seq is not None
+                        replica.apply(decoder.decode(line), time.monotonic())
+                        attempt = 0
+                        if not was_routable and on_synced is not None:
+                            on_synced()
             raise StreamGap(f"{replica.name}: the event stream ended")
         except asyncio.CancelledError:
             raise

@@ -10,6 +10,7 @@ import logging
 from typing import Any
 from urllib.parse import urlsplit
 
+import aiohttp
 import httpx
 from prometheus_client import CollectorRegistry
 
@@ -35,8 +36,8 @@ class RouterRuntime:
         self.config = config
         self.kube_access = kube
         self.metrics = RouterMetrics(CollectorRegistry())
-        # The block-event streams and tokenizer fetches (one per replica, not per request);
-        # the proxy forwards requests over its own session.
+        # Tokenizer fetches (one per model, not per request); requests go over the proxy's own
+        # connections, the replicas' block-event streams over an aiohttp session.
         self.engines = httpx.AsyncClient(
             timeout=httpx.Timeout(10.0, read=None),
             limits=httpx.Limits(max_connections=None, max_keepalive_connections=256),
@@ -46,6 +47,7 @@ class RouterRuntime:
         self.proxy = Proxy(config, self.registry, self.kube, self.metrics)
         self._listed: set[tuple[str, str]] = set()
         self._watches: list[asyncio.Task[None]] = []
+        self.streams: aiohttp.ClientSession | None = None  # made in the serving loop (start)
 
     @property
     def is_synced(self) -> bool:
@@ -54,7 +56,10 @@ class RouterRuntime:
         )
 
     async def start(self) -> None:
-        self.proxy.start()
+        # The replicas' block-event streams: long-lived, one per replica.
+        self.registry.streams = self.streams = aiohttp.ClientSession(
+            timeout=aiohttp.ClientTimeout(total=None, sock_connect=5.0)
+        )
         if self.config.static_models:
             services, pods = static_objects(self.config.static_models)
             self.registry.services_listed(STATIC_NAMESPACE, services)
@@ -101,6 +106,8 @@ class RouterRuntime:
                 await task
         self.registry.close()
         await self.proxy.stop()
+        if self.streams is not None:
+            await self.streams.close()
         await self.engines.aclose()
         if self.kube is not None:
             await self.kube.aclose()

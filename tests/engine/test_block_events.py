@@ -91,6 +91,19 @@ def test_hash_is_chained_salted_and_extends_a_known_prefix() -> None:
         chain_block_hashes(tokens, 0, None)
 
 
+@pytest.mark.parametrize("block_size", [1, 4, 16, 32])
+@pytest.mark.parametrize("salt", [None, "", "tenant-é"])
+def test_a_chain_is_hash_block_over_each_block_in_turn(block_size: int, salt: str | None) -> None:
+    rng = random.Random(block_size)
+    tokens = [rng.randrange(1 << 17) for _ in range(7 * block_size + block_size // 2)]
+    expected: list[int] = []
+    for start in range(0, 7 * block_size, block_size):
+        parent = expected[-1] if expected else None
+        expected.append(hash_block(parent, tokens[start : start + block_size], salt))
+    assert chain_block_hashes(tokens, block_size, salt) == expected
+    assert chain_block_hashes(tokens, block_size, salt, known=expected[:3]) == expected
+
+
 def test_hash_is_the_same_in_every_process() -> None:
     code = (
         "from kvpilot.engine.block_hash import chain_block_hashes as c;"

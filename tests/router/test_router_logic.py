@@ -297,3 +297,21 @@ async def test_a_tokenizer_is_kept_while_the_weights_stay_and_dropped_when_they_
     # Other weights: loaded afresh from the next replica.
     registry.service_event("MODIFIED", isvc("hf://org/b"))
     assert pool.tokenizer is None and pool.tokenizer_uri == "hf://org/b"
+
+
+def test_decisions_are_counted_per_model_and_reason() -> None:
+    registry = CollectorRegistry()
+    metrics = RouterMetrics(registry)
+    for reason, tokens in (("prefix", 224), ("prefix", 32), ("load", 0)):
+        metrics.decided("m", reason, tokens)
+    metrics.decided("other", "prefix", 16)
+
+    def value(name: str, **labels: str) -> float | None:
+        return registry.get_sample_value(name, labels)
+
+    assert value("kvpilot_router_decisions_total", model="m", reason="prefix") == 2
+    assert value("kvpilot_router_decisions_total", model="m", reason="load") == 1
+    assert value("kvpilot_router_decisions_total", model="other", reason="prefix") == 1
+    assert value("kvpilot_router_prefix_match_tokens_count", model="m") == 3
+    assert value("kvpilot_router_prefix_match_tokens_sum", model="m") == 256
+    assert value("kvpilot_router_prefix_match_tokens_bucket", model="m", le="16.0") == 1

@@ -1,0 +1,79 @@
+"""The two routes every request takes (POST /v1/chat/completions, /v1/completions), served as bare
+ASGI in front of the FastAPI app, which serves everything else (probes, models, /metrics, the
+lifespan).
+
+Why not a FastAPI or Starlette route: the router's CPU per request is its overhead, and the
+layers a routed request crossed there (five middlewares, the route table's regexes, a Request
+object) cost more than choosing its replica did (bench/RESULTS.md). Errors keep the engine's
+OpenAI bodies: APIError as raised, anything unexpected a logged 500.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from kvpilot.engine.server import errors
+from kvpilot.engine.server.preprocess import RequestKind
+from kvpilot.router.prompts import parse
+from kvpilot.router.proxy import Proxy, error_response
+
+log = logging.getLogger("kvpilot.router")
+
+ROUTES: dict[str, RequestKind] = {"/v1/chat/completions": "chat", "/v1/completions": "completion"}
+
+
+class ClientGone(Exception):
+    """The client disconnected before its body was read: there is no one to answer."""
+
+
+class OpenAIRoutes:
+    def __init__(self, app: ASGIApp, proxy: Proxy, max_body_bytes: int) -> None:
+        self.app = app  # everything else
+        self.proxy = proxy
+        self.max_body_bytes = max_body_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        kind = ROUTES.get(scope["path"]) if scope["type"] == "http" else None
+        if kind is None:
+            await self.app(scope, receive, send)
+            return
+        if scope["method"] != "POST":  # as Starlette answered it, with the OpenAI body
+            not_allowed = errors.APIError(
+                405, "Method Not Allowed", type="invalid_request_error", headers={"Allow": "POST"}
+            )
+            await error_response(not_allowed)(scope, receive, send)
+            return
+        # uvicorn gives lower-case names; the first of repeated headers wins, as in Starlette.
+        headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in reversed(scope["headers"])}
+        try:
+            body = await read_body(receive, headers.get("content-length"), self.max_body_bytes)
+            response = await self.proxy.handle(kind, parse(kind, body), body, headers)
+        except ClientGone:
+            return
+        except errors.APIError as exc:
+            response = error_response(exc)
+        except Exception as exc:
+            log.exception("unhandled error")
+            response = error_response(errors.internal_error(f"Internal server error: {exc!r}"))
+        await response(scope, receive, send)
+
+
+async def read_body(receive: Receive, declared: str | None, limit: int) -> bytes:
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise errors.too_large(int(declared), limit)
+    chunks: list[bytes] = []
+    size = 0
+    while True:
+        message: dict[str, Any] = await receive()
+        if message["type"] == "http.disconnect":
+            raise ClientGone
+        chunk = message.get("body", b"")
+        size += len(chunk)
+        if size > limit:
+            raise errors.too_large(None, limit)
+        chunks.append(chunk)
+        if not message.get("more_body", False):
+            return chunks[0] if len(chunks) == 1 else b"".join(chunks)
