@@ -7,8 +7,15 @@ to the history, then the next turn. `--concurrency` conversations run at once; e
 streams (TTFT = first content chunk) with usage, whose `cached_tokens` gives the prefix-cache hit.
 
 Passes, in one run, on the same 3 `kvpilot serve` replicas (`--blocks` KV blocks of 16 each):
-1. round-robin: the client itself cycles requests over the replicas, as a Service's round-robin
-   would;
+1. round-robin, i.e. a Kubernetes Service in front of the replicas, with one of two spreads
+   (`--spread`): `random` (the default), each request to a replica drawn from a seeded hash of
+   its conversation and turn, as kube-proxy's default (iptables) mode draws an endpoint per
+   connection and a chat frontend's pooled connections carry any conversation's turns; or
+   `cycle`, the client cycling one counter over the replicas. `cycle` is not a fair baseline in
+   this closed loop: with 6 workers each sending its conversation's next turn when the last
+   ends, the counter's phase lines a worker up with the same replica more often than chance
+   (37-50 % of next turns on the same replica against 33 %, varying with the machine's timing),
+   which made round-robin's hit rate 34-45 % on the same seed;
 2. router: every request through `kvpilot router --static` in front of the same replicas;
 3. one replica holding everything: the same workload on one replica with 3x the blocks (the
    3 replicas are stopped first), the hit rate a perfect router could reach at best.
@@ -254,6 +261,15 @@ async def one_turn(
     return result, "".join(text)
 
 
+def spread(
+    urls: list[str], counter: int, conversation: int, turn: int, args: argparse.Namespace
+) -> str:
+    """Where a request goes: the one URL (the router), or one of the replicas."""
+    if len(urls) == 1 or args.spread == "cycle":
+        return urls[counter % len(urls)]
+    return urls[random.Random(f"{args.seed}/{conversation}/{turn}").randrange(len(urls))]
+
+
 async def run_pass(
     name: str, urls: list[str], conversations: list[Conversation], args: argparse.Namespace
 ) -> PassReport:
@@ -270,7 +286,7 @@ async def run_pass(
             messages = [{"role": "system", "content": conversation.system}]
             for turn, question in enumerate(conversation.questions):
                 messages.append({"role": "user", "content": question})
-                url = urls[next(counter) % len(urls)]  # one URL: the router, or round-robin
+                url = spread(urls, next(counter), conversation.number, turn, args)
                 result, answer = await one_turn(
                     http, url, messages, f"{name}-{conversation.tenant}", args
                 )
@@ -386,6 +402,13 @@ def main() -> None:
         action="store_true",
         help="every reply exactly --max-tokens long (chat replies of a realistic length)",
     )
+    parser.add_argument(
+        "--spread",
+        choices=("random", "cycle"),
+        default="random",
+        help="how the round-robin pass spreads requests over the replicas (see above)",
+    )
+    parser.add_argument("--kv-room", action="store_true", help="the router's --kv-room rule")
     parser.add_argument("--concurrency", type=int, default=6)
     parser.add_argument("--blocks", type=int, default=96, help="KV blocks per replica")
     parser.add_argument("--overhead-samples", type=int, default=40)
@@ -420,7 +443,8 @@ def main() -> None:
             launch = [sys.executable, str(Path(__file__).with_name("router_profile.py"))]
             launch += [str(args.profile), "--"]
         router = Proc(
-            [*launch, "router", "--static", static, "--host", "127.0.0.1", "--port", "0"],
+            [*launch, "router", "--static", static, "--host", "127.0.0.1", "--port", "0"]
+            + (["--kv-room"] if args.kv_room else []),
             logs / "router.log",
         )
         router.wait_ready()

@@ -202,7 +202,11 @@ class Proxy:
             tie_key=tie_key,
             session_id=headers.get(SESSION_HEADER),
             config=self.config.routing,
-            blocks_needed=blocks_needed(parsed, len(token_ids or ()), block_size),
+            blocks_needed=(
+                blocks_needed(parsed, len(token_ids or ()), block_size)
+                if self.config.routing.kv_room
+                else 0
+            ),
         )
         if log.isEnabledFor(logging.DEBUG):
             log.debug(

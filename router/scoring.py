@@ -4,12 +4,13 @@
    load_factor x the mean (the new request counted), so one hot prefix cannot pile every request
    onto one replica. The least-loaded replica always qualifies.
 2. Session affinity (`x-session-id`): the session's rendezvous-hash favourite among those allowed.
-3. KV room: when the request's size is known, a replica whose free KV blocks take the blocks it
-   still needs there (its prompt and requested output, less the prefix that replica holds) goes
-   before one where it would wait for blocks. A holder whose pool is full of running sequences
-   would queue the request, and its cached prefix, being unreferenced, is what the running
-   sequences evict while it waits: the prefix is lost and the wait is added (measured in
-   bench/RESULTS.md, "Router").
+3. KV room (RoutingConfig.kv_room, off by default): when the request's size is known, a replica
+   whose free KV blocks take the blocks it still needs there (its prompt and requested output,
+   less the prefix that replica holds) goes before one where it would wait for blocks. A holder
+   whose pool is full of running sequences queues the request, and its cached prefix, being
+   unreferenced, is what the running sequences evict while it waits. Moving the request loses
+   the prefix too: measured on a tight pool it cut the TTFT tail but lost prefix hits
+   (bench/RESULTS.md, "Router"), hence off by default.
 4. Otherwise the best score: prefix match (fraction of the prompt's blocks held) against queue
    (relative to the busiest candidate) and KV-cache utilization. Ties go to the rendezvous-hash
    favourite of the request's first block, so routers that share no state send a new prefix to the
