@@ -14,7 +14,7 @@ Passes, in one run, on the same 3 `kvpilot serve` replicas (`--blocks` KV blocks
    `cycle`, the client cycling one counter over the replicas. `cycle` is not a fair baseline in
    this closed loop: with 6 workers each sending its conversation's next turn when the last
    ends, the counter's phase lines a worker up with the same replica more often than chance
-   (37-50 % of next turns on the same replica against 33 %, varying with the machine's timing),
+   (37-47 % of next turns on the same replica against 33 %, varying with the machine's timing),
    which made round-robin's hit rate 34-45 % on the same seed;
 2. router: every request through `kvpilot router --static` in front of the same replicas;
 3. one replica holding everything: the same workload on one replica with 3x the blocks (the
@@ -408,7 +408,6 @@ def main() -> None:
         default="random",
         help="how the round-robin pass spreads requests over the replicas (see above)",
     )
-    parser.add_argument("--kv-room", action="store_true", help="the router's --kv-room rule")
     parser.add_argument("--concurrency", type=int, default=6)
     parser.add_argument("--blocks", type=int, default=96, help="KV blocks per replica")
     parser.add_argument("--overhead-samples", type=int, default=40)
@@ -443,8 +442,7 @@ def main() -> None:
             launch = [sys.executable, str(Path(__file__).with_name("router_profile.py"))]
             launch += [str(args.profile), "--"]
         router = Proc(
-            [*launch, "router", "--static", static, "--host", "127.0.0.1", "--port", "0"]
-            + (["--kv-room"] if args.kv_room else []),
+            [*launch, "router", "--static", static, "--host", "127.0.0.1", "--port", "0"],
             logs / "router.log",
         )
         router.wait_ready()

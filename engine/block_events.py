@@ -27,16 +27,6 @@ class Load(msgspec.Struct, frozen=True):
     num_waiting: int = 0
     num_running: int = 0
     kv_cache_usage: float = 0.0
-    # The pool's size, so that a router can tell whether a request's new blocks fit now
-    # (0: not said, as by an engine from before it was sent).
-    num_blocks: int = 0
-
-    @property
-    def free_blocks(self) -> int | None:
-        """Blocks no running sequence holds (cached-but-unreferenced ones included)."""
-        if self.num_blocks <= 0:
-            return None
-        return round(self.num_blocks * (1.0 - self.kv_cache_usage))
 
 
 class KvSnapshot(msgspec.Struct, frozen=True, tag="snapshot", tag_field="kind"):

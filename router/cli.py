@@ -39,12 +39,6 @@ def parse_args(argv: list[str]) -> RouterConfig:
     parser.add_argument("--host", default="0.0.0.0")
     parser.add_argument("--port", type=int, default=8080, help="0 picks a free port")
     parser.add_argument("--load-factor", type=float, default=RoutingConfig.load_factor)
-    parser.add_argument(
-        "--kv-room",
-        action="store_true",
-        help="prefer a replica whose free KV blocks take the request now over the prefix holder"
-        " where it would wait for blocks",
-    )
     parser.add_argument("--hold-timeout", type=float, default=HoldConfig.timeout_s)
     parser.add_argument("--max-held", type=int, default=HoldConfig.max_held_per_model)
     parser.add_argument("--retry-after", type=int, default=HoldConfig.retry_after_s)
@@ -85,7 +79,7 @@ def parse_args(argv: list[str]) -> RouterConfig:
         namespaces=tuple(namespaces),
         host=args.host,
         port=args.port,
-        routing=RoutingConfig(load_factor=args.load_factor, kv_room=args.kv_room),
+        routing=RoutingConfig(load_factor=args.load_factor),
         hold=HoldConfig(
             max_held_per_model=args.max_held,
             timeout_s=args.hold_timeout,

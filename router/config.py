@@ -15,10 +15,6 @@ class RoutingConfig:
     prefix_weight: float = 3.0
     queue_weight: float = 2.0
     kv_weight: float = 2.0
-    # KV room (scoring.py, rule 3): off by default. On a pool as tight as the router benchmark's
-    # it cut the TTFT tail but lost 3-10 points of prefix hits, by moving turns off the replica
-    # holding their history (bench/RESULTS.md, "Router").
-    kv_room: bool = False
 
     def __post_init__(self) -> None:
         if self.load_factor < 1.0:

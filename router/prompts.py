@@ -19,7 +19,6 @@ from kvpilot.engine.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     parse_request,
-    requested_max_tokens,
 )
 
 # The engine checks token ids against its vocabulary and prompts against its context; the router
@@ -63,12 +62,3 @@ def block_chain(token_ids: list[int] | None, block_size: int | None, salt: str |
     if not token_ids or not block_size:
         return []
     return chain_block_hashes(token_ids[:-1], block_size, salt)
-
-
-def blocks_needed(parsed: ParsedRequest, num_prompt_tokens: int, block_size: int | None) -> int:
-    """The KV blocks the request will hold when it runs: its prompt and the output it asks for
-    (none when it sets no limit: the engine's default is the whole context, no estimate)."""
-    if not block_size or not num_prompt_tokens:
-        return 0
-    limit = requested_max_tokens(parsed.request) or 0
-    return -(-(num_prompt_tokens + limit) // block_size)

@@ -24,7 +24,7 @@ from kvpilot.router.config import RouterConfig
 from kvpilot.router.hold import HoldFull, HoldTimeout
 from kvpilot.router.kube import request_wake
 from kvpilot.router.metrics import RouterMetrics
-from kvpilot.router.prompts import ParsedRequest, block_chain, blocks_needed, prompt_token_ids
+from kvpilot.router.prompts import ParsedRequest, block_chain, prompt_token_ids
 from kvpilot.router.registry import ModelPool, Registry
 from kvpilot.router.replica import Replica
 from kvpilot.router.scoring import Candidate, choose
@@ -191,7 +191,6 @@ class Proxy:
                 r.in_flight,
                 r.load.num_waiting,
                 r.load.kv_cache_usage,
-                r.load.free_blocks,
             )
             for r in replicas
         ]
@@ -202,11 +201,6 @@ class Proxy:
             tie_key=tie_key,
             session_id=headers.get(SESSION_HEADER),
             config=self.config.routing,
-            blocks_needed=(
-                blocks_needed(parsed, len(token_ids or ()), block_size)
-                if self.config.routing.kv_room
-                else 0
-            ),
         )
         if log.isEnabledFor(logging.DEBUG):
             log.debug(
@@ -216,10 +210,7 @@ class Proxy:
                 decision.reason,
                 decision.matched_blocks,
                 len(chain),
-                [
-                    (c.name, c.matched_blocks, c.in_flight, c.num_waiting, c.free_blocks)
-                    for c in candidates
-                ],
+                [(c.name, c.matched_blocks, c.in_flight, c.num_waiting) for c in candidates],
             )
         chosen = next(r for r in replicas if r.name == decision.name)
         return chosen, decision.reason, decision.matched_blocks

@@ -4,14 +4,7 @@
    load_factor x the mean (the new request counted), so one hot prefix cannot pile every request
    onto one replica. The least-loaded replica always qualifies.
 2. Session affinity (`x-session-id`): the session's rendezvous-hash favourite among those allowed.
-3. KV room (RoutingConfig.kv_room, off by default): when the request's size is known, a replica
-   whose free KV blocks take the blocks it still needs there (its prompt and requested output,
-   less the prefix that replica holds) goes before one where it would wait for blocks. A holder
-   whose pool is full of running sequences queues the request, and its cached prefix, being
-   unreferenced, is what the running sequences evict while it waits. Moving the request loses
-   the prefix too: measured on a tight pool it cut the TTFT tail but lost prefix hits
-   (bench/RESULTS.md, "Router"), hence off by default.
-4. Otherwise the best score: prefix match (fraction of the prompt's blocks held) against queue
+3. Otherwise the best score: prefix match (fraction of the prompt's blocks held) against queue
    (relative to the busiest candidate) and KV-cache utilization. Ties go to the rendezvous-hash
    favourite of the request's first block, so routers that share no state send a new prefix to the
    same replica, where the next request with it will look.
@@ -37,8 +30,6 @@ class Candidate:
     in_flight: int  # this router's requests on it, not yet finished
     num_waiting: int  # the engine's queue, from its event stream
     kv_cache_usage: float
-    # KV blocks no running sequence holds, from the event stream; None: the engine does not say.
-    free_blocks: int | None = None
 
 
 @dataclass(frozen=True)
@@ -60,14 +51,6 @@ def within_bound(candidates: Sequence[Candidate], load_factor: float) -> list[Ca
     return [c for c in candidates if c.in_flight + 1 <= cap]
 
 
-def has_room(candidate: Candidate, blocks_needed: int) -> bool:
-    """Whether the request's blocks beyond the prefix this candidate holds fit in its free blocks
-    now (True when either is unknown)."""
-    if blocks_needed <= 0 or candidate.free_blocks is None:
-        return True
-    return blocks_needed - candidate.matched_blocks <= candidate.free_blocks
-
-
 def choose(
     candidates: Sequence[Candidate],
     *,
@@ -75,11 +58,8 @@ def choose(
     tie_key: str,
     session_id: str | None,
     config: RoutingConfig,
-    blocks_needed: int = 0,
 ) -> Decision:
-    """num_blocks: the request's full blocks (0 when it could not be tokenized: `fallback`).
-    blocks_needed: the blocks it will hold when it runs, prompt and requested output (0: not
-    known, no KV-room rule)."""
+    """num_blocks: the request's full blocks (0 when it could not be tokenized: `fallback`)."""
     if not candidates:
         raise ValueError("no candidate replicas")
     allowed = within_bound(candidates, config.load_factor)
@@ -93,13 +73,13 @@ def choose(
         return Decision(pick.name, "fallback", 0)
     busiest = max(1, *(c.in_flight + c.num_waiting for c in allowed))
 
-    def score(c: Candidate) -> tuple[bool, float, int]:
+    def score(c: Candidate) -> tuple[float, int]:
         value = (
             config.prefix_weight * c.matched_blocks / num_blocks
             - config.queue_weight * (c.in_flight + c.num_waiting) / busiest
             - config.kv_weight * c.kv_cache_usage
         )
-        return has_room(c, blocks_needed), round(value, 9), rendezvous(tie_key, c.name)
+        return round(value, 9), rendezvous(tie_key, c.name)
 
     pick = max(allowed, key=score)
     best_match = max(c.matched_blocks for c in allowed)

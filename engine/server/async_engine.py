@@ -441,9 +441,7 @@ class AsyncEngine:
             stats = step.stats
             self._state = StateSnapshot(stats.num_waiting, stats.num_running, stats.kv_cache_usage)
             if self.kv_events is not None:
-                load = Load(
-                    self.num_waiting, stats.num_running, stats.kv_cache_usage, stats.num_blocks
-                )
+                load = Load(self.num_waiting, stats.num_running, stats.kv_cache_usage)
                 self.kv_events.publish(step.kv_events, load)
             if metrics is not None:
                 metrics.record_counters(EngineCounters.of(stats))

@@ -28,8 +28,6 @@ def test_router_deployment_service_and_rbac() -> None:
     (container,) = pod["containers"]
     config = parse_args(container["args"][1:])
     assert config.namespaces == ("",) and config.port == 8080 and config.hold.timeout_s == 300
-    assert not config.routing.kv_room  # off unless asked: see router/config.py
-    assert parse_args([*container["args"][1:], "--kv-room"]).routing.kv_room
     assert pod["serviceAccountName"] == deployment["metadata"]["name"]
     assert container["readinessProbe"]["httpGet"]["path"] == "/ready"
     # The engines' NetworkPolicy admits pods of this label: without it no request would pass.

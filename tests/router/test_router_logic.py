@@ -9,7 +9,6 @@ import math
 import random
 
 import httpx
-import msgspec
 import pytest
 from prometheus_client import CollectorRegistry
 
@@ -20,7 +19,6 @@ from kvpilot.router.config import HoldConfig, RouterConfig, RoutingConfig
 from kvpilot.router.hold import HoldFull, HoldQueue, HoldTimeout
 from kvpilot.router.index import BlockIndex
 from kvpilot.router.metrics import RouterMetrics
-from kvpilot.router.prompts import blocks_needed, parse
 from kvpilot.router.registry import Registry
 from kvpilot.router.replica import Replica, StreamGap
 from kvpilot.router.scoring import Candidate, choose, rendezvous, within_bound
@@ -38,50 +36,6 @@ def test_the_longest_held_prefix_wins_when_load_is_even() -> None:
         num_blocks=8, tie_key="k", session_id=None, config=CONFIG,
     )  # fmt: skip
     assert (decision.name, decision.reason, decision.matched_blocks) == ("b", "prefix", 7)
-
-
-def test_a_holder_without_kv_room_yields_to_a_replica_with_room() -> None:
-    # b holds 20 of the prompt's 24 blocks; the request needs 32 (prompt and max_tokens).
-    def cands(b_free: int, c_free: int | None) -> list[Candidate]:
-        return [
-            Candidate("a", 0, 1, 0, 0.95, free_blocks=8),  # no room: 32 > 8
-            Candidate("b", 20, 1, 0, 0.9, free_blocks=b_free),
-            Candidate("c", 6, 1, 0, 0.2, free_blocks=c_free),
-        ]
-
-    def pick(b_free: int, c_free: int | None, needed: int = 32) -> tuple[str, str]:
-        decision = choose(
-            cands(b_free, c_free), num_blocks=24, tie_key="k", session_id=None, config=CONFIG,
-            blocks_needed=needed,
-        )  # fmt: skip
-        return decision.name, decision.reason
-
-    assert pick(b_free=12, c_free=40) == ("b", "prefix")  # 32 - 20 = 12 fit in b's 12
-    assert pick(b_free=11, c_free=40) == ("c", "load")  # one short: c (needs 26) has room
-    assert pick(b_free=11, c_free=25) == ("b", "prefix")  # room nowhere: the score decides
-    assert pick(b_free=11, c_free=None) == ("c", "load")  # unknown room counts as room
-    assert pick(b_free=0, c_free=0, needed=0) == ("b", "prefix")  # size unknown: no rule
-
-
-def test_load_tells_the_free_blocks_only_when_the_engine_sends_its_pool_size() -> None:
-    assert Load(0, 2, 0.75, num_blocks=96).free_blocks == 24
-    assert Load(0, 2, 0.75).free_blocks is None
-    # An engine from before num_blocks: its messages still decode, with no free blocks.
-    old = msgspec.json.encode({"num_waiting": 1, "num_running": 2, "kv_cache_usage": 0.5})
-    assert msgspec.json.decode(old, type=Load) == Load(1, 2, 0.5)
-
-
-def test_blocks_needed_counts_the_prompt_and_the_requested_output() -> None:
-    def chat_body(limit: str) -> bytes:
-        return b'{"model": "m", "messages": [{"role": "user", "content": "x"}], ' + limit + b"}"
-
-    chat = parse("chat", chat_body(b'"max_completion_tokens": 17'))
-    assert blocks_needed(chat, 30, 16) == 3  # 47 tokens
-    legacy = parse("chat", chat_body(b'"max_tokens": 2'))
-    assert blocks_needed(legacy, 30, 16) == 2
-    unbounded = parse("completion", b'{"model": "m", "prompt": "x"}')
-    assert blocks_needed(unbounded, 33, 16) == 3  # the prompt only
-    assert blocks_needed(unbounded, 33, None) == 0
 
 
 def test_no_replica_exceeds_the_bound_whatever_each_holds() -> None:
