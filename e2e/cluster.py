@@ -88,3 +88,15 @@ def port_forward(namespace: str, target: str, remote_port: int) -> Iterator[int]
 def _is_listening(port: int) -> bool:
     with socket.socket() as sock:
         return sock.connect_ex(("127.0.0.1", port)) == 0
+
+
+def ask_routed(client: Any, model: str, system: str, question: str) -> tuple[str, str, int]:
+    """One short chat through the router: (replica, route header, cached prompt tokens)."""
+    raw = client.chat.completions.with_raw_response.create(
+        model=model,
+        messages=[{"role": "system", "content": system}, {"role": "user", "content": question}],
+        max_tokens=2,
+    )
+    usage = raw.parse().usage
+    cached = usage.prompt_tokens_details.cached_tokens if usage else 0
+    return raw.headers["x-kvpilot-replica"], raw.headers["x-kvpilot-route"], cached or 0

@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 import yaml
 
-from .cluster import port_forward, wait_for, wait_ready
+from .cluster import ask_routed, port_forward, wait_for, wait_ready
 from .conftest import GROUP, PLURAL, ROOT, VERSION, E2ESettings
 
 pytestmark = pytest.mark.k8s
@@ -70,17 +70,7 @@ def test_router_routes_by_prefix_404s_streams_and_skips_a_deleted_pod(
             )
 
         def ask(question: str) -> tuple[str, str, int]:
-            raw = client.chat.completions.with_raw_response.create(
-                model=NAME,
-                messages=[
-                    {"role": "system", "content": SYSTEM},
-                    {"role": "user", "content": question},
-                ],
-                max_tokens=2,
-            )
-            usage = raw.parse().usage
-            cached = usage.prompt_tokens_details.cached_tokens if usage else 0
-            return raw.headers["x-kvpilot-replica"], raw.headers["x-kvpilot-route"], cached or 0
+            return ask_routed(client, NAME, SYSTEM, question)
 
         holder, _, _ = ask("Do you rent tandems?")
         for question in ("Is there parking?", "Can I pay by card?"):

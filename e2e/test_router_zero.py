@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 import yaml
 
-from .cluster import get_isvc, port_forward, wait_for, wait_ready
+from .cluster import ask_routed, get_isvc, port_forward, wait_for, wait_ready
 from .conftest import GROUP, PLURAL, ROOT, VERSION, E2ESettings
 
 pytestmark = pytest.mark.k8s
@@ -191,15 +191,8 @@ def test_routers_restarted_mid_run_rebuild_the_index_and_keep_the_prefix_on_its_
         wait_ready(apis, e2e, name)
 
         def ask(client: openai.OpenAI, question: str) -> tuple[str, str]:
-            raw = client.chat.completions.with_raw_response.create(
-                model=name,
-                messages=[
-                    {"role": "system", "content": SYSTEM},
-                    {"role": "user", "content": question},
-                ],
-                max_tokens=2,
-            )
-            return raw.headers["x-kvpilot-replica"], raw.headers["x-kvpilot-route"]
+            replica, route, _ = ask_routed(client, name, SYSTEM, question)
+            return replica, route
 
         def client_for(port: int) -> openai.OpenAI:
             return openai.OpenAI(
