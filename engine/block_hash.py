@@ -23,12 +23,9 @@ _NO_SALT = b"\x00"
 
 def hash_block(parent: int | None, token_ids: Sequence[int], cache_salt: str | None) -> int:
     """The 64-bit hash of one full block (token_ids is exactly one block's tokens)."""
-    digest = hashlib.blake2b(digest_size=8, person=_PERSON)
-    digest.update(_NO_PARENT if parent is None else b"\x01" + parent.to_bytes(8, "little"))
     # Blocks of one engine have a fixed size, but the count keeps layouts of different sizes apart.
-    digest.update(struct.pack(f"<I{len(token_ids)}I", len(token_ids), *token_ids))
-    digest.update(_NO_SALT if cache_salt is None else b"\x01" + cache_salt.encode("utf-8"))
-    return int.from_bytes(digest.digest(), "little")
+    tokens = _block_layout(len(token_ids)).pack(len(token_ids), *token_ids)
+    return _digest(_parent_bytes(parent) + tokens + _salt_bytes(cache_salt))
 
 
 def chain_block_hashes(
@@ -45,18 +42,29 @@ def chain_block_hashes(
         raise ValueError(f"block_size must be >= 1, got {block_size}")
     hashes = list(known)
     pack = _block_layout(block_size).pack
-    salt = _NO_SALT if cache_salt is None else b"\x01" + cache_salt.encode("utf-8")
+    salt = _salt_bytes(cache_salt)
     for index in range(len(hashes), len(token_ids) // block_size):
         start = index * block_size
-        digest = _UNKEYED.copy()
-        parent = _NO_PARENT if not hashes else b"\x01" + hashes[-1].to_bytes(8, "little")
-        # One update of the same bytes hash_block feeds in three.
-        digest.update(parent + pack(block_size, *token_ids[start : start + block_size]) + salt)
-        hashes.append(int.from_bytes(digest.digest(), "little"))
+        tokens = pack(block_size, *token_ids[start : start + block_size])
+        hashes.append(_digest(_parent_bytes(hashes[-1] if hashes else None) + tokens + salt))
     return hashes
 
 
 _UNKEYED = hashlib.blake2b(digest_size=8, person=_PERSON)
+
+
+def _digest(data: bytes) -> int:
+    digest = _UNKEYED.copy()
+    digest.update(data)
+    return int.from_bytes(digest.digest(), "little")
+
+
+def _parent_bytes(parent: int | None) -> bytes:
+    return _NO_PARENT if parent is None else b"\x01" + parent.to_bytes(8, "little")
+
+
+def _salt_bytes(cache_salt: str | None) -> bytes:
+    return _NO_SALT if cache_salt is None else b"\x01" + cache_salt.encode("utf-8")
 
 
 @functools.lru_cache(maxsize=8)

@@ -14,7 +14,7 @@ import time
 import pytest
 
 from kvpilot.engine.block_events import KvDelta, KvHeartbeat, KvSnapshot, KvUpdate, Load
-from kvpilot.engine.block_hash import chain_block_hashes, hash_block
+from kvpilot.engine.block_hash import HASH_SCHEME, chain_block_hashes, hash_block
 from kvpilot.engine.block_manager import BlockManager
 from kvpilot.engine.sampling_params import SamplingParams
 from kvpilot.engine.sequence import Sequence
@@ -102,6 +102,17 @@ def test_a_chain_is_hash_block_over_each_block_in_turn(block_size: int, salt: st
         expected.append(hash_block(parent, tokens[start : start + block_size], salt))
     assert chain_block_hashes(tokens, block_size, salt) == expected
     assert chain_block_hashes(tokens, block_size, salt, known=expected[:3]) == expected
+
+
+def test_the_hash_layout_is_the_one_hash_scheme_names() -> None:
+    # Values of blake2b64-v1 as first published: a change here must come with a new HASH_SCHEME.
+    assert HASH_SCHEME == "blake2b64-v1"
+    assert chain_block_hashes(list(range(10)), 4, None) == [
+        13143853188306262454, 6922413457484497104,
+    ]  # fmt: skip
+    assert chain_block_hashes(list(range(10)), 4, "t") == [
+        8982724407335810944, 15387704814386664274,
+    ]  # fmt: skip
 
 
 def test_hash_is_the_same_in_every_process() -> None:
