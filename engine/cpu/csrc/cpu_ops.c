@@ -49,8 +49,14 @@ static inline uint16_t f32_to_bf16(float f) {
     return (uint16_t)(u >> 16);
 }
 
-/* e^r for |r| <= ln(2)/2: the degree-6 Taylor polynomial, shared by exp_approx and exp_wide. */
-static inline float exp_poly(float r) {
+/* p(r) * 2^(n + bias - 127) for x clamped to [-87, hi], x = n ln2 + r, |r| <= ln(2)/2, p the
+ * degree-6 Taylor polynomial of e^r: the body of exp_approx and exp_wide (constant arguments,
+ * inlined, so each compiles to its own straight-line code). */
+static inline float exp_scaled(float x, float hi, int32_t bias) {
+    if (x < -87.0f) x = -87.0f;
+    if (x > hi) x = hi;
+    float n = floorf(x * 1.44269504088896341f + 0.5f);
+    float r = x - n * 0.693145751953125f - n * 1.428606765330187045e-06f;
     float p = 1.0f / 720.0f;
     p = p * r + 1.0f / 120.0f;
     p = p * r + 1.0f / 24.0f;
@@ -58,22 +64,15 @@ static inline float exp_poly(float r) {
     p = p * r + 0.5f;
     p = p * r + 1.0f;
     p = p * r + 1.0f;
-    return p;
-}
-
-/* exp(x) within ~2 ulp for x in [-87, 88] (clamped outside): 2^n * p(r), written so the compiler
- * vectorizes it (libm's expf is a scalar call per element, which would dominate these loops). */
-static inline float exp_approx(float x) {
-    if (x < -87.0f) x = -87.0f;
-    if (x > 88.0f) x = 88.0f;
-    float n = floorf(x * 1.44269504088896341f + 0.5f);
-    float r = x - n * 0.693145751953125f - n * 1.428606765330187045e-06f;
-    float p = exp_poly(r);
-    int32_t bits = ((int32_t)n + 127) << 23;
+    int32_t bits = ((int32_t)n + bias) << 23;
     float scale;
     memcpy(&scale, &bits, sizeof scale);
     return p * scale;
 }
+
+/* exp(x) within ~2 ulp for x in [-87, 88] (clamped outside): 2^n * p(r), written so the compiler
+ * vectorizes it (libm's expf is a scalar call per element, which would dominate these loops). */
+static inline float exp_approx(float x) { return exp_scaled(x, 88.0f, 127); }
 
 #define LOAD_F32(x) (x)
 #define STORE_F32(x) (x)
@@ -815,17 +814,7 @@ int kvpilot_set_openmp_threads(int threads) {
 /* exp_approx's polynomial over [-87, 89], overflowing to +inf past 88.72 as expf does: a gate
  * below -88.72 then gives silu = -0, as torch's does (clamping at 88 would leave ~1e-37). The
  * scale is applied as 2^(n-1) * 2 so that n = 128 still has an exponent field. */
-static inline float exp_wide(float x) {
-    if (x < -87.0f) x = -87.0f;
-    if (x > 89.0f) x = 89.0f;
-    float n = floorf(x * 1.44269504088896341f + 0.5f);
-    float r = x - n * 0.693145751953125f - n * 1.428606765330187045e-06f;
-    float p = exp_poly(r);
-    int32_t bits = ((int32_t)n + 126) << 23;
-    float scale;
-    memcpy(&scale, &bits, sizeof scale);
-    return p * scale * 2.0f;
-}
+static inline float exp_wide(float x) { return exp_scaled(x, 89.0f, 126) * 2.0f; }
 
 #if defined(__AVX512F__)
 static inline __m512 exp_wide16(__m512 x) {
