@@ -101,10 +101,9 @@ async def follow(
                 # Lines as each read brings them: a heartbeat costs one read and one decode.
                 pending = bytearray()
                 async for chunk in response.content.iter_any():
-                    if b"\n" not in chunk:  # part of a long line (a big snapshot)
-                        pending += chunk
-                        continue
                     pending += chunk
+                    if b"\n" not in chunk:  # part of a long line (a big snapshot)
+                        continue
                     end = pending.rindex(b"\n")
                     lines = bytes(pending[:end]).split(b"\n")
                     del pending[: end + 1]

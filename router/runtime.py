@@ -47,7 +47,6 @@ class RouterRuntime:
         self.proxy = Proxy(config, self.registry, self.kube, self.metrics)
         self._listed: set[tuple[str, str]] = set()
         self._watches: list[asyncio.Task[None]] = []
-        self.streams: aiohttp.ClientSession | None = None  # made in the serving loop (start)
 
     @property
     def is_synced(self) -> bool:
@@ -57,7 +56,7 @@ class RouterRuntime:
 
     async def start(self) -> None:
         # The replicas' block-event streams: long-lived, one per replica.
-        self.registry.streams = self.streams = aiohttp.ClientSession(
+        self.registry.streams = aiohttp.ClientSession(
             timeout=aiohttp.ClientTimeout(total=None, sock_connect=5.0)
         )
         if self.config.static_models:
@@ -106,8 +105,8 @@ class RouterRuntime:
                 await task
         self.registry.close()
         await self.proxy.stop()
-        if self.streams is not None:
-            await self.streams.close()
+        if self.registry.streams is not None:
+            await self.registry.streams.close()
         await self.engines.aclose()
         if self.kube is not None:
             await self.kube.aclose()
