@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from .conftest import GROUP, PLURAL, VERSION, E2ESettings
+from .conftest import GROUP, PLURAL, ROOT, VERSION, E2ESettings
 
 
 def wait_for(
@@ -100,3 +100,23 @@ def ask_routed(client: Any, model: str, system: str, question: str) -> tuple[str
     usage = raw.parse().usage
     cached = usage.prompt_tokens_details.cached_tokens if usage else 0
     return raw.headers["x-kvpilot-replica"], raw.headers["x-kvpilot-route"], cached or 0
+
+
+def example_isvc(e2e: E2ESettings, name: str) -> dict[str, Any]:
+    """The bundled-model CPU example, renamed into the test namespace."""
+    import yaml
+
+    body = yaml.safe_load((ROOT / "examples" / "smollm2-cpu.yaml").read_text())
+    body["metadata"] = {"name": name, "namespace": e2e.namespace}
+    return body
+
+
+def router_follows(base: str, model: str, count: int) -> bool:
+    """Whether the router at `base` has `count` routable replicas of `model` (its index view)."""
+    import httpx
+
+    try:
+        replicas = httpx.get(f"{base}/kvpilot/v1/router/index", timeout=5).json().get(model, {})
+    except httpx.HTTPError:
+        return False
+    return sum(r["routable"] for r in replicas.values()) == count

@@ -7,10 +7,9 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-import yaml
 
-from .cluster import ask_routed, port_forward, wait_for, wait_ready
-from .conftest import GROUP, PLURAL, ROOT, VERSION, E2ESettings
+from .cluster import ask_routed, example_isvc, port_forward, router_follows, wait_for, wait_ready
+from .conftest import GROUP, PLURAL, VERSION, E2ESettings
 
 pytestmark = pytest.mark.k8s
 
@@ -33,11 +32,9 @@ def routed_pods(apis: dict[str, Any], e2e: E2ESettings) -> list[str]:
 def test_router_routes_by_prefix_404s_streams_and_skips_a_deleted_pod(
     release: str, e2e: E2ESettings, apis: dict[str, Any]
 ) -> None:
-    import httpx
     import openai
 
-    body = yaml.safe_load((ROOT / "examples" / "smollm2-cpu.yaml").read_text())
-    body["metadata"] = {"name": NAME, "namespace": e2e.namespace}
+    body = example_isvc(e2e, NAME)
     body["spec"]["replicas"] = 2
     apis["custom"].create_namespaced_custom_object(GROUP, VERSION, e2e.namespace, PLURAL, body)
     obj = wait_ready(apis, e2e, NAME)
@@ -49,20 +46,7 @@ def test_router_routes_by_prefix_404s_streams_and_skips_a_deleted_pod(
     with port_forward(e2e.operator_namespace, ROUTER, 80) as port:
         base = f"http://127.0.0.1:{port}"
         client = openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0)
-        wait_for(
-            lambda: (
-                sum(
-                    r["routable"]
-                    for r in httpx.get(f"{base}/kvpilot/v1/router/index")
-                    .json()
-                    .get(NAME, {})
-                    .values()
-                )
-                == 2
-            ),
-            60,
-            "the router to follow both replicas",
-        )
+        wait_for(lambda: router_follows(base, NAME, 2), 60, "the router to follow both replicas")
         assert NAME in [m.id for m in client.models.list()]
         with pytest.raises(openai.NotFoundError):
             client.chat.completions.create(

@@ -16,10 +16,17 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-import yaml
 
-from .cluster import ask_routed, get_isvc, port_forward, wait_for, wait_ready
-from .conftest import GROUP, PLURAL, ROOT, VERSION, E2ESettings
+from .cluster import (
+    ask_routed,
+    example_isvc,
+    get_isvc,
+    port_forward,
+    router_follows,
+    wait_for,
+    wait_ready,
+)
+from .conftest import GROUP, PLURAL, VERSION, E2ESettings
 
 pytestmark = pytest.mark.k8s
 
@@ -31,12 +38,6 @@ SYSTEM = (
     "You are the assistant of a ferry company on the Tagus. Answer in one sentence; timetables "
     "change on Sundays; bicycles travel free; dogs on a lead are welcome on the upper deck."
 )
-
-
-def example(e2e: E2ESettings, name: str) -> dict[str, Any]:
-    body = yaml.safe_load((ROOT / "examples" / "smollm2-cpu.yaml").read_text())
-    body["metadata"] = {"name": name, "namespace": e2e.namespace}
-    return body
 
 
 @contextlib.contextmanager
@@ -59,22 +60,12 @@ def deployment_replicas(apis: dict[str, Any], e2e: E2ESettings, name: str) -> in
         return None
 
 
-def router_follows(base: str, model: str, count: int) -> bool:
-    import httpx
-
-    try:
-        replicas = httpx.get(f"{base}/kvpilot/v1/router/index", timeout=5).json().get(model, {})
-    except httpx.HTTPError:
-        return False
-    return sum(r["routable"] for r in replicas.values()) == count
-
-
 def test_a_request_wakes_a_service_at_zero_and_is_served(
     release: str, e2e: E2ESettings, apis: dict[str, Any]
 ) -> None:
     import openai
 
-    body = example(e2e, "sleepy")
+    body = example_isvc(e2e, "sleepy")
     del body["spec"]["replicas"]
     body["spec"]["autoscaling"] = {
         "minReplicas": 0,
@@ -151,7 +142,7 @@ def test_a_model_that_cannot_wake_answers_503_with_retry_after_when_the_hold_tim
 ) -> None:
     import httpx
 
-    body = example(e2e, "unschedulable")
+    body = example_isvc(e2e, "unschedulable")
     del body["spec"]["replicas"]
     body["spec"]["autoscaling"] = {"minReplicas": 0, "maxReplicas": 1}
     # More CPU than any test node has: the woken pod stays Pending.
@@ -185,7 +176,7 @@ def test_routers_restarted_mid_run_rebuild_the_index_and_keep_the_prefix_on_its_
 ) -> None:
     import openai
 
-    body = example(e2e, "remembered")
+    body = example_isvc(e2e, "remembered")
     body["spec"]["replicas"] = 2
     with created(apis, e2e, body) as name:
         wait_ready(apis, e2e, name)
