@@ -11,14 +11,16 @@ output processor, the runner's prepare and the scheduler.
 from __future__ import annotations
 
 import argparse
-import collections
 import random
+import sys
 import time
-from collections.abc import Callable
-from typing import Any
+from pathlib import Path
 
 import kvpilot.engine.model_runner as model_runner
 from kvpilot.engine import LLM, SamplingParams
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from step_timing import PartTimes
 
 ap = argparse.ArgumentParser(description=__doc__)
 ap.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
@@ -40,20 +42,8 @@ add(args.batch, "w", 8)  # warm-up: this batch's shapes
 while llm.engine.has_unfinished_requests():
     llm.engine.step()
 runner = llm.engine.runner
-acc: dict[str, float] = collections.defaultdict(float)
-
-
-def wrap(obj: Any, name: str, label: str) -> None:
-    inner: Callable[..., Any] = getattr(obj, name)
-
-    def timed(*a: Any, **k: Any) -> Any:
-        start = time.perf_counter()
-        result = inner(*a, **k)
-        acc[label] += time.perf_counter() - start
-        return result
-
-    setattr(obj, name, timed)
-
+times = PartTimes()
+acc, wrap = times.seconds, times.wrap
 
 backend = runner.model.model.layers[0].self_attn.backend  # one backend object serves every layer
 wrap(backend, "forward", "attention forward")

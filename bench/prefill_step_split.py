@@ -20,18 +20,21 @@ calling thread) and the same with that mean on all of torch's threads (as before
 from __future__ import annotations
 
 import argparse
-import collections
 import dataclasses
 import random
 import statistics
+import sys
 import time
-from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import kvpilot.engine.model_runner as model_runner
 from kvpilot.engine import LLM, SamplingParams
 from kvpilot.engine.cpu import layer_ops
 from kvpilot.engine.cpu.build import load_library
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from step_timing import PartTimes
 
 LINEARS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 OPS = ("rms_norm", "silu_and_mul", "apply_rotary")
@@ -48,19 +51,8 @@ def main() -> None:
     args = ap.parse_args()
     llm = LLM(dtype=args.dtype, block_size=32, max_num_seqs=64, max_num_batched_tokens=2048)
     rng = random.Random(0)
-    acc: dict[str, float] = collections.defaultdict(float)
-
-    def timed(inner: Callable[..., Any], label: str) -> Callable[..., Any]:
-        def call(*a: Any, **k: Any) -> Any:
-            start = time.perf_counter()
-            result = inner(*a, **k)
-            acc[label] += time.perf_counter() - start
-            return result
-
-        return call
-
-    def wrap(obj: Any, name: str, label: str) -> None:
-        setattr(obj, name, timed(getattr(obj, name), label))
+    times = PartTimes()
+    acc, timed, wrap = times.seconds, times.timed, times.wrap
 
     def run_round(tag: str) -> list[float]:
         """Adds the prompts and steps until none is prefilling; each step's seconds."""
