@@ -246,6 +246,38 @@ def stop_group(proc: subprocess.Popen[Any], grace_s: float = 0.0) -> None:
     proc.wait(30)
 
 
+def group_cpu_seconds(pgid: int) -> float:
+    """CPU time (user + system) used so far by the live processes of process group `pgid` (a
+    worker or server started with start_new_session, and the children it started)."""
+    tick = os.sysconf("SC_CLK_TCK")
+    total = 0
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue  # gone meanwhile
+        if int(fields[2]) == pgid:
+            total += int(fields[11]) + int(fields[12])
+    return total / tick
+
+
+def wait_until_idle(
+    pgids: list[int], quiet_cpu_s: float = 0.05, window_s: float = 1.0, timeout_s: float = 60.0
+) -> float:
+    """Wait until the process groups together use under `quiet_cpu_s` of CPU in `window_s`;
+    returns the seconds waited. vLLM keeps working for a while after its last answer (its engine
+    core used ~1 CPU-s after its runs, offline and serving): without this, whichever system runs
+    right after the other pays for the other's tail on 2 cores, which the alternating order gives
+    kvpilot in 2 of 3 rounds."""
+    start = time.perf_counter()
+    while time.perf_counter() - start < timeout_s:
+        before = sum(group_cpu_seconds(pgid) for pgid in pgids)
+        time.sleep(window_s)
+        if sum(group_cpu_seconds(pgid) for pgid in pgids) - before < quiet_cpu_s:
+            break
+    return round(time.perf_counter() - start, 3)
+
+
 def log_tail(path: Path, lines: int = 30) -> str:
     try:
         return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
@@ -348,8 +380,10 @@ def offline_batch(
             "prompt_tokens": sum(len(p) for p in ids),
         }
         for name in order:
+            settle_s = wait_until_idle([worker.proc.pid for worker in workers.values()])
             result = workers[name]("run", prompts=ids, max_tokens=max_tokens)
             result["tokens_per_s"] = result["output_tokens"] / result["seconds"]
+            result["settle_s"] = settle_s  # waited for both workers to go quiet first
             record[name] = result
             progress()
         record["ratio"] = record["kvpilot"]["tokens_per_s"] / record["vllm"]["tokens_per_s"]

@@ -499,16 +499,7 @@ class ServerProcess:
 
     def cpu_seconds(self) -> float:
         """CPU time (user + system) used so far by the live processes of its group."""
-        tick = os.sysconf("SC_CLK_TCK")
-        total = 0
-        for stat in Path("/proc").glob("[0-9]*/stat"):
-            try:
-                fields = stat.read_text().rsplit(")", 1)[1].split()
-            except (OSError, IndexError):
-                continue  # gone meanwhile
-            if int(fields[2]) == self.proc.pid:  # pgrp: its own, from start_new_session
-                total += int(fields[11]) + int(fields[12])
-        return total / tick
+        return peer_offline.group_cpu_seconds(self.proc.pid)  # its own, from start_new_session
 
     def stop(self) -> None:
         """SIGTERM, then SIGKILL to its whole group if it is not gone within 60 s; children it
@@ -698,25 +689,6 @@ def prompts_and_lengths(
     return [request_prompt(r, args.endpoint) for r in requests], [r.output_len for r in requests]
 
 
-def wait_until_idle(
-    servers: list[ServerProcess],
-    quiet_cpu_s: float = 0.05,
-    window_s: float = 1.0,
-    timeout_s: float = 60.0,
-) -> float:
-    """Wait until the servers together use under `quiet_cpu_s` of CPU in `window_s`; returns the
-    seconds waited. A server keeps working for a while after its last answer (vLLM's engine core
-    used ~1 CPU-s after its runs): without this, whichever system runs right after the other pays
-    for the other's tail on 2 cores, which the alternating order gives kvpilot in 2 of 3 rounds."""
-    start = time.perf_counter()
-    while time.perf_counter() - start < timeout_s:
-        before = sum(server.cpu_seconds() for server in servers)
-        time.sleep(window_s)
-        if sum(server.cpu_seconds() for server in servers) - before < quiet_cpu_s:
-            break
-    return round(time.perf_counter() - start, 3)
-
-
 def format_run_line(record: dict[str, Any]) -> str:
     s = record["summary"]
     health = s.get("health_ms")
@@ -782,7 +754,7 @@ def peer_serving(
                 requests = peer_dataset(args, seed)
                 order = SYSTEMS if r % 2 == 0 else SYSTEMS[::-1]
                 for position, name in enumerate(order, 1):
-                    settle_s = wait_until_idle(list(servers.values()))
+                    settle_s = peer_offline.wait_until_idle([s.proc.pid for s in servers.values()])
                     cpu = {n: server.cpu_seconds() for n, server in servers.items()}
                     run = run_once(
                         args, urls[name], requests, concurrency, seed, False, args.health_interval

@@ -203,6 +203,8 @@ class EngineConfig:
     structured_outputs_backend: str = "auto"
     # Grammar masks of a step filled on a thread while its forward runs (False: after it).
     overlap_grammar_masks: bool = True
+    # On CPU, keep the heap memory a step frees for the next step (engine/cpu/heap.py).
+    retain_freed_memory: bool = True
 
     def __post_init__(self) -> None:
         if self.load_format not in LOAD_FORMATS:

@@ -24,6 +24,7 @@ from kvpilot.engine.core.messages import (
     SeqUpdate,
     StepOutputs,
 )
+from kvpilot.engine.cpu.heap import retain_freed_memory
 from kvpilot.engine.memory_fit import (
     RUNTIME_BYTES,
     MemoryNeed,
@@ -116,6 +117,8 @@ class EngineCore:
         self.model_config = ModelConfig.from_hf_config(read_hf_config(source.hf_dir))
         self.max_model_len = config.max_model_len or self.model_config.max_position_embeddings
         if config.resolved_device.type == "cpu":
+            if config.retain_freed_memory:
+                retain_freed_memory()
             # Before the weights and the KV cache are allocated: a clear error, not an OOM kill.
             check_memory_fit(cpu_memory_need(config, self.model_config), memory_limit())
         self.workers: TPWorkers | None = None

@@ -92,6 +92,10 @@ def _load(args: WorkerArgs) -> ModelRunner:
     torch.set_num_threads(args.num_threads)
     config = args.config
     device = config.rank_device(args.rank)
+    if device.type == "cpu" and config.retain_freed_memory:
+        from kvpilot.engine.cpu.heap import retain_freed_memory
+
+        retain_freed_memory()
     tp = join_group(
         args.rank, config.tensor_parallel_size, args.init_file, device, config.distributed_timeout_s
     )
