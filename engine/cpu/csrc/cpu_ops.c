@@ -194,6 +194,19 @@ DEFINE_BLOCK_OPS(f32, float, LOAD_F32)
 DEFINE_BLOCK_OPS(bf16, uint16_t, bf16_to_f32)
 #endif
 
+/* Asks for the rows of one cache block (one kv head's slice of each token) ahead of their use.
+ * A sequence's blocks lie anywhere in the pool, and one kv head's rows are strided by the other
+ * heads': the hardware prefetcher restarts at every block, and a decode step, which reads each
+ * cached key and value once, would wait on memory at every one of them. */
+#define PREFETCH_AHEAD 2
+static inline void prefetch_block_rows(const void *rows, int64_t stride_bytes, int64_t n,
+                                       int64_t row_bytes) {
+    const char *p = (const char *)rows;
+    for (int64_t t = 0; t < n; t++)
+        for (int64_t b = 0; b < row_bytes; b += 64)
+            __builtin_prefetch(p + t * stride_bytes + b, 0, 3);
+}
+
 #define DEFINE_DECODE(NAME, SUFFIX, T, LOAD, STORE)                                               \
     /* One (sequence, kv head) with a single query token: qtok and otok point at that token's     \
      * heads, table at the sequence's block table; len >= 0 cached tokens. */                     \
@@ -214,12 +227,28 @@ DEFINE_BLOCK_OPS(bf16, uint16_t, bf16_to_f32)
             m[j] = 0.0f;                                                                          \
             l[j] = 0.0f;                                                                          \
         }                                                                                         \
+        /* The first blocks' keys at once: their waits overlap. */                                \
+        for (int64_t b = 0; b < PREFETCH_AHEAD && b * block_size < len; b++) {                    \
+            const int64_t nn = len - b * block_size;                                              \
+            prefetch_block_rows(k_cache + table[b] * k_sb + kvh * k_sh, k_ss * (int64_t)sizeof(T), \
+                                nn < block_size ? nn : block_size, D * sizeof(T));                \
+        }                                                                                         \
         const int64_t chunk = (MAX_CHUNK / block_size) * block_size;                              \
         for (int64_t start = 0; start < len; start += chunk) {                                    \
             const int64_t n = len - start < chunk ? len - start : chunk;                          \
             for (int64_t t0 = 0; t0 < n; t0 += block_size) {                                      \
                 const int64_t block = table[(start + t0) / block_size];                           \
                 const int64_t bn = n - t0 < block_size ? n - t0 : block_size;                     \
+                /* Keys two blocks ahead, and this block's values (read after the softmax). */    \
+                if (start + t0 + PREFETCH_AHEAD * block_size < len) {                             \
+                    const int64_t next = table[(start + t0) / block_size + PREFETCH_AHEAD];       \
+                    const int64_t nn = len - start - t0 - PREFETCH_AHEAD * block_size;            \
+                    prefetch_block_rows(k_cache + next * k_sb + kvh * k_sh,                       \
+                                        k_ss * (int64_t)sizeof(T),                                \
+                                        nn < block_size ? nn : block_size, D * sizeof(T));        \
+                }                                                                                 \
+                prefetch_block_rows(v_cache + block * v_sb + kvh * v_sh,                          \
+                                    v_ss * (int64_t)sizeof(T), bn, D * sizeof(T));                \
                 scores_##SUFFIX(q, k_cache + block * k_sb + kvh * k_sh, k_ss, bn, group, D, p,    \
                                 t0);                                                              \
             }                                                                                     \
