@@ -124,6 +124,24 @@ def test_portable_path_without_avx512(dtype: torch.dtype) -> None:
 
 
 @needs_kernel
+@pytest.mark.parametrize("block_size", [8, 32])
+def test_prefetch_changes_no_bits(block_size: int) -> None:
+    """The decode's software prefetch (a window of blocks ahead, past one score chunk here) only
+    asks for memory early: the same bits as a build without it."""
+    plain = load_library(("-DKVPILOT_NO_PREFETCH",))
+    assert plain is not None and plain is not LIB
+    seq_lens = [1, block_size, block_size + 1, 300, 1100]
+    query, k_cache, v_cache, meta = make_batch(
+        [1] * 5, seq_lens, 9, 3, 64, block_size, torch.bfloat16
+    )
+    outs = [
+        paged_decode(lib, query, k_cache, v_cache, meta.block_tables, meta.seq_lens, 0.125)
+        for lib in (LIB, plain)
+    ]
+    assert torch.equal(outs[0], outs[1])
+
+
+@needs_kernel
 def test_kernels_share_torchs_thread_setting() -> None:
     """Built with OpenMP, the library uses the libgomp torch loaded: torch.set_num_threads
     reaches it."""

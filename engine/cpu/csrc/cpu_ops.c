@@ -194,18 +194,33 @@ DEFINE_BLOCK_OPS(f32, float, LOAD_F32)
 DEFINE_BLOCK_OPS(bf16, uint16_t, bf16_to_f32)
 #endif
 
-/* Asks for the rows of one cache block (one kv head's slice of each token) ahead of their use.
- * A sequence's blocks lie anywhere in the pool, and one kv head's rows are strided by the other
- * heads': the hardware prefetcher restarts at every block, and a decode step, which reads each
- * cached key and value once, would wait on memory at every one of them. */
-#define PREFETCH_AHEAD 2
-static inline void prefetch_block_rows(const void *rows, int64_t stride_bytes, int64_t n,
-                                       int64_t row_bytes) {
-    const char *p = (const char *)rows;
+/* Asks for one cache block's keys and values of one kv head (a row of each token) ahead of
+ * their use. A sequence's blocks lie anywhere in the pool, and one head's rows are strided by the
+ * other heads': the hardware prefetcher restarts at every block, and a decode, which reads each
+ * cached key and value once, would wait on memory at every one of them. A decode keeps the
+ * blocks of its next PREFETCH_TOKENS tokens requested (into L2: 512 float32 rows of 64, keys and
+ * values, are 256 KB), so their misses overlap each other and the arithmetic.
+ * -DKVPILOT_NO_PREFETCH builds without (bench/cpu_decode_attention_bench.py's A/B). */
+#define PREFETCH_TOKENS 512
+static inline void prefetch_block(const char *k, const char *v, int64_t k_stride, int64_t v_stride,
+                                  int64_t n, int64_t row_bytes) {
+#ifdef KVPILOT_NO_PREFETCH
+    return;
+#endif
     for (int64_t t = 0; t < n; t++)
-        for (int64_t b = 0; b < row_bytes; b += 64)
-            __builtin_prefetch(p + t * stride_bytes + b, 0, 3);
+        for (int64_t b = 0; b < row_bytes; b += 64) {
+            __builtin_prefetch(k + t * k_stride + b, 0, 2);
+            __builtin_prefetch(v + t * v_stride + b, 0, 2);
+        }
 }
+
+/* Inside decode_unit: block b of the sequence (its last one may be partly filled). */
+#define PREFETCH_DECODE_BLOCK(b)                                                                  \
+    prefetch_block((const char *)(k_cache + table[b] * k_sb + kvh * k_sh),                        \
+                   (const char *)(v_cache + table[b] * v_sb + kvh * v_sh),                        \
+                   k_ss * (int64_t)sizeof(*k_cache), v_ss * (int64_t)sizeof(*v_cache),            \
+                   len - (b) * block_size < block_size ? len - (b) * block_size : block_size,     \
+                   D * (int64_t)sizeof(*k_cache))
 
 #define DEFINE_DECODE(NAME, SUFFIX, T, LOAD, STORE)                                               \
     /* One (sequence, kv head) with a single query token: qtok and otok point at that token's     \
@@ -227,28 +242,17 @@ static inline void prefetch_block_rows(const void *rows, int64_t stride_bytes, i
             m[j] = 0.0f;                                                                          \
             l[j] = 0.0f;                                                                          \
         }                                                                                         \
-        /* The first blocks' keys at once: their waits overlap. */                                \
-        for (int64_t b = 0; b < PREFETCH_AHEAD && b * block_size < len; b++) {                    \
-            const int64_t nn = len - b * block_size;                                              \
-            prefetch_block_rows(k_cache + table[b] * k_sb + kvh * k_sh, k_ss * (int64_t)sizeof(T), \
-                                nn < block_size ? nn : block_size, D * sizeof(T));                \
-        }                                                                                         \
+        const int64_t num_blocks = (len + block_size - 1) / block_size;                           \
+        const int64_t window = PREFETCH_TOKENS > block_size ? PREFETCH_TOKENS / block_size : 1;   \
+        for (int64_t b = 0; b < num_blocks && b < window; b++) PREFETCH_DECODE_BLOCK(b);          \
         const int64_t chunk = (MAX_CHUNK / block_size) * block_size;                              \
         for (int64_t start = 0; start < len; start += chunk) {                                    \
             const int64_t n = len - start < chunk ? len - start : chunk;                          \
             for (int64_t t0 = 0; t0 < n; t0 += block_size) {                                      \
                 const int64_t block = table[(start + t0) / block_size];                           \
                 const int64_t bn = n - t0 < block_size ? n - t0 : block_size;                     \
-                /* Keys two blocks ahead, and this block's values (read after the softmax). */    \
-                if (start + t0 + PREFETCH_AHEAD * block_size < len) {                             \
-                    const int64_t next = table[(start + t0) / block_size + PREFETCH_AHEAD];       \
-                    const int64_t nn = len - start - t0 - PREFETCH_AHEAD * block_size;            \
-                    prefetch_block_rows(k_cache + next * k_sb + kvh * k_sh,                       \
-                                        k_ss * (int64_t)sizeof(T),                                \
-                                        nn < block_size ? nn : block_size, D * sizeof(T));        \
-                }                                                                                 \
-                prefetch_block_rows(v_cache + block * v_sb + kvh * v_sh,                          \
-                                    v_ss * (int64_t)sizeof(T), bn, D * sizeof(T));                \
+                if ((start + t0) / block_size + window < num_blocks)                              \
+                    PREFETCH_DECODE_BLOCK((start + t0) / block_size + window);                    \
                 scores_##SUFFIX(q, k_cache + block * k_sb + kvh * k_sh, k_ss, bn, group, D, p,    \
                                 t0);                                                              \
             }                                                                                     \

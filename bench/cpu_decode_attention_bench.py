@@ -1,0 +1,104 @@
+"""The C paged decode-attention kernel with and without its software prefetch, A/B inside real
+decode steps.
+
+A micro-benchmark of the kernel alone cannot say what a step sees: between two layers' attention
+calls the other layers' weights and activations pass through the caches, the TLB and the memory
+controller. So this runs the engine: `--batch` random-token requests of 64-192 prompt tokens
+decode together (SmolLM2, block size 32, blocks handed out as a running server hands them out);
+after their prefills, decode steps alternate, in blocks of `--block-steps`, between the library as
+the engine builds it and the same source built with -DKVPILOT_NO_PREFETCH, and the attention
+backend's forward is timed in each (every layer's call, summed per step). Both libraries give the
+same bits (checked at the end on layer 0's cache).
+
+    python bench/cpu_decode_attention_bench.py --dtype bfloat16 --batch 64
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import time
+
+import torch
+
+from kvpilot.engine import LLM, SamplingParams
+from kvpilot.engine.cpu.attention_backend import paged_decode
+from kvpilot.engine.cpu.build import load_library
+
+VARIANTS = ("prefetch", "no prefetch")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
+    ap.add_argument("--batch", type=int, default=64)
+    ap.add_argument("--blocks", type=int, default=6, help="alternating blocks per variant")
+    ap.add_argument("--block-steps", type=int, default=5, help="decode steps per block")
+    args = ap.parse_args()
+    libs = {"prefetch": load_library(), "no prefetch": load_library(("-DKVPILOT_NO_PREFETCH",))}
+    if any(lib is None for lib in libs.values()):
+        raise SystemExit("no C compiler: the kernel cannot be built here")
+    llm = LLM(dtype=args.dtype, block_size=32, max_num_seqs=args.batch)
+    backend = llm.engine.runner.model.model.layers[0].self_attn.backend
+    steps_needed = 2 * args.blocks * args.block_steps + 8
+    rng = random.Random(0)
+    for i in range(args.batch):
+        ids = [rng.randrange(100, 40000) for _ in range(rng.randint(64, 192))]
+        params = SamplingParams(max_tokens=steps_needed, ignore_eos=True, temperature=0)
+        llm.engine.add_request(f"r{i}", ids, params)
+    scheduler = llm.engine.scheduler
+    while scheduler.waiting or any(not s.is_decoding for s in scheduler.running):
+        llm.engine.step()  # the prefills
+    for _ in range(4):
+        llm.engine.step()  # warm
+
+    forward = backend.forward
+    spent = [0.0]
+
+    def timed_forward(query, k_cache, v_cache, meta, scale):  # type: ignore[no-untyped-def]
+        start = time.perf_counter()
+        out = forward(query, k_cache, v_cache, meta, scale)
+        spent[0] += time.perf_counter() - start
+        return out
+
+    backend.forward = timed_forward
+    per_step: dict[str, list[float]] = {name: [] for name in VARIANTS}
+    for block in range(2 * args.blocks):
+        name = VARIANTS[block % 2]
+        backend.lib = libs[name]
+        for _ in range(args.block_steps):
+            spent[0] = 0.0
+            llm.engine.step()
+            per_step[name].append(spent[0])
+    backend.forward = forward
+    # The same bits: layer 0's attention over the live batch through each library.
+    outs = [_one_layer_decode(llm, libs[name]) for name in VARIANTS]
+    assert torch.equal(outs[0], outs[1]), "the prefetch changed the result"
+    backend.lib = libs["prefetch"]
+    batch = llm.engine.stats().num_running
+    print(f"{args.dtype}, batch {batch}, attention per decode step (all layers), "
+          f"{args.blocks} blocks of {args.block_steps} steps per variant:")  # fmt: skip
+    for name, times in per_step.items():
+        print(f"  {name:>11}: median {statistics.median(times) * 1e3:6.2f} ms, "
+              f"min {min(times) * 1e3:6.2f} ms")  # fmt: skip
+    ratio = statistics.median(per_step["no prefetch"]) / statistics.median(per_step["prefetch"])
+    print(f"  no prefetch / prefetch: {ratio:.2f}x")
+
+
+def _one_layer_decode(llm: LLM, lib: object) -> torch.Tensor:
+    """Layer 0's attention for every running sequence (a random query), through `lib`."""
+    runner = llm.engine.runner
+    running = llm.engine.scheduler.running
+    k_cache, v_cache = runner.kv_caches[0]
+    tables = [seq.block_table for seq in running]
+    width = max(len(t) for t in tables)
+    block_tables = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
+    seq_lens = torch.tensor([seq.num_computed_tokens for seq in running], dtype=torch.int32)
+    gen = torch.Generator().manual_seed(0)
+    query = torch.randn(len(running), 9, 64, generator=gen).to(k_cache.dtype)
+    return paged_decode(lib, query, k_cache, v_cache, block_tables, seq_lens, 0.125)
+
+
+if __name__ == "__main__":
+    main()
