@@ -3,6 +3,7 @@ SamplingParams)."""
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from collections.abc import Sequence as Seq
 from typing import Any
@@ -14,14 +15,9 @@ from kvpilot.engine.llm_engine import LLMEngine
 from kvpilot.engine.outputs import RequestOutput
 from kvpilot.engine.sampling_params import SamplingParams
 
-_CACHE_FIELDS = {
-    "block_size",
-    "enable_prefix_caching",
-    "kv_cache_gib",
-    "gpu_memory_utilization",
-    "num_blocks",
-}
-_SCHEDULER_FIELDS = {"max_num_batched_tokens", "max_num_seqs"}
+# Every field of the nested configs, so a new one is a keyword argument too.
+_CACHE_FIELDS = {f.name for f in dataclasses.fields(CacheConfig)}
+_SCHEDULER_FIELDS = {f.name for f in dataclasses.fields(SchedulerConfig)}
 
 
 def engine_config(model: str | None = None, **kwargs: Any) -> EngineConfig:

@@ -144,7 +144,11 @@ class ModelRunner:
             # Leave room for activations of one full step; the weights are already resident.
             reserve = 0.05 * total + 2**30
             budget = int(cache.gpu_memory_utilization * total - (total - free) - reserve)
-            # Each GPU holds its rank's share of a block; the smallest GPU budget decides.
+        else:
+            budget = int(cache.kv_cache_gib * 2**30)
+        if self.device.type == "cuda":
+            # A GPU budget is each GPU's: it holds its rank's share of a block; the smallest GPU
+            # budget decides.
             num_blocks = budget // self.bytes_per_block
             if self.tp is not None:
                 num_blocks = self.tp.min_over_ranks(num_blocks, self.device)
@@ -152,7 +156,6 @@ class ModelRunner:
             # The CPU budget is the host memory of the whole KV cache, over every rank (ranks
             # share the host): one block is one block on every rank, replicated KV heads counted
             # as many times as they are held.
-            budget = int(cache.kv_cache_gib * 2**30)
             num_ranks = 1 if self.tp is None else self.tp.size
             num_blocks = max(0, budget // (num_ranks * self.bytes_per_block))
         if num_blocks < 1:

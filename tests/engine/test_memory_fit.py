@@ -102,3 +102,16 @@ def test_serve_refuses_to_start_over_its_memory_limit() -> None:
     assert "KV cache 2.00 GiB" in proc.stderr
     assert "KV cache:" not in proc.stderr  # the runner's allocation log line never came
     assert time.monotonic() - started < 180
+
+
+def test_an_explicit_kv_budget_sizes_the_pool() -> None:
+    """kv_cache_bytes (the CRD's kvCacheBytes, `--kv-cache-memory-bytes`) gives the pool as many
+    blocks as fit, as kv_cache_gib does: the example InferenceService sets it."""
+    from kvpilot.engine import LLM, SamplingParams
+
+    budget = 24 * 2**20
+    llm = LLM(dtype="float32", kv_cache_bytes=budget, block_size=16)
+    runner = llm.engine.runner
+    assert runner.num_blocks == budget // runner.bytes_per_block > 0
+    out = llm.generate(["The capital of France is"], SamplingParams(temperature=0.0, max_tokens=4))
+    assert len(out[0].outputs[0].token_ids) == 4
