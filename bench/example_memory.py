@@ -35,6 +35,16 @@ from kvpilot.operator.spec import parse_spec
 MIB = 2**20
 
 
+def is_ready(port: list[int]) -> bool:
+    """Whether the server answers /ready with 200 (its port logged, its socket accepting)."""
+    if not port:
+        return False
+    try:
+        return httpx.get(f"http://127.0.0.1:{port[0]}/ready").status_code == 200
+    except httpx.TransportError:  # the port is logged a moment before it accepts
+        return False
+
+
 def tree_pids(root: int) -> list[int]:
     pids, todo = [], [root]
     while todo:
@@ -105,7 +115,7 @@ def main(argv: list[str] | None = None) -> int:
     sampler.start()
     try:
         deadline = time.monotonic() + 600
-        while not port or httpx.get(f"http://127.0.0.1:{port[0]}/ready").status_code != 200:
+        while not is_ready(port):
             assert proc.poll() is None, "".join(log)
             assert time.monotonic() < deadline, "not ready"
             time.sleep(0.5)
