@@ -4,7 +4,8 @@ The engine calls engine/cpu/heap.retain_freed_memory at start-up; `retain_freed_
 leaves glibc as it is. The setting is process-wide and cannot be undone, so each variant runs in a
 fresh process of its own, the two alternating (A B, B A, ...): every process builds an offline
 `LLM`, runs the workload `--runs` times (the first run unmeasured: warm-up) and reports each run's
-throughput and the minor page faults it took.
+throughput and the minor page faults it took, and at the end its peak resident memory (what
+keeping the memory costs).
 
 Workload: 64 prompts of 64-192 random token ids (a new draw each run), max batch 64, 2048-token
 steps; `--max-tokens 1` measures prefill alone (the steps that set TTFT when many requests arrive
@@ -53,7 +54,15 @@ def worker(dtype: str, retain: bool, runs: int, max_tokens: int, seed: int) -> l
         faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults
         tokens = sum(map(len, prompts)) + 64 * max_tokens
         results.append({"seconds": seconds, "tok_per_s": tokens / seconds, "faults": faults})
+    results[-1]["peak_rss_mib"] = peak_rss_mib()
     return results
+
+
+def peak_rss_mib() -> int:
+    """This process's peak resident memory (VmHWM): what retaining costs."""
+    with open("/proc/self/status") as status:
+        line = next(line for line in status if line.startswith("VmHWM"))
+    return int(line.split()[1]) // 1024
 
 
 def run_variant(name: str, args: argparse.Namespace, seed: int) -> list[dict[str, Any]]:
@@ -83,16 +92,19 @@ def main() -> None:
         print(json.dumps(worker(c["dtype"], c["retain"], c["runs"], c["max_tokens"], c["seed"])))
         return
     measured: dict[str, list[dict[str, Any]]] = {name: [] for name in VARIANTS}
+    peaks: dict[str, list[int]] = {name: [] for name in VARIANTS}
     for pair in range(args.pairs):
         order = list(VARIANTS) if pair % 2 == 0 else list(VARIANTS)[::-1]
         for name in order:
             runs = run_variant(name, args, seed=pair)[1:]
             measured[name] += runs
+            peaks[name].append(runs[-1]["peak_rss_mib"])
             print(
                 f"pair {pair + 1} {name:>6}: tok/s "
                 + " ".join(f"{r['tok_per_s']:.0f}" for r in runs)
                 + "; faults "
-                + " ".join(str(r["faults"]) for r in runs),
+                + " ".join(str(r["faults"]) for r in runs)
+                + f"; peak RSS {peaks[name][-1]} MiB",
                 flush=True,
             )
     print(f"\n{args.dtype}, max_tokens {args.max_tokens}: medians over {args.pairs} processes")
@@ -100,7 +112,7 @@ def main() -> None:
         print(
             f"  {name:>6}: {statistics.median(r['tok_per_s'] for r in runs):.0f} tok/s, "
             f"{statistics.median(r['faults'] for r in runs):.0f} faults per run "
-            f"(max {max(r['faults'] for r in runs)})"
+            f"(max {max(r['faults'] for r in runs)}), peak RSS {max(peaks[name])} MiB"
         )
     ratio = statistics.median(r["tok_per_s"] for r in measured["retain"]) / statistics.median(
         r["tok_per_s"] for r in measured["glibc"]
