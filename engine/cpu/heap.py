@@ -5,8 +5,8 @@ step of SmolLM2 allocates ~400 MB in 6-25 MB tensors). glibc's malloc returns me
 kernel when the free space at the top of its heap passes a threshold, and serves large blocks
 with fresh mmaps; both thresholds move as the program runs. Once they let go, every step
 page-faults its activations back in, page by page, and zeroes each page: measured on SmolLM2
-bf16 prefill, ~400,000 minor faults per 8k prompt tokens and 15 % of the time, starting at a
-point that depends on the history of allocations (bench/RESULTS.md, "Freed memory kept").
+prefill, up to ~400,000 minor faults per 8k prompt tokens and 5-12 % of the time, starting at a
+point that depends on the history of allocations (bench/RESULTS.md, "The batch-64 gap found").
 Fixing both thresholds keeps the peak step's working set mapped: the process holds what its
 largest step needed, as any caching allocator does, plus what the heap's fragmentation adds to it
 (measured: +75 MiB of peak RSS in bfloat16, +240 MiB in float32, bounded: it stops growing after
