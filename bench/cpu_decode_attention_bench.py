@@ -18,13 +18,18 @@ from __future__ import annotations
 import argparse
 import random
 import statistics
+import sys
 import time
+from pathlib import Path
 
 import torch
 
-from kvpilot.engine import LLM, SamplingParams
+from kvpilot.engine import LLM
 from kvpilot.engine.cpu.attention_backend import paged_decode
 from kvpilot.engine.cpu.build import load_library
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from step_timing import add_random_requests, finish_prefills
 
 VARIANTS = ("prefetch", "no prefetch")
 
@@ -42,14 +47,8 @@ def main() -> None:
     llm = LLM(dtype=args.dtype, block_size=32, max_num_seqs=args.batch)
     backend = llm.engine.runner.model.model.layers[0].self_attn.backend
     steps_needed = 2 * args.blocks * args.block_steps + 8
-    rng = random.Random(0)
-    for i in range(args.batch):
-        ids = [rng.randrange(100, 40000) for _ in range(rng.randint(64, 192))]
-        params = SamplingParams(max_tokens=steps_needed, ignore_eos=True, temperature=0)
-        llm.engine.add_request(f"r{i}", ids, params)
-    scheduler = llm.engine.scheduler
-    while scheduler.waiting or any(not s.is_decoding for s in scheduler.running):
-        llm.engine.step()  # the prefills
+    add_random_requests(llm, random.Random(0), args.batch, "r", steps_needed)
+    finish_prefills(llm)
     for _ in range(4):
         llm.engine.step()  # warm
 
@@ -95,9 +94,11 @@ def _one_layer_decode(llm: LLM, lib: object) -> torch.Tensor:
     width = max(len(t) for t in tables)
     block_tables = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
     seq_lens = torch.tensor([seq.num_computed_tokens for seq in running], dtype=torch.int32)
+    cfg = runner.model_config
     gen = torch.Generator().manual_seed(0)
-    query = torch.randn(len(running), 9, 64, generator=gen).to(k_cache.dtype)
-    return paged_decode(lib, query, k_cache, v_cache, block_tables, seq_lens, 0.125)
+    shape = (len(running), cfg.num_attention_heads, cfg.head_dim)
+    query = torch.randn(shape, generator=gen).to(k_cache.dtype)
+    return paged_decode(lib, query, k_cache, v_cache, block_tables, seq_lens, cfg.head_dim**-0.5)
 
 
 if __name__ == "__main__":

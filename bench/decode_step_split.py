@@ -17,10 +17,10 @@ import time
 from pathlib import Path
 
 import kvpilot.engine.model_runner as model_runner
-from kvpilot.engine import LLM, SamplingParams
+from kvpilot.engine import LLM
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from step_timing import PartTimes
+from step_timing import PartTimes, add_random_requests, finish_prefills
 
 ap = argparse.ArgumentParser(description=__doc__)
 ap.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
@@ -29,16 +29,7 @@ ap.add_argument("--steps", type=int, default=20)
 args = ap.parse_args()
 llm = LLM(dtype=args.dtype, block_size=32, max_num_seqs=args.batch)
 rng = random.Random(0)
-
-
-def add(n: int, tag: str, out: int = 64) -> None:
-    for i in range(n):
-        ids = [rng.randrange(100, 40000) for _ in range(rng.randint(64, 192))]
-        params = SamplingParams(max_tokens=out, ignore_eos=True, temperature=0)
-        llm.engine.add_request(f"{tag}{i}", ids, params)
-
-
-add(args.batch, "w", 8)  # warm-up: this batch's shapes
+add_random_requests(llm, rng, args.batch, "w", 8)  # warm-up: this batch's shapes
 while llm.engine.has_unfinished_requests():
     llm.engine.step()
 runner = llm.engine.runner
@@ -54,10 +45,8 @@ wrap(runner.model, "forward", "model forward")
 wrap(model_runner, "sample", "sampler")
 wrap(llm.engine.core.scheduler, "schedule", "scheduler")
 wrap(llm.engine.processor, "process", "output processor")
-add(args.batch, "p", 64)
-scheduler = llm.engine.scheduler
-while scheduler.waiting or any(not s.is_decoding for s in scheduler.running):
-    llm.engine.step()  # the prefills, untimed
+add_random_requests(llm, rng, args.batch, "p", 64)
+finish_prefills(llm)  # untimed
 acc.clear()
 start = time.perf_counter()
 for _ in range(args.steps):
