@@ -46,8 +46,10 @@ def main() -> None:
         raise SystemExit("no C compiler: the kernel cannot be built here")
     llm = LLM(dtype=args.dtype, block_size=32, max_num_seqs=args.batch)
     backend = llm.engine.runner.model.model.layers[0].self_attn.backend
-    steps_needed = 2 * args.blocks * args.block_steps + 8
-    add_random_requests(llm, random.Random(0), args.batch, "r", steps_needed)
+    # Enough tokens that no request ends before the last measured step: the first ones to be
+    # prefilled already decode while the others' prefill steps run.
+    max_tokens = 2 * args.blocks * args.block_steps + 4 + 32
+    add_random_requests(llm, random.Random(0), args.batch, "r", max_tokens)
     finish_prefills(llm)
     for _ in range(4):
         llm.engine.step()  # warm
@@ -76,6 +78,7 @@ def main() -> None:
     assert torch.equal(outs[0], outs[1]), "the prefetch changed the result"
     backend.lib = libs["prefetch"]
     batch = llm.engine.stats().num_running
+    assert batch == args.batch, f"only {batch} of {args.batch} requests ran to the end"
     print(f"{args.dtype}, batch {batch}, attention per decode step (all layers), "
           f"{args.blocks} blocks of {args.block_steps} steps per variant:")  # fmt: skip
     for name, times in per_step.items():
