@@ -7,8 +7,9 @@ as "decode", the rest as "mixed" (prefill chunks, usually with decodes).
 
 A backend name may end in suffixes that put one of torch's ops back in place of the backend's
 own (see TORCH_OPS), that send prefill steps through the torch reference attention
-(REF_PREFILL), that fuse the MLP's SiLU-and-multiply into oneDNN (ONEDNN_MLP), or that give the
-C RMSNorm's mean of squares back to torch's threads (PARALLEL_MEAN), so a change to one op is A/B'd
+(REF_PREFILL), that fuse the MLP's SiLU-and-multiply into oneDNN (ONEDNN_MLP), that give the
+C RMSNorm's mean of squares back to torch's threads (PARALLEL_MEAN), or that run the linears on
+oneDNN's packed layer instead of kvpilot's kernel (ONEDNN_LINEARS), so a change to one op is A/B'd
 in one process:
 
     python bench/engine_step_breakdown.py --dtype bfloat16 --backends torch,cpu
@@ -20,6 +21,8 @@ in one process:
         --backends cpu,cpu-ref-prefill
     python bench/engine_step_breakdown.py --dtype bfloat16 --rounds 3 \
         --backends cpu,cpu-parallel-mean
+    python bench/engine_step_breakdown.py --dtype float32 --rounds 3 \
+        --backends cpu,cpu-onednn-linears
 
 Each kind of step also gets this process's CPU seconds: on a machine shared with other jobs, run
 with OMP_NUM_THREADS=1 and compare those, which contention inflates far less than wall time.
@@ -51,6 +54,9 @@ REF_PREFILL = "-ref-prefill"
 # A suffix for 'cpu' (last, after any other): the C RMSNorm's torch mean on all of torch's threads,
 # as before layer_ops.rms_norm ran it on one.
 PARALLEL_MEAN = "-parallel-mean"
+# A suffix for 'cpu' (last of all): every linear on oneDNN's packed layer (engine/model/cpu_linear),
+# as before kvpilot's own kernel (engine/cpu/linear) took them.
+ONEDNN_LINEARS = "-onednn-linears"
 
 
 def split_backend(name: str) -> tuple[str, list[str], bool, bool]:
@@ -69,14 +75,19 @@ def split_backend(name: str) -> tuple[str, list[str], bool, bool]:
 
 def build_llm(backend: str, args: argparse.Namespace) -> object:
     from kvpilot.engine import LLM, model_runner
-    from kvpilot.engine.cpu import layer_ops
+    from kvpilot.engine.cpu import layer_ops, linear
     from kvpilot.engine.cpu.build import load_library
     from kvpilot.engine.model import layers
 
+    onednn_linears = backend.endswith(ONEDNN_LINEARS)
+    backend = backend.removesuffix(ONEDNN_LINEARS)
     parallel_mean = backend.endswith(PARALLEL_MEAN)
     backend = backend.removesuffix(PARALLEL_MEAN)
     attention_backend, torch_fields, fuse_gate_up, ref_prefill = split_backend(backend)
     with_c_ops, pack = layer_ops.cpu_layer_ops, model_runner.pack_linears
+    use_kernel = linear.use_kernel_linears
+    if onednn_linears:  # the runner then packs for oneDNN, as it does without the kernel
+        linear.use_kernel_linears = lambda *_: 0
     overrides = {field: getattr(layers, field) for field in torch_fields}
     if parallel_mean:
         lib = load_library()
@@ -103,6 +114,7 @@ def build_llm(backend: str, args: argparse.Namespace) -> object:
         return llm
     finally:
         layer_ops.cpu_layer_ops, model_runner.pack_linears = with_c_ops, pack
+        linear.use_kernel_linears = use_kernel
 
 
 def run(backend: str, args: argparse.Namespace) -> None:

@@ -100,10 +100,9 @@ class ModelRunner:
             self.device,
             "" if tp is None else f" (tensor-parallel rank {tp.rank} of {tp.size})",
         )
-        # After the size is logged: packed weights are buffers oneDNN owns, not parameters.
-        if self.device.type == "cpu" and packing_available(self.dtype):
-            packed = pack_linears(self.model, batch_hint=config.scheduler.max_num_seqs)
-            log.info("packed %d %s linear layers for oneDNN", packed, self.dtype)
+        # After the size is logged: packed weights are buffers, not parameters.
+        if self.device.type == "cpu":
+            self._pack_cpu_linears(backend.name)
         self.num_blocks = self._decide_num_blocks()
         shape = (
             self.num_blocks,
@@ -124,6 +123,23 @@ class ModelRunner:
             self.num_blocks * self.bytes_per_block / 2**30,
         )
         self.default_generator = torch.Generator(device=self.device).manual_seed(config.seed)
+
+    def _pack_cpu_linears(self, backend_name: str) -> None:
+        """The 'cpu' backend's own linear kernel where the library has it for this dtype (faster
+        than oneDNN at every batch size measured, bench/RESULTS.md), else oneDNN's packed
+        linear; the other backends keep oneDNN's, or nn.Linear where this torch lacks it."""
+        batch_hint = self.config.scheduler.max_num_seqs
+        if backend_name == "cpu":
+            from kvpilot.engine.cpu.build import load_library
+            from kvpilot.engine.cpu.linear import use_kernel_linears
+
+            kernel = use_kernel_linears(self.model, load_library(), self.dtype, batch_hint)
+            if kernel:
+                log.info("%d %s linear layers on kvpilot's CPU kernel", kernel, self.dtype)
+                return
+        if packing_available(self.dtype):
+            packed = pack_linears(self.model, batch_hint=batch_hint)
+            log.info("packed %d %s linear layers for oneDNN", packed, self.dtype)
 
     @property
     def bytes_per_block(self) -> int:

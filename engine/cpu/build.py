@@ -1,6 +1,7 @@
-"""Compiles csrc/cpu_ops.c for this machine and loads it, once per process.
+"""Compiles csrc/cpu_ops.c and csrc/linear.c into one library for this machine and loads it, once
+per process.
 
-The library is cached under the kvpilot cache directory, keyed by the source, the compiler, the
+The library is cached under the kvpilot cache directory, keyed by the sources, the compiler, the
 flags and the CPU (the build targets -march=native), so a second start and every other process on
 the machine reuse it. A build is written to a temporary file and renamed into place, so concurrent
 starts never load half a file.
@@ -23,7 +24,8 @@ import torch
 
 log = logging.getLogger("kvpilot")
 
-SOURCE = Path(__file__).with_name("csrc") / "cpu_ops.c"
+CSRC = Path(__file__).with_name("csrc")
+SOURCES = (CSRC / "cpu_ops.c", CSRC / "linear.c")
 BASE_FLAGS = (
     "-O3",
     "-march=native",
@@ -38,7 +40,7 @@ BASE_FLAGS = (
 SUFFIXES = {torch.float32: "f32", torch.bfloat16: "bf16"}
 _PTR, _I64, _F32, _INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
 Signature = tuple[list[type], type | None]
-# Every entry point of csrc/cpu_ops.c: (argument types in the C parameter order, result type), set
+# Every entry point of SOURCES: (argument types in the C parameter order, result type), set
 # on the loaded library so that a call with too few arguments or a wrong type raises in Python
 # instead of reading garbage in C. Pointers (const or not, T * for either dtype) are tensor
 # data_ptr()s. The typed kernels exist once per dtype suffix (TYPED). Every row is checked against
@@ -63,10 +65,14 @@ TYPED: dict[str, Signature] = {
     "rms_norm_apply": ([_PTR] * 3 + [_F32] + [_PTR] + [_I64] * 2, None),
     # gate_up, out; tokens, inter, stride
     "silu_and_mul": ([_PTR] * 2 + [_I64] * 3, None),
+    # x, packed weight, bias (NULL: none), y; M, N, K, x_stride, y_stride -> 0, or 1 when this
+    # build has no kernel for the dtype (linear.c)
+    "linear": ([_PTR] * 4 + [_I64] * 5, _INT),
 }
 UNTYPED: dict[str, Signature] = {
     "kvpilot_openmp_threads": ([], _INT),
     "kvpilot_set_openmp_threads": ([_INT], _INT),
+    "kvpilot_linear_available": ([], _INT),
 }
 
 
@@ -102,7 +108,7 @@ def _compile(compiler: str, out: Path, extra_flags: tuple[str, ...]) -> list[str
         with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
             target = Path(tmp) / out.name
             proc = subprocess.run(
-                [compiler, *flags, str(SOURCE), "-o", str(target), "-lm"],
+                [compiler, *flags, *map(str, SOURCES), "-o", str(target), "-lm"],
                 capture_output=True,
                 text=True,
                 timeout=300,
@@ -111,7 +117,8 @@ def _compile(compiler: str, out: Path, extra_flags: tuple[str, ...]) -> list[str
                 os.replace(target, out)
                 return flags
             last_error = proc.stderr.strip()[-2000:]
-    raise RuntimeError(f"{compiler} could not build {SOURCE.name}: {last_error}")
+    names = " and ".join(source.name for source in SOURCES)
+    raise RuntimeError(f"{compiler} could not build {names}: {last_error}")
 
 
 @functools.cache
@@ -136,7 +143,7 @@ def load_library(extra_flags: tuple[str, ...] = ()) -> ctypes.CDLL | None:
         key = hashlib.sha256(
             "\0".join(
                 [
-                    SOURCE.read_text(),
+                    *(source.read_text() for source in SOURCES),
                     compiler,
                     version,
                     " ".join([*BASE_FLAGS, *extra_flags]),

@@ -16,6 +16,8 @@ packed linear; anything else keeps nn.Linear.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -89,12 +91,9 @@ class PackedSiluGateUp(nn.Module):
         return f"in_features={self.in_features}, inter={self.inter}, packed, silu*up fused"
 
 
-def pack_linears(model: nn.Module, batch_hint: int, fuse_gate_up: bool = False) -> int:
-    """Swaps every float32 or bfloat16 CPU nn.Linear in `model` for a PackedLinear; returns how
-    many. A tied lm_head is packed too (the largest single matmul of a decode step): its packed
-    copy costs one extra vocab x hidden matrix, since the embedding keeps the original.
-
-    fuse_gate_up: each MLP's merged gate_up_proj becomes a PackedSiluGateUp instead."""
+def swap_linears(model: nn.Module, make: Callable[[str, nn.Linear], nn.Module]) -> int:
+    """Replaces every float32 or bfloat16 CPU nn.Linear in `model` by make(attribute name,
+    linear); returns how many."""
     swapped = 0
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
@@ -103,8 +102,20 @@ def pack_linears(model: nn.Module, batch_hint: int, fuse_gate_up: bool = False) 
                 and child.weight.dtype in PACKED_DTYPES
                 and child.weight.device.type == "cpu"
             ):
-                fused = fuse_gate_up and name == "gate_up_proj"
-                packed = (PackedSiluGateUp if fused else PackedLinear)(child, batch_hint)
-                setattr(parent, name, packed)
+                setattr(parent, name, make(name, child))
                 swapped += 1
     return swapped
+
+
+def pack_linears(model: nn.Module, batch_hint: int, fuse_gate_up: bool = False) -> int:
+    """Swaps every float32 or bfloat16 CPU nn.Linear in `model` for a PackedLinear; returns how
+    many. A tied lm_head is packed too (the largest single matmul of a decode step): its packed
+    copy costs one extra vocab x hidden matrix, since the embedding keeps the original.
+
+    fuse_gate_up: each MLP's merged gate_up_proj becomes a PackedSiluGateUp instead."""
+
+    def make(name: str, linear: nn.Linear) -> nn.Module:
+        fused = fuse_gate_up and name == "gate_up_proj"
+        return (PackedSiluGateUp if fused else PackedLinear)(linear, batch_hint)
+
+    return swap_linears(model, make)

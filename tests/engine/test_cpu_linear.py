@@ -58,7 +58,15 @@ def test_pack_linears_swaps_cpu_linears_of_packed_dtypes_only() -> None:
 def test_runner_packs_the_model_and_keeps_the_tied_embedding(dtype: str) -> None:
     from kvpilot.engine import LLM
 
-    llm = LLM(dtype=dtype, load_format="dummy", max_model_len=64, kv_cache_gib=0.05)
+    # The torch backend: the cpu backend uses kvpilot's own kernel where it can
+    # (test_cpu_kernel_linear.py).
+    llm = LLM(
+        dtype=dtype,
+        load_format="dummy",
+        max_model_len=64,
+        kv_cache_gib=0.05,
+        attention_backend="torch",
+    )
     model = llm.engine.runner.model
     layer = model.model.layers[0]
     assert isinstance(layer.self_attn.qkv_proj, PackedLinear)

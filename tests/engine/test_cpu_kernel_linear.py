@@ -1,0 +1,157 @@
+"""kvpilot's CPU linear kernel (csrc/linear.c through engine/cpu/linear.py): what it computes
+against a float64 reference with a rounding-error bound, where it is used, and where not."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from kvpilot.engine.cpu.build import load_library
+from kvpilot.engine.cpu.linear import (
+    KernelLinear,
+    kernel_available,
+    kernel_takes,
+    pack_weight,
+    use_kernel_linears,
+)
+from kvpilot.engine.model.cpu_linear import PackedLinear, packing_available
+
+LIB = load_library()
+DTYPES = [torch.float32, torch.bfloat16]
+
+
+def needs_kernel(dtype: torch.dtype) -> None:
+    if not kernel_available(LIB, dtype):
+        pytest.skip(f"this CPU or build has no linear kernel for {dtype}")
+
+
+def assert_within_rounding(out: torch.Tensor, linear: nn.Linear, x: torch.Tensor) -> None:
+    """|out - x W^T - b| (in float64) within the float32 accumulation bound K * 2^-24 *
+    (|x| |W|^T + |b|), times 2, plus in bfloat16 the final rounding's half ulp (2^-8 relative)."""
+    w = linear.weight.detach().double()
+    x64 = x.double()
+    exact = x64 @ w.t()
+    magnitude = x64.abs() @ w.abs().t()
+    if linear.bias is not None:
+        exact = exact + linear.bias.detach().double()
+        magnitude = magnitude + linear.bias.detach().double().abs()
+    bound = 2 * linear.in_features * 2.0**-24 * magnitude
+    if out.dtype == torch.bfloat16:
+        bound = bound + 2.0**-8 * exact.abs()
+    error = (out.double() - exact).abs()
+    worst = (error - bound).max().item()
+    assert worst <= 0, f"error {error.max().item():.3g} beyond the bound by {worst:.3g}"
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("rows", [1, 3, 8, 9, 16, 17, 64, 65, 130])
+@pytest.mark.parametrize(("out_features", "in_features"), [(960, 576), (80, 1536), (32, 6)])
+def test_kernel_linear_matches_float64_within_rounding(
+    dtype: torch.dtype, bias: bool, rows: int, out_features: int, in_features: int
+) -> None:
+    """Every tile shape: 1-8 rows, 1-3 panels (80 columns = 5 panels: a full tile and a tile of
+    2), more than one 64-row chunk, and a K smaller than a vector."""
+    needs_kernel(dtype)
+    torch.manual_seed(rows)
+    linear = nn.Linear(in_features, out_features, bias=bias).to(dtype)
+    x = torch.randn(rows, in_features).to(dtype)
+    out = KernelLinear(LIB, linear)(x)
+    assert out.dtype == dtype and out.shape == (rows, out_features)
+    assert_within_rounding(out, linear, x)
+    # and as close to torch's own product as the usual per-dtype tolerances (a bfloat16 ulp)
+    tol = {torch.float32: (1.3e-6, 1e-5), torch.bfloat16: (1.6e-2, 1e-3)}[dtype]
+    torch.testing.assert_close(out, linear(x), rtol=tol[0], atol=tol[1])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_kernel_linear_takes_strided_rows_and_leading_dimensions(dtype: torch.dtype) -> None:
+    needs_kernel(dtype)
+    torch.manual_seed(0)
+    linear = nn.Linear(64, 48).to(dtype)
+    layer = KernelLinear(LIB, linear)
+    wide = torch.randn(10, 100).to(dtype)
+    rows = wide[:, 20:84]  # row stride 100, not 64
+    assert rows.stride(0) == 100
+    torch.testing.assert_close(layer(rows), layer(rows.contiguous()), rtol=0, atol=0)
+    batch = torch.randn(2, 5, 64).to(dtype)
+    out = layer(batch)
+    assert out.shape == (2, 5, 48)
+    torch.testing.assert_close(out, layer(batch.reshape(10, 64)).reshape(2, 5, 48), rtol=0, atol=0)
+    assert layer(torch.empty(0, 64, dtype=dtype)).shape == (0, 48)
+    with pytest.raises(TypeError, match="got"):
+        layer(torch.randn(3, 64, dtype=torch.float16))
+    with pytest.raises(TypeError, match="got"):
+        layer(torch.randn(3, 63).to(dtype))
+
+
+def test_pack_weight_layouts() -> None:
+    """float32 [N/16, K, 16]: panel p, row k holds W[16p : 16p + 16, k]; bfloat16
+    [N/16, K/2, 16, 2]: lane j of pair row i holds W[16p + j, 2i], W[16p + j, 2i + 1]."""
+    weight = torch.arange(32 * 6, dtype=torch.float32).reshape(32, 6)
+    packed = pack_weight(weight)
+    assert packed.shape == (2, 6, 16)
+    assert torch.equal(packed[1, 4], weight[16:32, 4])
+    packed_bf16 = pack_weight(weight.to(torch.bfloat16))
+    assert packed_bf16.shape == (2, 3, 16, 2)
+    assert torch.equal(packed_bf16[1, 2, 5], weight[21, 4:6].to(torch.bfloat16))
+
+
+def test_kernel_takes_only_its_shapes() -> None:
+    assert kernel_takes(nn.Linear(6, 32))
+    assert not kernel_takes(nn.Linear(6, 24))  # not whole 16-column panels
+    assert kernel_takes(nn.Linear(6, 32).to(torch.bfloat16))
+    assert not kernel_takes(nn.Linear(7, 32).to(torch.bfloat16))  # bfloat16 takes k in pairs
+    assert not kernel_takes(nn.Linear(6, 32).to(torch.float16))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_use_kernel_linears_swaps_what_it_takes_and_packs_the_rest(dtype: torch.dtype) -> None:
+    needs_kernel(dtype)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 24), nn.LayerNorm(24)).to(dtype)
+    x = torch.randn(5, 64).to(dtype)
+    before = model(x)
+    assert use_kernel_linears(model, LIB, dtype, batch_hint=8) == 1
+    assert isinstance(model[0], KernelLinear)
+    other = PackedLinear if packing_available(dtype) else nn.Linear
+    assert type(model[1]) is other
+    tol = {"rtol": 1e-5, "atol": 1e-5} if dtype == torch.float32 else {"rtol": 0.02, "atol": 0.05}
+    torch.testing.assert_close(model(x), before, **tol)
+
+
+def test_no_library_or_dtype_swaps_nothing() -> None:
+    model = nn.Sequential(nn.Linear(64, 64))
+    assert use_kernel_linears(model, None, torch.float32, batch_hint=8) == 0
+    assert type(model[0]) is nn.Linear
+    with pytest.raises(ValueError, match="does not take"):
+        KernelLinear(LIB, nn.Linear(6, 24))  # type: ignore[arg-type]
+
+
+def test_portable_build_has_no_kernel_and_says_so() -> None:
+    """Without AVX-512 the library builds, reports no kernel, and the call writes nothing."""
+    needs_kernel(torch.float32)
+    portable = load_library(("-mno-avx512f",))
+    assert portable is not None and portable is not LIB
+    assert portable.kvpilot_linear_available() == 0
+    assert not kernel_available(portable, torch.float32)
+    y = torch.full((1, 16), 7.0)
+    x, w = torch.ones(1, 4), torch.ones(1, 4, 16)
+    assert portable.linear_f32(x.data_ptr(), w.data_ptr(), None, y.data_ptr(), 1, 16, 4, 4, 16)
+    assert torch.equal(y, torch.full((1, 16), 7.0))
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_runner_uses_the_kernel_with_the_cpu_backend_and_onednn_with_torch(dtype: str) -> None:
+    from kvpilot.engine import LLM
+
+    needs_kernel(getattr(torch, dtype))
+    kwargs = {"dtype": dtype, "load_format": "dummy", "max_model_len": 64, "kv_cache_gib": 0.05}
+    model = LLM(**kwargs).engine.runner.model
+    assert isinstance(model.model.layers[0].mlp.down_proj, KernelLinear)
+    assert isinstance(model.lm_head, KernelLinear)
+    assert model.model.embed_tokens.weight.dtype == getattr(torch, dtype)
+    if packing_available(getattr(torch, dtype)):
+        reference = LLM(attention_backend="torch", **kwargs).engine.runner.model
+        assert isinstance(reference.model.layers[0].mlp.down_proj, PackedLinear)
