@@ -33,17 +33,20 @@ Linear = Callable[[torch.Tensor], torch.Tensor]
 
 
 def pass_seconds(
-    layers: list[dict[str, Linear]], inputs: dict[str, torch.Tensor], repeats: int
-) -> float:
-    """Median wall time of one pass over every layer's linears (the first pass unmeasured)."""
-    times = []
+    paths: dict[str, list[dict[str, Linear]]], inputs: dict[str, torch.Tensor], repeats: int
+) -> dict[str, float]:
+    """Each path's median wall time of one pass over every layer's linears, the paths taking
+    turns pass by pass (so a drift in the machine's speed reaches all of them alike); the first
+    round is unmeasured."""
+    times: dict[str, list[float]] = {label: [] for label in paths}
     for _ in range(repeats):
-        start = time.perf_counter()
-        for layer in layers:
-            for name, linear in layer.items():
-                linear(inputs[name])
-        times.append(time.perf_counter() - start)
-    return statistics.median(times[1:])
+        for label, layers in paths.items():
+            start = time.perf_counter()
+            for layer in layers:
+                for name, linear in layer.items():
+                    linear(inputs[name])
+            times[label].append(time.perf_counter() - start)
+    return {label: statistics.median(t[1:]) for label, t in times.items()}
 
 
 def onednn(weight: torch.Tensor, hint: int) -> Linear:
@@ -108,6 +111,7 @@ def main() -> None:
             if dtype == torch.float32 and hasattr(torch.ops.mkl, "_mkl_linear"):
                 paths["MKL packed sgemm"] = lambda w, rows=rows: mkl(w, rows)
         print(f"  M={rows}")
+        built: dict[str, list[dict[str, Linear]]] = {}
         for label, make in paths.items():
             layers = [{name: make(w) for name, w in layer.items()} for layer in weights]
             if any(linear is None for layer in layers for linear in layer.values()):
@@ -118,7 +122,9 @@ def main() -> None:
                 error = float((layers[0][name](x).float() - expected).abs().max())
                 bound = 1e-3 if dtype == torch.float32 else 0.05 * float(expected.abs().max())
                 assert error < bound, f"{label} is wrong on {name}: {error}"
-            seconds = pass_seconds(layers, inputs, repeats=7 if rows <= 64 else 3)
+            built[label] = layers  # type: ignore[assignment]
+        timed = pass_seconds(built, inputs, repeats=9 if rows <= 64 else 4)
+        for label, seconds in timed.items():
             print(f"    {label:24s} {seconds * 1e3:8.2f} ms per pass, "
                   f"{nbytes / seconds / 1e9:5.1f} GB/s of weights, "
                   f"{rows * flops_per_row / seconds / 1e9:6.1f} GFLOP/s")  # fmt: skip

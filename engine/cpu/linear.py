@@ -26,6 +26,7 @@ from kvpilot.engine.cpu.build import SUFFIXES
 from kvpilot.engine.model.cpu_linear import PackedLinear, packing_available, swap_linears
 
 PANEL = 16  # output columns per packed panel (one AVX-512 register of float32)
+GROUP = 3 * PANEL  # output columns of one tile, stored together
 # kvpilot_linear_available()'s bit for each dtype's kernel
 AVAILABLE_BIT = {torch.float32: 1, torch.bfloat16: 2}
 
@@ -47,11 +48,17 @@ def kernel_takes(linear: nn.Linear) -> bool:
 
 
 def pack_weight(weight: torch.Tensor) -> torch.Tensor:
-    """[N, K] -> float32 [N/16, K, 16] or bfloat16 [N/16, K/2, 16, 2] (linear.c's layouts)."""
+    """[N, K] -> linear.c's layout, flat: the columns in groups of 3 panels of 16 (the last 1-3
+    panels), each group of width w = 16 * panels as float32 [K, w] or bfloat16 [K/2, w, 2]."""
     n, k = weight.shape
-    if weight.dtype == torch.float32:
-        return weight.reshape(n // PANEL, PANEL, k).transpose(1, 2).contiguous()
-    return weight.reshape(n // PANEL, PANEL, k // 2, 2).permute(0, 2, 1, 3).contiguous()
+    groups = []
+    for start in range(0, n, GROUP):
+        block = weight[start : start + GROUP]
+        if weight.dtype == torch.float32:
+            groups.append(block.t().reshape(-1))
+        else:
+            groups.append(block.reshape(len(block), k // 2, 2).transpose(0, 1).reshape(-1))
+    return torch.cat(groups)
 
 
 class KernelLinear(nn.Module):

@@ -47,12 +47,15 @@ def assert_within_rounding(out: torch.Tensor, linear: nn.Linear, x: torch.Tensor
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("rows", [1, 3, 8, 9, 16, 17, 64, 65, 130])
-@pytest.mark.parametrize(("out_features", "in_features"), [(960, 576), (80, 1536), (32, 6)])
+@pytest.mark.parametrize(
+    ("out_features", "in_features"), [(960, 576), (80, 1536), (48, 100), (32, 6)]
+)
 def test_kernel_linear_matches_float64_within_rounding(
     dtype: torch.dtype, bias: bool, rows: int, out_features: int, in_features: int
 ) -> None:
     """Every tile shape: 1-8 rows, 1-3 panels (80 columns = 5 panels: a full tile and a tile of
-    2), more than one 64-row chunk, and a K smaller than a vector."""
+    2), more than one 64-row chunk, K in blocks of 64 with a remainder (100), and K under one
+    vector."""
     needs_kernel(dtype)
     torch.manual_seed(rows)
     linear = nn.Linear(in_features, out_features, bias=bias).to(dtype)
@@ -87,15 +90,16 @@ def test_kernel_linear_takes_strided_rows_and_leading_dimensions(dtype: torch.dt
 
 
 def test_pack_weight_layouts() -> None:
-    """float32 [N/16, K, 16]: panel p, row k holds W[16p : 16p + 16, k]; bfloat16
-    [N/16, K/2, 16, 2]: lane j of pair row i holds W[16p + j, 2i], W[16p + j, 2i + 1]."""
-    weight = torch.arange(32 * 6, dtype=torch.float32).reshape(32, 6)
+    """Groups of 48 columns (the last 16 or 32), each float32 [K, width], or bfloat16
+    [K/2, width, 2]: element (k, n) of group g at its row k (pair k // 2) and column n - 48 g."""
+    weight = torch.arange(80 * 6, dtype=torch.float32).reshape(80, 6)
     packed = pack_weight(weight)
-    assert packed.shape == (2, 6, 16)
-    assert torch.equal(packed[1, 4], weight[16:32, 4])
+    assert packed.shape == (80 * 6,)
+    first, last = packed[: 6 * 48].reshape(6, 48), packed[6 * 48 :].reshape(6, 32)
+    assert torch.equal(first, weight[:48].t()) and torch.equal(last, weight[48:].t())
     packed_bf16 = pack_weight(weight.to(torch.bfloat16))
-    assert packed_bf16.shape == (2, 3, 16, 2)
-    assert torch.equal(packed_bf16[1, 2, 5], weight[21, 4:6].to(torch.bfloat16))
+    last_bf16 = packed_bf16[6 * 48 :].reshape(3, 32, 2)
+    assert torch.equal(last_bf16[2, 5], weight[53, 4:6].to(torch.bfloat16))
 
 
 def test_kernel_takes_only_its_shapes() -> None:
