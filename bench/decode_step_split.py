@@ -2,8 +2,9 @@
 
 64 random-token requests of 64-192 prompt tokens decode together (block size 32); after their
 prefills, 20 steps at batch 64 are timed: the whole step, the model's forward, the attention
-backend's forward (the C decode kernel on CPU) and KV writes, the lm_head, the sampler, the
-output processor, the runner's prepare and the scheduler.
+backend's forward (the C decode kernel on CPU) and KV writes, the decoder's linears, RMSNorm,
+SiLU-and-multiply and rotary (inside the forward), the lm_head, the sampler, the output processor,
+the runner's prepare and the scheduler.
 
     python bench/decode_step_split.py --dtype bfloat16
 """
@@ -11,6 +12,7 @@ output processor, the runner's prepare and the scheduler.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import random
 import sys
 import time
@@ -39,6 +41,21 @@ acc, wrap = times.seconds, times.wrap
 backend = runner.model.model.layers[0].self_attn.backend  # one backend object serves every layer
 wrap(backend, "forward", "attention forward")
 wrap(backend, "write_kv", "KV writes")
+for layer in runner.model.model.layers:
+    for name in ("qkv_proj", "o_proj"):
+        wrap(getattr(layer.self_attn, name), "forward", "decoder linears")
+    for name in ("gate_up_proj", "down_proj"):
+        wrap(getattr(layer.mlp, name), "forward", "decoder linears")
+ops = runner.model.model.ops  # one LayerOps serves every module
+timed_ops = dataclasses.replace(
+    ops,
+    rms_norm=times.timed(ops.rms_norm, "RMSNorm"),
+    silu_and_mul=times.timed(ops.silu_and_mul, "SiLU-and-multiply"),
+    apply_rotary=times.timed(ops.apply_rotary, "rotary"),
+)
+for module in runner.model.modules():
+    if getattr(module, "ops", None) is ops:
+        module.ops = timed_ops
 wrap(runner, "prepare", "runner.prepare")
 wrap(runner.model, "compute_logits", "lm_head")
 wrap(runner.model, "forward", "model forward")

@@ -1,9 +1,8 @@
 /* kvpilot's CPU linear layer: y[M][N] = x[M][K] W^T (+ bias), with W packed once at load time.
  *
  * Why our own: a decode step multiplies a few rows (M = running sequences) by every weight once.
- * oneDNN's packed kernels reached 55-85 % of this VM's FMA peak there (bench/cpu_small_m_linears.py)
- * and cost a fixed overhead per call, 120 calls per step; this kernel streams each weight panel
- * once per 8 rows with every accumulator in a register.
+ * There oneDNN's packed kernels took 1.1-1.6x this kernel's time on SmolLM2's linears (1-64 rows;
+ * level at prefill's hundreds to thousands: bench/cpu_small_m_linears.py, bench/RESULTS.md).
  *
  * Packed layout (N a multiple of 16: the Python side keeps oneDNN for other widths): the output
  * columns in groups of 3 panels of 16 (the last group 1-3 panels), one after the other; a group of
@@ -12,12 +11,17 @@
  *   bfloat16: [K/2][p * 16][2]    the same with k in pairs (K even), the operand layout of
  *                                 vdpbf16ps: each 32-bit lane holds W[n][k], W[n][k+1].
  * So a tile of up to 8 rows x 3 panels (24 zmm accumulators) reads its weights as one sequential
- * stream (a software prefetch 1 KiB ahead in it was measured: 3-7 % faster at 8 rows, 10 % slower
- * at 1, 3 % slower at 2048; left out). Work items are (chunk of 64 rows, group), split
- * statically between the OpenMP threads: with few rows each thread streams a contiguous run of
- * groups, with many rows a chunk of x stays in cache across groups. (Running a chunk's tiles
- * over blocks of k, partial sums parked in L1, so that each block of weights came from memory
- * once: 10-25 % slower at 16-64 rows, measured; the second tile reads its group from L2.)
+ * stream. Work items are (chunk of 64 rows, group), split statically between the OpenMP threads:
+ * with few rows each thread streams a contiguous run of groups, with many rows a chunk of x stays
+ * in cache across groups; a chunk's second and later tiles read their group from L2.
+ *
+ * Tried and measured slower on the development VM (Zen 4), so left out:
+ * - a software prefetch 1 KiB ahead in the weight stream: 3-7 % faster at 8 rows, 10 % slower at
+ *   1 row, 3 % slower at 2048;
+ * - a chunk's tiles over blocks of 64 k, partial sums parked in L1, so that each block of weights
+ *   comes from memory once: 10-25 % slower at 16-64 rows;
+ * - for 9-16 rows, tiles of 16 rows x 1 panel (the group read once): 2x slower, bound by 16
+ *   broadcasts per 16 FMAs where the 8 x 3 tile has 8 per 24.
  *
  * Numerics: float32 accumulation in k order per row (fused multiply-adds; bfloat16 pairs summed by
  * vdpbf16ps), bias added in float32, one rounding to the storage dtype at the end (to nearest even).
@@ -29,7 +33,7 @@
 #include <stdint.h>
 #include <string.h>
 
-#define LIN_MR 8 /* rows per tile */
+#define LIN_MR 8  /* rows per tile */
 #define LIN_NR 3  /* 16-column panels per tile */
 #define LIN_MC 64 /* rows per work item */
 #define LIN_PANEL 16
