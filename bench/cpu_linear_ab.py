@@ -13,29 +13,37 @@ so every run prefills ~9,600 tokens in 2048-token steps: the linears at their la
 from __future__ import annotations
 
 import argparse
+import contextlib
 import random
 import statistics
 import time
+from collections.abc import Iterator
 
 from kvpilot.engine import LLM, SamplingParams
 from kvpilot.engine.cpu import linear
 
 
-def build(dtype: str, kernel: bool, max_num_seqs: int) -> LLM:
-    """An LLM with kvpilot's kernel, or (kernel=False) with the linears packed for oneDNN, as
-    the runner packs them where the kernel is absent."""
+@contextlib.contextmanager
+def onednn_linears() -> Iterator[None]:
+    """LLMs built inside pack their linears for oneDNN, as the runner does where the kernel is
+    absent."""
     use_kernel = linear.use_kernel_linears
-    if not kernel:
-        linear.use_kernel_linears = lambda *_: 0
+    linear.use_kernel_linears = lambda *_: 0
     try:
+        yield
+    finally:
+        linear.use_kernel_linears = use_kernel
+
+
+def build(dtype: str, kernel: bool, max_num_seqs: int) -> LLM:
+    """An LLM with kvpilot's kernel, or (kernel=False) with the linears on oneDNN."""
+    with contextlib.nullcontext() if kernel else onednn_linears():
         return LLM(
             dtype=dtype,
             max_num_seqs=max_num_seqs,
             max_num_batched_tokens=2048,
             enable_prefix_caching=False,
         )
-    finally:
-        linear.use_kernel_linears = use_kernel
 
 
 def main() -> None:

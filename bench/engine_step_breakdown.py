@@ -31,6 +31,7 @@ with OMP_NUM_THREADS=1 and compare those, which contention inflates far less tha
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import functools
 import os
@@ -42,6 +43,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
+from cpu_linear_ab import onednn_linears as onednn_linears_packed
 from offline_throughput import make_requests, prompt_ids, run_kvpilot
 
 # Backend-name suffix -> the LayerOps field it sets back to the torch version in layers.
@@ -75,7 +77,7 @@ def split_backend(name: str) -> tuple[str, list[str], bool, bool]:
 
 def build_llm(backend: str, args: argparse.Namespace) -> object:
     from kvpilot.engine import LLM, model_runner
-    from kvpilot.engine.cpu import layer_ops, linear
+    from kvpilot.engine.cpu import layer_ops
     from kvpilot.engine.cpu.build import load_library
     from kvpilot.engine.model import layers
 
@@ -85,9 +87,6 @@ def build_llm(backend: str, args: argparse.Namespace) -> object:
     backend = backend.removesuffix(PARALLEL_MEAN)
     attention_backend, torch_fields, fuse_gate_up, ref_prefill = split_backend(backend)
     with_c_ops, pack = layer_ops.cpu_layer_ops, model_runner.pack_linears
-    use_kernel = linear.use_kernel_linears
-    if onednn_linears:  # the runner then packs for oneDNN, as it does without the kernel
-        linear.use_kernel_linears = lambda *_: 0
     overrides = {field: getattr(layers, field) for field in torch_fields}
     if parallel_mean:
         lib = load_library()
@@ -102,19 +101,19 @@ def build_llm(backend: str, args: argparse.Namespace) -> object:
     if fuse_gate_up:
         model_runner.pack_linears = functools.partial(pack, fuse_gate_up=True)
     try:
-        llm = LLM(
-            dtype=args.dtype,
-            attention_backend=attention_backend,
-            max_num_seqs=args.max_batch,
-            max_num_batched_tokens=2048,
-        )
+        with onednn_linears_packed() if onednn_linears else contextlib.nullcontext():
+            llm = LLM(
+                dtype=args.dtype,
+                attention_backend=attention_backend,
+                max_num_seqs=args.max_batch,
+                max_num_batched_tokens=2048,
+            )
         if ref_prefill:
             # One backend object serves every layer.
             llm.engine.runner.model.model.layers[0].self_attn.backend.varlen_kernel = False
         return llm
     finally:
         layer_ops.cpu_layer_ops, model_runner.pack_linears = with_c_ops, pack
-        linear.use_kernel_linears = use_kernel
 
 
 def run(backend: str, args: argparse.Namespace) -> None:
