@@ -8,6 +8,13 @@ Four parts, each runnable alone (--parts), all on dummy bf16 weights (no downloa
   per token over the measured device-to-device copy bandwidth).
 - hf: transformers generate on the same shape and workload, static batches (left-padded, every batch
   runs to its longest output), on a subset; counted in requested output tokens only.
+- idle_decode: the same idle fraction over decode-only steps (--idle-decode-batches requests of 128
+  prompt tokens each, profiled once every prompt is in): where graphs matter most.
+- subset: the first --subset-requests requests of the same workload through kvpilot (the attention
+  backends and graphs-on/off compared on identical requests where the slower ones would take long).
+
+Decode steps replay CUDA graphs unless --enforce-eager (they need the triton backend); the graphs'
+capture time and memory are part of the JSON result.
 
 The workload generator (`sharegpt_like_lengths`): lognormal input and output lengths with means
 220 and 185 tokens (sigma 0.9 and 0.8; ShareGPT's spread, long tail included), clipped like vLLM's
@@ -184,7 +191,20 @@ def make_llm(model_dir: Path, args: argparse.Namespace) -> Any:
         max_num_batched_tokens=args.max_num_batched_tokens,
         gpu_memory_utilization=args.gpu_memory_utilization,
         block_size=args.block_size,
+        enforce_eager=args.enforce_eager,
     )
+
+
+def graph_info(llm: Any) -> dict[str, Any] | None:
+    graphs = llm.engine.runner.decode_graphs
+    if graphs is None:
+        return None
+    return {
+        "sizes": list(graphs.sizes),
+        "capture_s": graphs.capture_s,
+        "pool_mib": graphs.pool_bytes / 2**20,
+        "replays": graphs.replays,
+    }
 
 
 def sampling(max_tokens: int) -> Any:
@@ -199,6 +219,17 @@ def warm_up(llm: Any, vocab_size: int) -> None:
     rng = np.random.default_rng(123)
     prompts = [rng.integers(0, vocab_size, n).tolist() for n in (17, 300, 1000, 64)]
     llm.generate(prompts, [sampling(n) for n in (40, 8, 4, 64)])
+
+
+def decode_only_workload(batch: int, vocab_size: int) -> Workload:
+    rng = np.random.default_rng(11)
+    prompts = [rng.integers(0, vocab_size, 128).tolist() for _ in range(batch)]
+    return Workload([128] * batch, [400] * batch, prompts)
+
+
+def subset(workload: Workload, num_requests: int) -> Workload:
+    n = min(num_requests, len(workload.prompts))
+    return Workload(workload.input_lens[:n], workload.output_lens[:n], workload.prompts[:n])
 
 
 def run_kvpilot(llm: Any, workload: Workload) -> dict[str, Any]:
@@ -216,6 +247,7 @@ def run_kvpilot(llm: Any, workload: Workload) -> dict[str, Any]:
     num_in = sum(workload.input_lens)
     stats = llm.engine.stats()
     return {
+        "num_requests": len(outputs),
         "elapsed_s": elapsed,
         "output_tokens_per_s": num_out / elapsed,
         "total_tokens_per_s": (num_in + num_out) / elapsed,
@@ -228,7 +260,7 @@ def run_kvpilot(llm: Any, workload: Workload) -> dict[str, Any]:
 
 
 def measure_idle_fraction(
-    llm: Any, workload: Workload, warm_steps: int, profiled_steps: int
+    llm: Any, workload: Workload, warm_steps: int, profiled_steps: int, tag: str = "idle"
 ) -> dict[str, Any]:
     """Loads the engine with the whole workload, skips warm_steps, profiles profiled_steps."""
     import torch
@@ -236,7 +268,7 @@ def measure_idle_fraction(
 
     engine = llm.engine
     for i, (prompt, n) in enumerate(zip(workload.prompts, workload.output_lens, strict=True)):
-        engine.add_request(f"idle-{i}", prompt, sampling(n))
+        engine.add_request(f"{tag}-{i}", prompt, sampling(n))
     for _ in range(warm_steps):
         engine.step()
     torch.cuda.synchronize()
@@ -254,7 +286,9 @@ def measure_idle_fraction(
     busy = _union_length(intervals)
     window = max(ends) - min(starts)
     running = engine.stats().num_running
-    while engine.has_unfinished_requests():  # leave the engine empty for the next part
+    for i in range(len(workload.prompts)):  # leave the engine empty for the next part
+        engine.abort_request(f"{tag}-{i}")
+    while engine.has_unfinished_requests():
         engine.step()
     return {
         "profiled_steps": profiled_steps,
@@ -366,6 +400,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--num-requests", type=int, default=1000)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--attention-backend", default="triton", choices=("triton", "torch"))
+    p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs for decode steps")
+    p.add_argument("--subset-requests", type=int, default=200)
+    p.add_argument("--idle-decode-batches", default="1,16,64")
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--max-num-batched-tokens", type=int, default=8192)
     p.add_argument("--max-model-len", type=int, default=4096)
@@ -402,27 +439,52 @@ def main(argv: list[str] | None = None) -> int:
         )
         return 2
     parts = set(args.parts.split(","))
-    unknown = parts - {"kvpilot", "idle", "single", "hf"}
+    unknown = parts - {"kvpilot", "idle", "idle_decode", "single", "hf", "subset"}
     if unknown:
         print(f"unknown parts: {sorted(unknown)}", file=sys.stderr)
         return 2
     result["device"] = device_info()
+
+    def save() -> None:  # after every part: a run cut short still leaves what it measured
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(result, indent=2, default=str))
+
     command = "python bench/gpu_offline_throughput.py " + " ".join(sys.argv[1:])
     result["command"] = command
-    if parts & {"kvpilot", "idle", "single"}:
+    if parts & {"kvpilot", "idle", "idle_decode", "single", "subset"}:
         with tempfile.TemporaryDirectory() as tmp:
             started = time.perf_counter()
             llm = make_llm(write_model_dir(Path(tmp)), args)
             result["engine_start_s"] = time.perf_counter() - started
+            print(f"engine started in {result['engine_start_s']:.1f} s", flush=True)
             warm_up(llm, LLAMA_31_8B["vocab_size"])
+            if "subset" in parts:
+                result["kvpilot_subset"] = run_kvpilot(llm, subset(workload, args.subset_requests))
+                tps = result["kvpilot_subset"]["output_tokens_per_s"]
+                print(f"kvpilot, first {args.subset_requests} requests: {tps:.0f} output tok/s")
+                save()
             if "kvpilot" in parts:
                 result["kvpilot"] = run_kvpilot(llm, workload)
                 print(f"kvpilot: {result['kvpilot']['output_tokens_per_s']:.0f} output tok/s")
+                save()
             if "idle" in parts:
                 result["idle"] = measure_idle_fraction(
                     llm, workload, args.idle_warm_steps, args.idle_profiled_steps
                 )
                 print(f"GPU idle fraction under load: {result['idle']['gpu_idle_fraction']:.1%}")
+                save()
+            if "idle_decode" in parts:
+                result["idle_decode"] = {}
+                for batch in map(int, args.idle_decode_batches.split(",")):
+                    decode = decode_only_workload(batch, LLAMA_31_8B["vocab_size"])
+                    # One prefill step takes every prompt (batch * 128 <= the token budget).
+                    idle = measure_idle_fraction(
+                        llm, decode, 3, args.idle_profiled_steps, tag=f"decode{batch}"
+                    )
+                    result["idle_decode"][batch] = idle
+                    fraction = idle["gpu_idle_fraction"]
+                    print(f"GPU idle fraction, decode batch {batch}: {fraction:.1%}")
+                save()
             if "single" in parts:
                 result["single_stream"] = run_single_stream(
                     llm, args.single_prompt_len, args.single_output_len
@@ -432,6 +494,7 @@ def main(argv: list[str] | None = None) -> int:
                     f"single stream: {s['decode_tokens_per_s']:.1f} tok/s, "
                     f"{s['fraction_of_roofline']:.1%} of {s['roofline_tokens_per_s']:.1f} roofline"
                 )
+            result["cuda_graphs"] = graph_info(llm)
             del llm
             gc.collect()
             torch.cuda.empty_cache()
@@ -443,8 +506,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"transformers (static batches of {args.hf_batch_size}): {hf:.0f} output tok/s")
         if "kvpilot" in result:
             result["kvpilot_over_transformers"] = result["kvpilot"]["output_tokens_per_s"] / hf
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2, default=str))
+    save()
     print(f"wrote {args.out}")
     return 0
 

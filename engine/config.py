@@ -205,6 +205,9 @@ class EngineConfig:
     overlap_grammar_masks: bool = True
     # On CPU, keep the heap memory a step frees for the next step (engine/cpu/heap.py).
     retain_freed_memory: bool = True
+    # On CUDA (with the triton backend, one rank), decode steps replay CUDA graphs captured at
+    # start (engine/cuda_graphs.py); True runs every step eagerly (vLLM's --enforce-eager).
+    enforce_eager: bool = False
 
     def __post_init__(self) -> None:
         if self.load_format not in LOAD_FORMATS:

@@ -12,6 +12,7 @@ import torch
 
 from kvpilot.engine.attention import AttentionMetadata, get_attention_backend
 from kvpilot.engine.config import EngineConfig, ModelConfig
+from kvpilot.engine.cuda_graphs import DecodeGraphs, graph_batch_sizes
 from kvpilot.engine.model.cpu_linear import pack_linears, packing_available
 from kvpilot.engine.model.layer_ops import LayerOps
 from kvpilot.engine.model.llama import ForwardContext, LlamaForCausalLM
@@ -104,8 +105,16 @@ class ModelRunner:
         if self.device.type == "cpu":
             self._pack_cpu_linears(backend.name)
         self.num_blocks = self._decide_num_blocks()
+        use_graphs = (
+            self.device.type == "cuda"
+            and backend.name == "triton"
+            and tp is None
+            and not config.enforce_eager
+        )
+        # The graphs' padded rows write and read one block past the block manager's: the null block.
+        self.null_block = self.num_blocks if use_graphs else None
         shape = (
-            self.num_blocks,
+            self.num_blocks + (1 if use_graphs else 0),
             self.block_size,
             self.model.shard.num_kv_heads,
             model_config.head_dim,
@@ -123,6 +132,16 @@ class ModelRunner:
             self.num_blocks * self.bytes_per_block / 2**30,
         )
         self.default_generator = torch.Generator(device=self.device).manual_seed(config.seed)
+        self.decode_graphs: DecodeGraphs | None = None
+        if self.null_block is not None:
+            self.decode_graphs = DecodeGraphs(
+                self.model,
+                self.kv_caches,
+                graph_batch_sizes(config.scheduler.max_num_seqs),
+                max_model_len,
+                self.block_size,
+                self.null_block,
+            )
 
     def _pack_cpu_linears(self, backend_name: str) -> None:
         """The 'cpu' backend's own linear kernel where the library has it for this dtype (faster
@@ -238,6 +257,9 @@ class ModelRunner:
     def forward_step(self, step: StepInput) -> torch.Tensor | None:
         """The forward pass of one step: the sampling rows' logits [S_sample, vocab] (on tensor
         parallel rank 0; None on the others, and when nothing samples)."""
+        graphs = self.decode_graphs
+        if graphs is not None and graphs.can_run(step):
+            return self.model.compute_logits(graphs.run(step))
         batch = self.prepare(step)
         hidden = self.model(batch.input_ids, batch.ctx)
         if not step.logits_indices:

@@ -66,6 +66,12 @@ def build_parser(
     g.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
     g.add_argument("--load-format", default="auto", choices=LOAD_FORMATS)
     g.add_argument("--attention-backend", default="auto", choices=ATTENTION_BACKENDS)
+    g.add_argument(
+        "--enforce-eager",
+        action="store_true",
+        help="run every step eagerly: no CUDA graphs for decode steps (on CUDA they are captured "
+        "at start for the triton attention backend)",
+    )
     sched = p.add_argument_group("scheduler")
     sched.add_argument(
         "--max-model-len", type=int, default=None, help="default: the model's context length"
@@ -205,6 +211,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         dtype=args.dtype,
         device=args.device,
         attention_backend=args.attention_backend,
+        enforce_eager=args.enforce_eager,
         max_model_len=args.max_model_len,
         seed=args.seed,
         served_model_name=args.served_model_name,

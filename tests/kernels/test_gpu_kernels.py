@@ -148,25 +148,29 @@ def test_layer_ops_real_sizes(
     assert_close(k, k_ref)
 
 
-def test_smollm2_greedy_parity_on_gpu(cuda_device: torch.device) -> None:
-    """The bundled SmolLM2-135M through the engine (all Triton kernels, float32) vs transformers on
-    the same GPU loading the same GGUF: identical greedy tokens."""
+QUESTIONS = (
+    "What is the capital of France?",
+    "Write a haiku about the sea.",
+    "Explain in two sentences why the sky looks blue during the day but red at sunset.",
+    "List three uses of a paperclip, briefly.",
+)
+MAX_NEW = 48
+
+
+def smollm2_reference(
+    dtype: torch.dtype, device: torch.device, top: int
+) -> tuple[list[list[int]], list[list[int]], list[list[list[int]]]]:
+    """Chat prompts, transformers' greedy tokens for each, and its top-`top` ids at every step,
+    from the bundled GGUF on `device` in `dtype`."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from kvpilot.engine import LLM, SamplingParams
     from kvpilot.engine.model.loader import bundled_gguf_path
 
     path = bundled_gguf_path()
     tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
     model = AutoModelForCausalLM.from_pretrained(
-        str(path.parent), gguf_file=path.name, dtype=torch.float32
-    ).to(cuda_device)
-    questions = [
-        "What is the capital of France?",
-        "Write a haiku about the sea.",
-        "Explain in two sentences why the sky looks blue during the day but red at sunset.",
-        "List three uses of a paperclip, briefly.",
-    ]
+        str(path.parent), gguf_file=path.name, dtype=dtype
+    ).to(device)
     prompts = [
         tok.encode(
             tok.apply_chat_template(
@@ -174,23 +178,89 @@ def test_smollm2_greedy_parity_on_gpu(cuda_device: torch.device) -> None:
             ),
             add_special_tokens=False,
         )
-        for q in questions
+        for q in QUESTIONS
     ]
-    max_new = 48
-    expected = []
+    tokens, tops = [], []
     with torch.inference_mode():
         for p in prompts:
-            ids = torch.tensor([p], device=cuda_device)
+            ids = torch.tensor([p], device=device)
             out = model.generate(
                 ids,
                 attention_mask=torch.ones_like(ids),
-                max_new_tokens=max_new,
+                max_new_tokens=MAX_NEW,
                 do_sample=False,
                 pad_token_id=model.generation_config.eos_token_id,
+                output_scores=True,
+                return_dict_in_generate=True,
             )
-            expected.append(out[0, len(p) :].tolist())
+            tokens.append(out.sequences[0, len(p) :].tolist())
+            tops.append([s[0].float().topk(top).indices.tolist() for s in out.scores])
     del model
+    return prompts, tokens, tops
+
+
+def test_smollm2_greedy_parity_on_gpu(cuda_device: torch.device) -> None:
+    """The bundled SmolLM2-135M through the engine (all Triton kernels, decode steps replayed as
+    CUDA graphs, float32) vs transformers on the same GPU loading the same GGUF: identical greedy
+    tokens."""
+    from kvpilot.engine import LLM, SamplingParams
+
+    prompts, expected, _ = smollm2_reference(torch.float32, cuda_device, top=1)
     llm = LLM(dtype="float32", device="cuda", attention_backend="triton")
-    outputs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=max_new))
+    outputs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=MAX_NEW))
+    assert llm.engine.runner.decode_graphs is not None
+    assert llm.engine.runner.decode_graphs.replays > 0
     for i, (out, ref) in enumerate(zip(outputs, expected, strict=True)):
         assert out.outputs[0].token_ids == ref, f"prompt {i}"
+
+
+def test_smollm2_bf16_close_to_transformers_on_gpu(cuda_device: torch.device) -> None:
+    """bfloat16 on both sides rounds differently (other kernels, other matmul shapes), so greedy
+    paths may part at a near tie: as vLLM's check_logprobs_close, the tokens must agree up to the
+    first difference, and there each side's token must be in the other's top 5. At least half of
+    all tokens must come before any difference."""
+    from kvpilot.engine import LLM, SamplingParams
+
+    prompts, expected, hf_top = smollm2_reference(torch.bfloat16, cuda_device, top=5)
+    llm = LLM(dtype="bfloat16", device="cuda", attention_backend="triton")
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, logprobs=5)
+    outputs = llm.generate(prompts, params)
+    agreed = 0
+    for i, (out, ref) in enumerate(zip(outputs, expected, strict=True)):
+        ours = out.outputs[0].token_ids
+        assert out.outputs[0].logprobs is not None
+        for step, (a, b) in enumerate(zip(ours, ref, strict=False)):
+            if a != b:
+                assert a in hf_top[i][step], f"prompt {i} step {step}: ours {a} not in HF top 5"
+                assert b in out.outputs[0].logprobs[step], f"prompt {i} step {step}: HF {b}"
+                break
+            agreed += 1
+        else:
+            assert len(ours) == len(ref), f"prompt {i}: {len(ours)} vs {len(ref)} tokens"
+    assert agreed >= len(prompts) * MAX_NEW // 2, f"only {agreed} tokens before the differences"
+
+
+@pytest.mark.parametrize("dtype", ("float32", "bfloat16"))
+def test_decode_graphs_match_eager_steps(cuda_device: torch.device, dtype: str) -> None:
+    """Graph replay against eager steps, same engine, same kernels: a batch that shrinks as its
+    requests finish at different lengths (so steps move between padded sizes) gives the same
+    greedy tokens (float32: all; bfloat16: up to a near tie, as above)."""
+    from kvpilot.engine import LLM, SamplingParams
+
+    prompts = [[1, *range(100 + 7 * i, 140 + 13 * i)] for i in range(11)]
+    params = [SamplingParams(temperature=0.0, max_tokens=8 + 5 * i) for i in range(11)]
+    runs = {}
+    for eager in (False, True):
+        llm = LLM(dtype=dtype, device="cuda", attention_backend="triton", enforce_eager=eager)
+        runs[eager] = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+        graphs = llm.engine.runner.decode_graphs
+        assert (graphs is None) == eager
+        if graphs is not None:
+            assert graphs.replays > 0 and graphs.sizes[0] == 1
+        del llm
+        torch.cuda.empty_cache()
+    if dtype == "float32":
+        assert runs[False] == runs[True]
+    else:
+        same = sum(a == b for a, b in zip(runs[False], runs[True], strict=True))
+        assert same >= len(prompts) - 2, f"{same} of {len(prompts)} outputs identical"
