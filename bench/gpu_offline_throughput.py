@@ -380,6 +380,7 @@ def run_transformers(workload: Workload, batch_size: int, num_requests: int) -> 
             )
             generated += (out.shape[1] - width) * len(batch)
             requested += sum(workload.output_lens[i] for i in batch)
+            print(f"transformers: {requested} tokens in {time.perf_counter() - start:.1f} s")
     torch.cuda.synchronize()
     elapsed = time.perf_counter() - start
     del model

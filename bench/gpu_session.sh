@@ -11,8 +11,11 @@
 # where kvpilot looks for the bundled model. Results go to $OUT (JSON, logs).
 #
 #   bash bench/gpu_session.sh 1   # then, on the same machine:   bash bench/gpu_session.sh 2
+#   bash bench/gpu_session.sh 2 smollm2_tests transformers   # only the steps named
 set -u
 phase=${1:?phase 1 or 2}
+shift
+steps=" $* "
 OUT=${OUT:-bench/out/gpu}
 WHEELS=${WHEELS:-$(ls -d .gpu_a/whl .gpu_b/whl 2>/dev/null | head -n 1)}
 PARTS=${PARTS:-/tmp/smollm2-parts}
@@ -38,6 +41,7 @@ fi
 run() {  # run NAME SECONDS COMMAND...: output to $OUT/NAME.log, its tail to the reply
     local name=$1 limit=$2
     shift 2
+    if [ "$steps" != "  " ] && [[ "$steps" != *" $name "* ]]; then return; fi
     echo "=== $name ($(date +%T), limit ${limit}s)"
     timeout "$limit" "$@" >"$OUT/$name.log" 2>&1
     echo "=== $name exit $?"
@@ -58,7 +62,7 @@ if [ "$phase" = 1 ]; then
 else
     run smollm2_tests 200 python3 -m pytest -p no:cacheprovider -q -m gpu \
         tests/kernels/test_gpu_kernels.py -k "smollm2 or decode_graphs"
-    run transformers 110 python3 $bench --parts hf --hf-num-requests 128 \
+    run transformers 90 python3 $bench --parts hf --hf-num-requests 32 --hf-batch-size 32 \
         --out "$OUT/offline_transformers.json"
     run torch_backend 90 python3 $bench --attention-backend torch --enforce-eager \
         --parts subset --out "$OUT/offline_torch_backend.json"

@@ -325,3 +325,23 @@ def test_auto_backend_is_cpu_on_cpu() -> None:
     )
     with pytest.raises(ValueError, match="attention_backend"):
         EngineConfig(attention_backend="flash")
+
+
+def test_auto_backend_is_triton_on_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Read without a GPU: the config only asks whether Triton can be imported."""
+    import importlib.util
+
+    from kvpilot.engine.config import EngineConfig
+
+    config = EngineConfig(device="cuda")
+    assert config.resolved_attention_backend == "triton"
+    assert EngineConfig(device="cuda", attention_backend="torch").resolved_attention_backend == (
+        "torch"
+    )
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util,
+        "find_spec",
+        lambda name, *a: None if name == "triton" else real_find_spec(name, *a),
+    )
+    assert config.resolved_attention_backend == "torch"

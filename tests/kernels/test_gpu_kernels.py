@@ -3,6 +3,7 @@ and SmolLM2 greedy parity against transformers with every Triton kernel selected
 
 from __future__ import annotations
 
+import gc
 import math
 from collections.abc import Callable
 from dataclasses import replace
@@ -59,7 +60,18 @@ def test_attention_real_sizes(
     )
     scale = 1 / math.sqrt(head_dim)
     out = paged_attention(batch.query, batch.k_cache, batch.v_cache, batch.meta, scale)
-    assert_close(out, reference(batch, scale))
+    expected = reference(batch, scale)
+    if dtype != torch.bfloat16:
+        assert_close(out, expected)
+        return
+    # Compiled bf16 attention multiplies the probabilities, rounded to bf16 (8 significant bits),
+    # by V, as FlashAttention does. A query with few visible keys (the first rows of a prefill) has
+    # large probabilities, so its output is off by up to ~2^-8 * sum(p * |v|): on an H200 up to
+    # 2.9e-3 where vLLM's default bf16 atol is 1e-3. Bound each element by 1e-2 and the whole
+    # output's relative error by 5e-3 (bf16 operands: 1e-3..1e-2).
+    torch.testing.assert_close(out, expected, atol=1e-2, rtol=1.6e-2)
+    error = (out.float() - expected.float()).norm() / expected.float().norm()
+    assert error < 5e-3, f"relative error {error:.2e}"
 
 
 @pytest.mark.parametrize("num_splits", (None, 1, 4, 16))
@@ -148,6 +160,18 @@ def test_layer_ops_real_sizes(
     assert_close(k, k_ref)
 
 
+# A fixed KV budget: the default takes 90% of the GPU, which a second engine in the same process
+# would then not find.
+ONE_GIB_KV = {"kv_cache_bytes": 2**30}
+
+
+def release(llm: Any) -> None:
+    """Drop the engine and hand its GPU memory back before the next one starts."""
+    del llm.engine
+    gc.collect()
+    torch.cuda.empty_cache()
+
+
 QUESTIONS = (
     "What is the capital of France?",
     "Write a haiku about the sea.",
@@ -155,13 +179,15 @@ QUESTIONS = (
     "List three uses of a paperclip, briefly.",
 )
 MAX_NEW = 48
+# As tests/engine/test_parity_smollm2.py: bf16 logits near 20 are 0.125 apart.
+BF16_LOGPROB_ATOL = 0.3
 
 
 def smollm2_reference(
-    dtype: torch.dtype, device: torch.device, top: int
-) -> tuple[list[list[int]], list[list[int]], list[list[list[int]]]]:
-    """Chat prompts, transformers' greedy tokens for each, and its top-`top` ids at every step,
-    from the bundled GGUF on `device` in `dtype`."""
+    dtype: torch.dtype, device: torch.device
+) -> tuple[list[list[int]], list[list[int]], list[list[dict[int, float]]]]:
+    """Chat prompts, transformers' greedy tokens for each, and its top-5 logprobs at every step
+    ({token id: logprob}), from the bundled GGUF on `device` in `dtype`."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from kvpilot.engine.model.loader import bundled_gguf_path
@@ -194,7 +220,11 @@ def smollm2_reference(
                 return_dict_in_generate=True,
             )
             tokens.append(out.sequences[0, len(p) :].tolist())
-            tops.append([s[0].float().topk(top).indices.tolist() for s in out.scores])
+            steps = []
+            for scores in out.scores:
+                top = torch.log_softmax(scores[0].float(), -1).topk(5)
+                steps.append(dict(zip(top.indices.tolist(), top.values.tolist(), strict=True)))
+            tops.append(steps)
     del model
     return prompts, tokens, tops
 
@@ -205,39 +235,43 @@ def test_smollm2_greedy_parity_on_gpu(cuda_device: torch.device) -> None:
     tokens."""
     from kvpilot.engine import LLM, SamplingParams
 
-    prompts, expected, _ = smollm2_reference(torch.float32, cuda_device, top=1)
-    llm = LLM(dtype="float32", device="cuda", attention_backend="triton")
+    prompts, expected, _ = smollm2_reference(torch.float32, cuda_device)
+    llm = LLM(dtype="float32", device="cuda", attention_backend="triton", **ONE_GIB_KV)
     outputs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=MAX_NEW))
     assert llm.engine.runner.decode_graphs is not None
     assert llm.engine.runner.decode_graphs.replays > 0
+    release(llm)
     for i, (out, ref) in enumerate(zip(outputs, expected, strict=True)):
         assert out.outputs[0].token_ids == ref, f"prompt {i}"
 
 
 def test_smollm2_bf16_close_to_transformers_on_gpu(cuda_device: torch.device) -> None:
     """bfloat16 on both sides rounds differently (other kernels, other matmul shapes), so greedy
-    paths may part at a near tie: as vLLM's check_logprobs_close, the tokens must agree up to the
-    first difference, and there each side's token must be in the other's top 5. At least half of
-    all tokens must come before any difference."""
+    paths may part at a near tie. As tests/engine/test_parity_smollm2.py's bfloat16 test: token
+    for token up to the first difference, and there both picks in each other's top 5 with the
+    reference's logprobs of the two within BF16_LOGPROB_ATOL (a near tie, not a wrong model)."""
     from kvpilot.engine import LLM, SamplingParams
 
-    prompts, expected, hf_top = smollm2_reference(torch.bfloat16, cuda_device, top=5)
-    llm = LLM(dtype="bfloat16", device="cuda", attention_backend="triton")
+    prompts, expected, hf_top = smollm2_reference(torch.bfloat16, cuda_device)
+    llm = LLM(dtype="bfloat16", device="cuda", attention_backend="triton", **ONE_GIB_KV)
     params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, logprobs=5)
     outputs = llm.generate(prompts, params)
-    agreed = 0
+    release(llm)
     for i, (out, ref) in enumerate(zip(outputs, expected, strict=True)):
-        ours = out.outputs[0].token_ids
-        assert out.outputs[0].logprobs is not None
-        for step, (a, b) in enumerate(zip(ours, ref, strict=False)):
-            if a != b:
-                assert a in hf_top[i][step], f"prompt {i} step {step}: ours {a} not in HF top 5"
-                assert b in out.outputs[0].logprobs[step], f"prompt {i} step {step}: HF {b}"
-                break
-            agreed += 1
-        else:
-            assert len(ours) == len(ref), f"prompt {i}: {len(ours)} vs {len(ref)} tokens"
-    assert agreed >= len(prompts) * MAX_NEW // 2, f"only {agreed} tokens before the differences"
+        ours, logprobs = out.outputs[0].token_ids, out.outputs[0].logprobs
+        assert logprobs is not None
+        pairs = zip(ours, ref, strict=False)
+        diverged = next((k for k, (a, b) in enumerate(pairs) if a != b), None)
+        if diverged is None:
+            assert ours == ref, f"prompt {i}: {len(ours)} vs {len(ref)} tokens"
+            continue
+        ours_pick, ref_pick = ours[diverged], ref[diverged]
+        top = hf_top[i][diverged]
+        assert ours_pick in top, f"prompt {i} step {diverged}: ours {ours_pick} not in HF top 5"
+        ours_top5 = sorted(logprobs[diverged], key=lambda t: logprobs[diverged][t].rank)[:5]
+        assert ref_pick in ours_top5, f"prompt {i} step {diverged}: HF {ref_pick} not in ours"
+        gap = top[ref_pick] - top[ours_pick]
+        assert gap < BF16_LOGPROB_ATOL, f"prompt {i} step {diverged}: no near tie (gap {gap})"
 
 
 @pytest.mark.parametrize("dtype", ("float32", "bfloat16"))
@@ -251,14 +285,15 @@ def test_decode_graphs_match_eager_steps(cuda_device: torch.device, dtype: str) 
     params = [SamplingParams(temperature=0.0, max_tokens=8 + 5 * i) for i in range(11)]
     runs = {}
     for eager in (False, True):
-        llm = LLM(dtype=dtype, device="cuda", attention_backend="triton", enforce_eager=eager)
+        llm = LLM(dtype=dtype, device="cuda", attention_backend="triton", enforce_eager=eager,
+                  **ONE_GIB_KV)  # fmt: skip
         runs[eager] = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
         graphs = llm.engine.runner.decode_graphs
         assert (graphs is None) == eager
         if graphs is not None:
             assert graphs.replays > 0 and graphs.sizes[0] == 1
-        del llm
-        torch.cuda.empty_cache()
+        del graphs
+        release(llm)
     if dtype == "float32":
         assert runs[False] == runs[True]
     else:

@@ -24,7 +24,7 @@ def with_extra(args: list[str], **engine: Any) -> dict[str, Any]:
 @pytest.mark.parametrize(
     ("args", "message"),
     [
-        (["--enforce-eager"], "unrecognized arguments: --enforce-eager"),
+        (["--swap-space=4"], "unrecognized arguments: --swap-space=4"),
         (["--max-queue", "many"], "argument --max-queue: invalid int value: 'many'"),
         (
             ["--attention-backend=gpu"],

@@ -62,8 +62,8 @@ TABLE: list[tuple[str, dict[str, Any], str, str]] = [
      "operator", "KVPILOT_API_KEY"),
     ("extra-args-reserved", {"engine": {"extraArgs": ["--port=1"]}}, "operator", "--port"),
     # extraArgs read by `kvpilot serve`'s own parser: what it refuses, and what the spec sets.
-    ("extra-args-unknown", {"engine": {"extraArgs": ["--enforce-eager"]}}, "operator",
-     "unrecognized arguments: --enforce-eager"),
+    ("extra-args-unknown", {"engine": {"extraArgs": ["--swap-space=4"]}}, "operator",
+     "unrecognized arguments: --swap-space=4"),
     ("extra-args-bad-int", {"engine": {"extraArgs": ["--max-queue", "many"]}}, "operator",
      "argument --max-queue: invalid int value: 'many'"),
     ("extra-args-bad-choice", {"engine": {"extraArgs": ["--attention-backend=gpu"]}}, "operator",

@@ -51,7 +51,7 @@ def test_defaults_of_a_minimal_spec() -> None:
         ),
         (spec(engine={"extraArgs": ["--model=/x"]}), "extraArgs may not set --model"),
         (
-            spec(engine={"extraArgs": ["--enforce-eager"]}),
+            spec(engine={"extraArgs": ["--swap-space=4"]}),
             "spec.engine.extraArgs: `kvpilot serve` would refuse them: unrecognized arguments",
         ),
         # Strict types, as the CRD's schema: no "yes" for true, no "8" for 8.

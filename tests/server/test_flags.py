@@ -24,7 +24,7 @@ from kvpilot.engine.server.flags import (
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
-        (["--enforce-eager"], "unrecognized arguments: --enforce-eager"),
+        (["--swap-space=4"], "unrecognized arguments: --swap-space=4"),
         (["--max-queue", "many"], "argument --max-queue: invalid int value: 'many'"),
         (["--attention-backend=gpu"], "argument --attention-backend: invalid choice: 'gpu'"),
         (["--seed"], "argument --seed: expected one argument"),
