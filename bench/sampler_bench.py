@@ -1,5 +1,7 @@
 """The batched sampler against the per-row one it replaced (kept as reference_sample in
-tests/engine/test_sampler_batched.py), on SmolLM2's vocabulary with a mix of parameters.
+tests/engine/test_sampler_batched.py), on SmolLM2's vocabulary with a mix of parameters; then the
+draw alone: inverse-CDF sampling (one uniform per row) against the exponential race it replaced
+(argmax(p / E), one Exp(1) draw per vocabulary entry), on the same filtered probabilities.
 
     python bench/sampler_bench.py --batch 32 64 --repeats 10 --threads 1
 """
@@ -18,7 +20,14 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent.parent / "tests" / "engine"))
 from test_sampler_batched import reference_sample
 
-from kvpilot.engine.sampler import SampleResult, SamplerRow, sample
+from kvpilot.engine.sampler import (
+    SampleResult,
+    SamplerRow,
+    _draw_uniforms,
+    filter_logits,
+    inverse_cdf,
+    sample,
+)
 from kvpilot.engine.sampling_params import SamplingParams
 
 VOCAB = 49152
@@ -67,6 +76,21 @@ def time_ms(
     return [statistics.median(t) * 1e3 for t in times]
 
 
+def exponential_race(
+    logits: torch.Tensor, rows: list[SamplerRow], default: torch.Generator
+) -> torch.Tensor:
+    """The draw the sampler used before: argmax(p / E), E ~ Exp(1) per entry (unseeded rows)."""
+    probs = filter_logits(logits, [r.params for r in rows]).softmax(-1)
+    return (probs / torch.empty_like(probs).exponential_(generator=default)).max(-1).indices
+
+
+def inverse_cdf_draw(
+    logits: torch.Tensor, rows: list[SamplerRow], default: torch.Generator
+) -> torch.Tensor:
+    probs = filter_logits(logits, [r.params for r in rows]).softmax(-1)
+    return inverse_cdf(probs, _draw_uniforms([None] * len(rows), default, probs.device))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--batch", type=int, nargs="+", default=[32, 64])
@@ -91,6 +115,15 @@ def main() -> None:
             rows = make_rows(batch, mix)
             old, new = time_ms([reference_sample, sample], logits, rows, args.repeats)
             print(f"{name:<16}{batch:>6}{old:>16.2f}{new:>16.2f}{old / new:>9.2f}x")
+    print(
+        f"\n{'draw (T=1)':<16}{'batch':>6}{'exp. race ms':>16}{'inverse CDF ms':>16}"
+        f"{'speed-up':>10}"
+    )
+    for batch in args.batch:
+        logits = torch.randn(batch, VOCAB, generator=torch.Generator().manual_seed(batch)) * 3
+        rows = make_rows(batch, [SamplingParams(temperature=1.0)])
+        old, new = time_ms([exponential_race, inverse_cdf_draw], logits, rows, args.repeats)
+        print(f"{'draw (T=1)':<16}{batch:>6}{old:>16.2f}{new:>16.2f}{old / new:>9.2f}x")
 
 
 if __name__ == "__main__":

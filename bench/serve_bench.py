@@ -227,11 +227,13 @@ def request_prompt(req: BenchRequest, endpoint: str) -> str | list[dict[str, str
     return f"{req.prefix} {req.text}" if req.prefix else req.text
 
 
-def request_body(req: BenchRequest, endpoint: str, model: str) -> dict[str, Any]:
+def request_body(
+    req: BenchRequest, endpoint: str, model: str, temperature: float = 0.0
+) -> dict[str, Any]:
     common = {
         "model": model,
         "max_tokens": req.output_len,
-        "temperature": 0.0,
+        "temperature": temperature,
         "ignore_eos": True,
         "stream": True,
         "stream_options": {"include_usage": True},
@@ -370,13 +372,14 @@ async def run_workload(
     show_progress: bool = True,
     warmup: bool = True,
     health_interval: float | None = None,
+    temperature: float = 0.0,
 ) -> Run:
     path = "/v1/chat/completions" if endpoint == "chat" else "/v1/completions"
     async with httpx.AsyncClient(timeout=httpx.Timeout(600.0), limits=httpx.Limits()) as http:
         model = (await http.get(f"{base_url}/v1/models")).json()["data"][0]["id"]
         if warmup:  # one request, not measured (first-call overheads)
             warm = RequestResult(-1)
-            body = request_body(requests[0], endpoint, model)
+            body = request_body(requests[0], endpoint, model, temperature)
             await send(http, base_url + path, body, warm, 0.0)
             if not warm.ok:
                 raise RuntimeError(f"the warm-up request failed: {warm.error}")
@@ -390,7 +393,7 @@ async def run_workload(
 
         async def one(req: BenchRequest, result: RequestResult, offset: float) -> None:
             await asyncio.sleep(max(0.0, t0 + offset - time.perf_counter()))
-            body = request_body(req, endpoint, model)
+            body = request_body(req, endpoint, model, temperature)
             if gate is None:
                 await send(http, base_url + path, body, result, t0)
             else:
@@ -598,6 +601,7 @@ def run_once(
         not args.no_progress,
         warmup,
         health_interval,
+        args.temperature,
     )
     return asyncio.run(workload)
 
@@ -1164,6 +1168,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--request-rate", type=float, default=math.inf, help="Poisson rate (req/s)")
     p.add_argument("--max-concurrency", type=int, default=None)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--temperature",
+        type=float,
+        default=0.0,
+        help="sampling temperature of every request (0: greedy; the OpenAI API's default is 1)",
+    )
     p.add_argument("--out", default="bench/out/serve_bench", help="writes OUT.json and OUT.png")
     p.add_argument("--no-progress", action="store_true")
     peer = p.add_argument_group("kvpilot vs vLLM (--peer-vllm)")

@@ -56,7 +56,9 @@ class LLM:
         ids = [f"offline-{next(self._ids)}" for _ in prompts]
         try:
             for request_id, prompt, p in zip(ids, prompts, all_params, strict=True):
-                self.engine.add_request(request_id, prompt, p, cache_salt=cache_salt)
+                self.engine.add_request(
+                    request_id, prompt, p, cache_salt=cache_salt, final_only=True
+                )
             return self._run(ids, use_tqdm)
         except BaseException:
             for request_id in ids:

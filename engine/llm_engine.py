@@ -78,7 +78,9 @@ class LLMEngine:
         *,
         cache_salt: str | None = None,
         arrival_time: float | None = None,
+        final_only: bool = False,
     ) -> None:
+        """final_only: step() returns this request's output only once it has finished."""
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ValueError("this model has no tokenizer: pass token ids")
@@ -90,7 +92,9 @@ class LLMEngine:
         self.core.add_request(
             AddRequest(request_id, prompt_ids, params, self.eos_token_ids, cache_salt, arrival)
         )
-        self.processor.add_request(request_id, prompt_text, prompt_ids, params, arrival)
+        self.processor.add_request(
+            request_id, prompt_text, prompt_ids, params, arrival, final_only=final_only
+        )
 
     def abort_request(self, request_id: str) -> None:
         self.core.abort(request_id)

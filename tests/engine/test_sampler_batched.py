@@ -85,8 +85,11 @@ def reference_sample(
             token_ids.append(greedy_by_row[i])
             continue
         probs = reference_filter_logits(logits[i], row.params, stable_sort).softmax(-1)
-        noise = torch.empty_like(probs).exponential_(generator=row.generator or default_generator)
-        token_ids.append(int((probs / noise).argmax()))
+        u = torch.rand(1, generator=row.generator or default_generator)
+        cdf = probs.cumsum(-1)
+        # The number of cumulative sums at or below the target is the first index above it.
+        target = min(float(u * cdf[-1]), float(torch.nextafter(cdf[-1], torch.tensor(0.0))))
+        token_ids.append(int((cdf <= target).sum()))
     logprobs: list[tuple[float, int, list[tuple[int, float]]] | None] = []
     for i, row in enumerate(rows):
         if raw_logprobs is None or row.params.logprobs is None:
@@ -320,12 +323,12 @@ def test_penalties_batched_equal_per_row_and_skip_the_copy_when_none_apply() -> 
 
 
 def test_default_generator_rows_draw_the_same_stream_as_one_draw_per_row() -> None:
-    # The batched sampler draws the noise of all unseeded rows at once: on CPU that is the same
-    # numbers as one [V] draw per row, in row order.
+    # The batched sampler draws the uniforms of all unseeded rows at once: on CPU that is the same
+    # numbers as one draw per row, in row order.
     a = torch.Generator().manual_seed(4)
     b = torch.Generator().manual_seed(4)
-    per_row = torch.stack([torch.empty(VOCAB).exponential_(generator=a) for _ in range(5)])
-    assert torch.equal(torch.empty(5, VOCAB).exponential_(generator=b), per_row)
+    per_row = torch.cat([torch.rand(1, generator=a) for _ in range(5)])
+    assert torch.equal(torch.empty(5).uniform_(generator=b), per_row)
 
 
 def test_seeded_row_does_not_depend_on_its_batch() -> None:
@@ -371,3 +374,29 @@ def test_the_fast_argmax_picks_what_argmax_picks_on_ties_and_nan() -> None:
     for values in (tied, tied.to(torch.bfloat16), with_nan):
         assert torch.equal(_argmax(values), values.argmax(-1))
     assert _argmax(tied)[3] == 100 and _argmax(with_nan)[1] == 20
+
+
+def test_inverse_cdf_never_picks_a_zero_probability_token() -> None:
+    from kvpilot.engine.sampler import inverse_cdf
+
+    probs = torch.tensor([[0.0, 0.5, 0.0, 0.5, 0.0, 0.0]] * 4)
+    # The lowest and highest uniforms float32 has, and two in between.
+    uniforms = torch.tensor(
+        [0.0, 0.25, 0.5, float(torch.nextafter(torch.tensor(1.0), torch.tensor(0.0)))]
+    )
+    assert inverse_cdf(probs, uniforms).tolist() == [1, 1, 3, 3]
+    # Rounding that leaves the total above or below 1 changes nothing at the ends.
+    assert inverse_cdf(probs * 1.0000001, uniforms).tolist() == [1, 1, 3, 3]
+    assert inverse_cdf(probs * 0.9999999, uniforms).tolist() == [1, 1, 3, 3]
+
+
+def test_inverse_cdf_draws_from_the_distribution() -> None:
+    from kvpilot.engine.sampler import inverse_cdf
+
+    p = torch.tensor([0.1, 0.0, 0.45, 0.05, 0.4])
+    n = 200_000
+    uniforms = torch.rand(n, generator=torch.Generator().manual_seed(0))
+    counts = torch.bincount(inverse_cdf(p.expand(n, -1), uniforms), minlength=5)
+    # Each frequency within 5 standard deviations of its probability (sd <= 0.0012 here).
+    assert torch.allclose(counts / n, p, atol=0.006)
+    assert counts[1] == 0

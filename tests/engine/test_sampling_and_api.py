@@ -178,3 +178,22 @@ def test_find_stop_string_only_looks_at_new_text() -> None:
     assert find_stop_string("abc ST", 2, ("STOP",)) is None
     assert find_stop_string("abc STOP", 2, ("STOP",)) == (4, "STOP")
     assert find_stop_string("x END y STOP", 9, ("STOP", "END")) == (2, "END")
+
+
+def test_final_only_requests_report_once_when_finished(llm: LLM) -> None:
+    """A final_only request (what LLM.generate adds) yields no snapshot while it runs and one
+    finished output, the same one a per-step request ends with."""
+    engine = llm.engine
+    prompt = chat(llm, "Name a color.")
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    engine.add_request("every-step", prompt, params)
+    engine.add_request("final", prompt, params, final_only=True)
+    seen: dict[str, list] = {"every-step": [], "final": []}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            seen[out.request_id].append(out)
+    assert len(seen["every-step"]) == 6
+    assert [o.finished for o in seen["final"]] == [True]
+    final, last = seen["final"][0].outputs[0], seen["every-step"][-1].outputs[0]
+    assert final.token_ids == last.token_ids and final.text == last.text
+    assert final.finish_reason == last.finish_reason == "length"
