@@ -101,8 +101,15 @@ def apply_penalties(logits: torch.Tensor, rows: list[SamplerRow]) -> torch.Tenso
 
 def filter_logits(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
     """Temperature, then top-k, top-p and min-p on [R, V] (row r with params[r], all of them
-    sampling, temperature > 0); removed entries become -inf. Returns a new tensor."""
+    sampling, temperature > 0); removed entries become -inf. Returns a new tensor, or logits
+    itself when no row changes anything (temperature 1, no filter: the OpenAI API's default)."""
     vocab = logits.shape[-1]
+    if all(
+        p.temperature == 1.0 and not (p.top_k and p.top_k < vocab) and p.top_p >= 1.0
+        and p.min_p <= 0.0
+        for p in params
+    ):  # fmt: skip
+        return logits
     logits = logits / _column([p.temperature for p in params], logits)
     k_idx = [i for i, p in enumerate(params) if p.top_k and p.top_k < vocab]
     if k_idx:
@@ -186,17 +193,42 @@ def _draw_uniforms(
     return uniforms
 
 
+# Tokens per block of the two-level inverse CDF: a cumulative sum over a whole 49k-128k row is
+# sequential on CPU (21 ms for 256 x 49152 floats, against 1 ms for the blocks' sums).
+CDF_BLOCK = 1024
+
+
 def inverse_cdf(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
     """Per row of probs [R, V] (non-negative, summing to about 1), the first index whose
-    cumulative sum exceeds uniforms[r] times the row's total. A zero-probability token never is:
-    its cumulative sum equals its predecessor's. The target stays strictly below the total, so
-    rounding can never push it past the last token that has probability."""
-    cdf = probs.cumsum(-1)
-    total = cdf[:, -1:]
+    cumulative sum exceeds uniforms[r] times the row's total: a draw from the row's distribution.
+
+    Two levels, so that only one block of each row is ever scanned: the block holding the target
+    is found from the blocks' sums, then the token inside it. A zero-probability token is never
+    the answer (its cumulative sum equals its predecessor's), and where rounding between the two
+    levels would put the target past the chosen block's last token with probability, or before
+    its first, the pick is clamped to those tokens."""
+    vocab = probs.shape[1]
+    full = vocab // CDF_BLOCK
+    sums = [probs[:, : full * CDF_BLOCK].unflatten(1, (full, CDF_BLOCK)).sum(-1)]
+    if vocab % CDF_BLOCK:
+        sums.append(probs[:, full * CDF_BLOCK :].sum(-1, keepdim=True))
+    block_sums = torch.cat(sums, dim=1) if len(sums) > 1 else sums[0]  # [R, B]
+    block_cdf = block_sums.cumsum(-1)
+    total = block_cdf[:, -1:]
     target = torch.minimum(
         uniforms.unsqueeze(1) * total, torch.nextafter(total, total.new_zeros(()))
     )
-    return torch.searchsorted(cdf, target, right=True).squeeze(1).clamp_(max=probs.shape[-1] - 1)
+    block = torch.searchsorted(block_cdf, target, right=True).clamp_(max=block_cdf.shape[1] - 1)
+    before = torch.where(
+        block > 0, block_cdf.gather(1, (block - 1).clamp_(min=0)), block_cdf.new_zeros(())
+    )
+    columns = block * CDF_BLOCK + torch.arange(CDF_BLOCK, device=probs.device)  # [R, CDF_BLOCK]
+    inside = columns < vocab
+    within = probs.gather(1, columns.clamp(max=vocab - 1)).masked_fill_(~inside, 0.0)
+    residual = (target - before).clamp_(min=0.0)
+    pick = torch.searchsorted(within.cumsum(-1), residual, right=True)
+    last_live = CDF_BLOCK - 1 - (within > 0).flip(-1).to(torch.uint8).argmax(-1, keepdim=True)
+    return (block * CDF_BLOCK + torch.minimum(pick, last_live)).squeeze(1)
 
 
 def _argmax(values: torch.Tensor) -> torch.Tensor:

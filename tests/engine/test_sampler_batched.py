@@ -400,3 +400,42 @@ def test_inverse_cdf_draws_from_the_distribution() -> None:
     # Each frequency within 5 standard deviations of its probability (sd <= 0.0012 here).
     assert torch.allclose(counts / n, p, atol=0.006)
     assert counts[1] == 0
+
+
+@pytest.mark.parametrize("vocab", [1024, 3000, 5 * 1024 + 7])
+def test_inverse_cdf_two_levels_match_one_full_scan(vocab: int) -> None:
+    """The blocked search picks what one cumulative sum over the whole row picks, with zeros
+    (filtered tokens) scattered over blocks, whole zero blocks, and the uniforms' extremes."""
+    from kvpilot.engine.sampler import inverse_cdf
+
+    gen = torch.Generator().manual_seed(vocab)
+    rows = 400
+    logits = torch.randn(rows, vocab, generator=gen) * 3
+    logits[torch.rand(rows, vocab, generator=gen) < 0.3] = float("-inf")
+    logits[:, 1024 : 2 * 1024] = float("-inf")  # one block (where it exists) with no mass at all
+    logits[::7, :-1] = float("-inf")  # rows whose only token is the last one
+    logits[::7, -1] = 0.0
+    probs = logits.softmax(-1)
+    uniforms = torch.rand(rows, generator=gen)
+    uniforms[:3] = torch.tensor(
+        [0.0, 0.5, float(torch.nextafter(torch.tensor(1.0), torch.tensor(0.0)))]
+    )
+    cdf = probs.cumsum(-1)
+    total = cdf[:, -1:]
+    target = torch.minimum(uniforms.unsqueeze(1) * total, torch.nextafter(total, torch.tensor(0.0)))
+    expected = (cdf <= target).sum(-1)
+    picked = inverse_cdf(probs, uniforms)
+    assert torch.equal(picked, expected)
+    assert bool((probs.gather(1, picked.unsqueeze(1)) > 0).all())
+
+
+def test_filter_logits_skips_the_copy_when_nothing_applies() -> None:
+    logits = random_logits(5)[:4]
+    plain = [sp(temperature=1.0)] * 4
+    assert filter_logits(logits, plain) is logits
+    # One row with anything to do: the full path, which leaves the caller's tensor alone.
+    before = logits.clone()
+    mixed = filter_logits(logits, [*plain[:3], sp(temperature=1.0, top_k=3)])
+    assert mixed is not logits and torch.equal(logits, before)
+    assert torch.equal(mixed[:3], logits[:3])
+    assert int((mixed[3] > float("-inf")).sum()) <= 3 + 2  # top 3, ties included
