@@ -105,9 +105,11 @@ class BlockManager:
         """Publish the sequence's computed full blocks for reuse by later requests."""
         if not self.enable_prefix_caching:
             return
-        self.update_block_hashes(seq)
         num_full = min(seq.num_computed_tokens // self.block_size, len(seq.block_table))
-        for index in range(num_full):
+        if num_full <= seq.num_published_blocks:  # a decode step mostly fills no new block
+            return
+        self.update_block_hashes(seq)
+        for index in range(seq.num_published_blocks, num_full):
             block = self.blocks[seq.block_table[index]]
             if block.block_hash is not None:
                 continue
@@ -118,6 +120,7 @@ class BlockManager:
             block.key = self.block_key(seq, index)
             self.cached[block_hash] = block.block_id
             self._kv_changes[block_hash] = True
+        seq.num_published_blocks = num_full
 
     # ---- allocation ----------------------------------------------------------------------------
     def can_allocate(
@@ -153,6 +156,7 @@ class BlockManager:
                 if block.block_hash is None:
                     self.free_queue.move_to_end(block_id, last=False)
         seq.block_table.clear()
+        seq.num_published_blocks = 0
 
     def reset_prefix_cache(self) -> None:
         for block_hash, block_id in list(self.cached.items()):

@@ -246,7 +246,12 @@ class ModelRunner:
         if logits is None:
             return [], SampleResult([], [])
         rows = [
-            SamplerRow(item.seq.params, item.seq.output_token_ids, item.seq.generator)
+            SamplerRow(
+                item.seq.params,
+                # Only the penalties read them: no copy of every row's tokens at every step.
+                item.seq.output_token_ids if item.seq.params.has_penalties else [],
+                item.seq.generator,
+            )
             for item in sampling
         ]
         if masks is None:

@@ -37,6 +37,9 @@ class Sequence:
     num_computed_tokens: int = 0  # tokens whose K/V sit in the cache
     block_table: list[int] = field(default_factory=list)
     block_hashes: list[int] = field(default_factory=list)  # hash chain of the full blocks so far
+    # Leading blocks of block_table the prefix cache has already looked at (published, or left
+    # private because another block held the same content first): each step looks past them only.
+    num_published_blocks: int = 0
     num_cached_tokens: int = 0  # prompt tokens served by the prefix cache on first admission
     was_admitted: bool = False
     finish_reason: str | None = None
