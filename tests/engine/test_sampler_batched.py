@@ -51,8 +51,8 @@ def reference_filter_logits(
         kth = torch.topk(logits, p.top_k).values[-1]
         logits = logits.masked_fill(logits < kth, float("-inf"))
     if p.top_p < 1.0:
-        sorted_logits, order = torch.sort(logits, descending=True, stable=stable_sort)
-        probs = sorted_logits.softmax(-1)
+        order = torch.sort(logits, descending=True, stable=stable_sort).indices
+        probs = logits.softmax(-1)[order]  # the softmax of the row as it stands, then sorted
         drop = (probs.cumsum(-1) - probs) >= p.top_p
         logits = logits.masked_fill(drop.scatter(0, order, drop), float("-inf"))
     if p.min_p > 0.0:
@@ -439,3 +439,28 @@ def test_filter_logits_skips_the_copy_when_nothing_applies() -> None:
     assert mixed is not logits and torch.equal(logits, before)
     assert torch.equal(mixed[:3], logits[:3])
     assert int((mixed[3] > float("-inf")).sum()) <= 3 + 2  # top 3, ties included
+
+
+@pytest.mark.parametrize("vocab", [2048, 20000])
+def test_top_p_candidates_match_a_full_sort(vocab: int) -> None:
+    """Rows whose top-p set fits the candidates (peaked rows, rows top-k cut short, ties at the
+    candidates' edge) and rows that need the full sort (flat rows, top_p near 1), against the
+    per-row stable full sort. 20000 reaches the second, 4096-token round."""
+    gen = torch.Generator().manual_seed(vocab)
+    params, rows = [], []
+    for i in range(48):
+        row = torch.randn(vocab, generator=gen) * (0.5 if i % 4 == 0 else 3.0)  # some flat
+        if i % 4 == 1:  # peaked: a few dozen plausible tokens
+            row[torch.randperm(vocab, generator=gen)[:40]] += 12.0
+        if i % 4 == 2:  # many tokens tied at values straddling the candidates' edge
+            row = torch.randint(0, 6, (vocab,), generator=gen).float()
+        rows.append(row)
+        q = (0.05, 0.5, 0.9, 0.95, 0.99, 0.99999)[i % 6]
+        params.append(
+            sp(top_p=q, top_k=(0, 0, 50, 300, 3000)[i % 5], temperature=(1.0, 0.7)[i % 2])
+        )
+    logits = torch.stack(rows)
+    expected = torch.stack(
+        [reference_filter_logits(logits[i], p, stable_sort=True) for i, p in enumerate(params)]
+    )
+    assert torch.equal(filter_logits(logits, params), expected)
