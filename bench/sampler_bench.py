@@ -1,7 +1,10 @@
 """The batched sampler against the per-row one it replaced (kept as reference_sample in
 tests/engine/test_sampler_batched.py), on SmolLM2's vocabulary with a mix of parameters; then the
 draw alone: inverse-CDF sampling (one uniform per row) against the exponential race it replaced
-(argmax(p / E), one Exp(1) draw per vocabulary entry), on the same filtered probabilities.
+(argmax(p / E), one Exp(1) draw per vocabulary entry), on the same filtered probabilities; then
+the top-p filter with its candidates (the top 256, then 4096 tokens) against the full stable sort
+(TOP_P_CANDIDATES emptied), on flat random logits and on peaked ones (40 tokens raised by 12, as
+a model's next-token distribution usually is).
 
     python bench/sampler_bench.py --batch 32 64 --repeats 10 --threads 1
 """
@@ -20,6 +23,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent.parent / "tests" / "engine"))
 from test_sampler_batched import reference_sample
 
+from kvpilot.engine import sampler as sampler_module
 from kvpilot.engine.sampler import (
     SampleResult,
     SamplerRow,
@@ -91,6 +95,23 @@ def inverse_cdf_draw(
     return inverse_cdf(probs, _draw_uniforms([None] * len(rows), default, probs.device))
 
 
+def candidates_filter(
+    logits: torch.Tensor, rows: list[SamplerRow], default: torch.Generator
+) -> torch.Tensor:
+    return filter_logits(logits, [r.params for r in rows])
+
+
+def full_sort_filter(
+    logits: torch.Tensor, rows: list[SamplerRow], default: torch.Generator
+) -> torch.Tensor:
+    saved = sampler_module.TOP_P_CANDIDATES
+    sampler_module.TOP_P_CANDIDATES = ()
+    try:
+        return filter_logits(logits, [r.params for r in rows])
+    finally:
+        sampler_module.TOP_P_CANDIDATES = saved
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--batch", type=int, nargs="+", default=[32, 64])
@@ -124,6 +145,22 @@ def main() -> None:
         rows = make_rows(batch, [SamplingParams(temperature=1.0)])
         old, new = time_ms([exponential_race, inverse_cdf_draw], logits, rows, args.repeats)
         print(f"{'draw (T=1)':<16}{batch:>6}{old:>16.2f}{new:>16.2f}{old / new:>9.2f}x")
+    print(
+        f"\n{'top-p filter':<22}{'batch':>6}{'full sort ms':>14}{'candidates ms':>15}"
+        f"{'speed-up':>10}"
+    )
+    for batch in args.batch:
+        flat = torch.randn(batch, VOCAB, generator=torch.Generator().manual_seed(batch)) * 3
+        peaked = flat.clone()
+        peaked[:, torch.randperm(VOCAB, generator=torch.Generator().manual_seed(1))[:40]] += 12
+        for name, logits, params in [
+            ("top_p 0.9, flat", flat, SamplingParams(temperature=0.7, top_p=0.9)),
+            ("top_p 0.9, peaked", peaked, SamplingParams(temperature=0.7, top_p=0.9)),
+            ("top_k 50 + top_p 0.95", flat, SamplingParams(temperature=0.7, top_k=50, top_p=0.95)),
+        ]:
+            rows = make_rows(batch, [params])
+            old, new = time_ms([full_sort_filter, candidates_filter], logits, rows, args.repeats)
+            print(f"{name:<22}{batch:>6}{old:>14.2f}{new:>15.2f}{old / new:>9.2f}x")
 
 
 if __name__ == "__main__":

@@ -155,32 +155,48 @@ def _top_p_drop(logits: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     top-p set is wider get the full sort."""
     rows, vocab = logits.shape
     probs = logits.softmax(-1)
-    drop = torch.ones_like(logits, dtype=torch.bool)
-    todo = torch.arange(rows, device=logits.device)
+    drop: torch.Tensor | None = None  # built on the first row that needs it
+    todo: torch.Tensor | None = None  # rows still open; None: all of them (no index copies)
+    # A row that top-k has cut to fewer live tokens than k candidates is always settled here:
+    # its last candidate is -inf, so every live token counts as above the edge. (Counting live
+    # tokens to take fewer candidates cost more than the larger topk.)
     for k in TOP_P_CANDIDATES:
-        if k * 4 > vocab or not len(todo):
+        if k * 4 > vocab:
             break
-        values, ids = torch.topk(logits[todo], k, sorted=False)
+        sub_logits, sub_probs, sub_top_p = (
+            (logits, probs, top_p) if todo is None else (logits[todo], probs[todo], top_p[todo])
+        )
+        values, ids = torch.topk(sub_logits, k, sorted=False)
         # Stable descending order: sort by id first, then stably by value.
         ids, by_id = ids.sort(-1)
         values, by_value = values.gather(1, by_id).sort(dim=-1, descending=True, stable=True)
         ids = ids.gather(1, by_value)
-        cand = probs[todo].gather(1, ids)
+        cand = sub_probs.gather(1, ids)
         cumulative = cand.cumsum(-1)
         above = values > values[:, -1:]  # strictly above the last candidate's value
         held = torch.where(above, cumulative, torch.zeros_like(cumulative)).amax(-1)
-        certain = held >= top_p[todo, 0] + TOP_P_MARGIN
+        certain = held >= sub_top_p[:, 0] + TOP_P_MARGIN
+        cand_drop = (cumulative - cand) >= sub_top_p
+        if todo is None and bool(certain.all()):  # the common case: no row needs more
+            return torch.ones_like(logits, dtype=torch.bool).scatter_(1, ids, cand_drop)
+        if drop is None:
+            drop = torch.ones_like(logits, dtype=torch.bool)
+        rows_now = torch.arange(rows, device=logits.device) if todo is None else todo
         if bool(certain.any()):
-            done = todo[certain]
-            cand_drop = (cumulative - cand)[certain] >= top_p[done]
-            drop[done] = torch.ones_like(drop[done]).scatter_(1, ids[certain], cand_drop)
-        todo = todo[~certain]
-    if len(todo):
-        order = torch.sort(logits[todo], dim=-1, descending=True, stable=True).indices
-        sorted_probs = probs[todo].gather(1, order)
-        # Drop a token when the mass before it already reaches top_p (the first token always stays).
-        full_drop = (sorted_probs.cumsum(-1) - sorted_probs) >= top_p[todo]
-        drop[todo] = torch.zeros_like(full_drop).scatter_(1, order, full_drop)
+            done = rows_now[certain]
+            drop[done] = torch.ones_like(drop[done]).scatter_(1, ids[certain], cand_drop[certain])
+        todo = rows_now[~certain]
+        if not len(todo):
+            return drop
+    if todo is None:
+        todo = torch.arange(rows, device=logits.device)
+    if drop is None:
+        drop = torch.ones_like(logits, dtype=torch.bool)
+    order = torch.sort(logits[todo], dim=-1, descending=True, stable=True).indices
+    sorted_probs = probs[todo].gather(1, order)
+    # Drop a token when the mass before it already reaches top_p (the first token always stays).
+    full_drop = (sorted_probs.cumsum(-1) - sorted_probs) >= top_p[todo]
+    drop[todo] = torch.zeros_like(full_drop).scatter_(1, order, full_drop)
     return drop
 
 
