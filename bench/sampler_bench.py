@@ -127,40 +127,47 @@ def main() -> None:
         "top_k 50+top_p": [SamplingParams(temperature=0.7, top_k=50, top_p=0.95)],
         "all seeded T=1": [SamplingParams(temperature=1.0, seed=0)],
     }
-    print(
-        f"{'workload':<16}{'batch':>6}{'per-row cpu ms':>16}{'batched cpu ms':>16}{'speed-up':>10}"
-    )
-    for batch in args.batch:
-        logits = torch.randn(batch, VOCAB, generator=torch.Generator().manual_seed(batch)) * 3
-        for name, mix in workloads.items():
-            rows = make_rows(batch, mix)
-            old, new = time_ms([reference_sample, sample], logits, rows, args.repeats)
-            print(f"{name:<16}{batch:>6}{old:>16.2f}{new:>16.2f}{old / new:>9.2f}x")
-    print(
-        f"\n{'draw (T=1)':<16}{'batch':>6}{'exp. race ms':>16}{'inverse CDF ms':>16}"
-        f"{'speed-up':>10}"
-    )
-    for batch in args.batch:
-        logits = torch.randn(batch, VOCAB, generator=torch.Generator().manual_seed(batch)) * 3
-        rows = make_rows(batch, [SamplingParams(temperature=1.0)])
-        old, new = time_ms([exponential_race, inverse_cdf_draw], logits, rows, args.repeats)
-        print(f"{'draw (T=1)':<16}{batch:>6}{old:>16.2f}{new:>16.2f}{old / new:>9.2f}x")
-    print(
-        f"\n{'top-p filter':<22}{'batch':>6}{'full sort ms':>14}{'candidates ms':>15}"
-        f"{'speed-up':>10}"
-    )
-    for batch in args.batch:
-        flat = torch.randn(batch, VOCAB, generator=torch.Generator().manual_seed(batch)) * 3
-        peaked = flat.clone()
-        peaked[:, torch.randperm(VOCAB, generator=torch.Generator().manual_seed(1))[:40]] += 12
-        for name, logits, params in [
-            ("top_p 0.9, flat", flat, SamplingParams(temperature=0.7, top_p=0.9)),
-            ("top_p 0.9, peaked", peaked, SamplingParams(temperature=0.7, top_p=0.9)),
-            ("top_k 50 + top_p 0.95", flat, SamplingParams(temperature=0.7, top_k=50, top_p=0.95)),
-        ]:
-            rows = make_rows(batch, [params])
-            old, new = time_ms([full_sort_filter, candidates_filter], logits, rows, args.repeats)
-            print(f"{name:<22}{batch:>6}{old:>14.2f}{new:>15.2f}{old / new:>9.2f}x")
+    tables = [
+        ("workload", ("per-row cpu ms", "batched cpu ms"), [reference_sample, sample]),
+        ("draw (T=1)", ("exp. race ms", "inverse CDF ms"), [exponential_race, inverse_cdf_draw]),
+        ("top-p filter", ("full sort ms", "candidates ms"), [full_sort_filter, candidates_filter]),
+    ]
+    for (title, labels, fns), cases in zip(
+        tables, [workload_cases, draw_cases, top_p_cases], strict=True
+    ):
+        print(f"\n{title:<22}{'batch':>6}{labels[0]:>16}{labels[1]:>16}{'speed-up':>10}")
+        for batch in args.batch:
+            for name, logits, mix in cases(batch, workloads):
+                old, new = time_ms(fns, logits, make_rows(batch, mix), args.repeats)
+                print(f"{name:<22}{batch:>6}{old:>16.2f}{new:>16.2f}{old / new:>9.2f}x")
+
+
+Case = tuple[str, torch.Tensor, list[SamplingParams]]
+
+
+def random_logits(batch: int) -> torch.Tensor:
+    return torch.randn(batch, VOCAB, generator=torch.Generator().manual_seed(batch)) * 3
+
+
+def workload_cases(batch: int, workloads: dict[str, list[SamplingParams]]) -> list[Case]:
+    logits = random_logits(batch)
+    return [(name, logits, mix) for name, mix in workloads.items()]
+
+
+def draw_cases(batch: int, _: object) -> list[Case]:
+    return [("draw (T=1)", random_logits(batch), [SamplingParams(temperature=1.0)])]
+
+
+def top_p_cases(batch: int, _: object) -> list[Case]:
+    flat = random_logits(batch)
+    peaked = flat.clone()
+    peaked[:, torch.randperm(VOCAB, generator=torch.Generator().manual_seed(1))[:40]] += 12
+    top_p = [SamplingParams(temperature=0.7, top_p=0.9)]
+    return [
+        ("top_p 0.9, flat", flat, top_p),
+        ("top_p 0.9, peaked", peaked, top_p),
+        ("top_k 50 + top_p 0.95", flat, [SamplingParams(temperature=0.7, top_k=50, top_p=0.95)]),
+    ]
 
 
 if __name__ == "__main__":
