@@ -34,7 +34,7 @@ from kvpilot.operator.reconcile import Reconciler
 
 from ..operator.autoscaling_helpers import pod_dict
 from ..operator.chart import CHART, of_kind, render
-from ..operator.conftest import free_port
+from ..operator.conftest import free_port, free_ports
 from ..operator.test_autoscaler import MemoryApi, isvc
 from ..server.serve_process import ServeProcess, launch_serve
 from .promql import metric_names
@@ -206,8 +206,8 @@ def scrapes() -> Iterator[dict[str, set[str]]]:
         engine_text = httpx.get(f"{serve.url}/metrics", timeout=30).text
         model = httpx.get(f"{serve.url}/v1/models", timeout=30).json()["data"][0]["id"]
         assert serve.port is not None
-        dead = f"http://127.0.0.1:{free_port()}"
-        late = free_port()
+        dead_port, late = free_ports(2)
+        dead = f"http://127.0.0.1:{dead_port}"
         with (
             contextlib.ExitStack() as opening,
             launch_router(f"{model}=http://127.0.0.1:{late}", f"asleep={dead}") as router,

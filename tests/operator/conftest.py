@@ -29,9 +29,20 @@ PODS_PATH = f"/api/v1/namespaces/{NAMESPACE}/pods"
 
 
 def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
+    return free_ports(1)[0]
+
+
+def free_ports(count: int) -> list[int]:
+    """Distinct free ports: all sockets are held until every port is known (two calls of a
+    one-port helper can get the same port back, which once failed the metrics-vs-liveness check)."""
+    socks = [socket.socket() for _ in range(count)]
+    try:
+        for sock in socks:
+            sock.bind(("127.0.0.1", 0))
+        return [int(sock.getsockname()[1]) for sock in socks]
+    finally:
+        for sock in socks:
+            sock.close()
 
 
 @pytest.fixture()
@@ -71,13 +82,14 @@ class RunningOperator:
 
 @pytest.fixture()
 def operator_config() -> OperatorConfig:
+    liveness_port, metrics_port = free_ports(2)
     return OperatorConfig(
         namespaces=(NAMESPACE,),
         engine_image=ENGINE_IMAGE,
         resync_seconds=1.0,
-        liveness_endpoint=f"http://127.0.0.1:{free_port()}/healthz",
+        liveness_endpoint=f"http://127.0.0.1:{liveness_port}/healthz",
         max_workers=4,
-        metrics_port=free_port(),
+        metrics_port=metrics_port,
     )
 
 

@@ -27,7 +27,7 @@ from .conftest import (
     ISVC_PATH,
     PODS_PATH,
     eventually,
-    free_port,
+    free_ports,
     start_operator,
     stop_operator,
 )
@@ -208,11 +208,12 @@ async def test_replicas_follow_the_engines_queue(
         # An operator restart keeps the windows and decisions: they live in status.
         await stop_operator(running)
         restarted_at = time.time()
+        metrics_port, liveness_port = free_ports(2)
         running = await start_operator(
             dataclasses.replace(
                 operator_config,
-                metrics_port=free_port(),
-                liveness_endpoint=f"http://127.0.0.1:{free_port()}/healthz",
+                metrics_port=metrics_port,
+                liveness_endpoint=f"http://127.0.0.1:{liveness_port}/healthz",
             )
         )
         await eventually(lambda: parse_time(autoscaling(kmock)["observedAt"]) > restarted_at)

@@ -24,7 +24,7 @@ from .conftest import (
     ISVC_PATH,
     RunningOperator,
     eventually,
-    free_port,
+    free_ports,
     start_operator,
     stop_operator,
 )
@@ -271,11 +271,12 @@ async def test_a_restarted_operator_asks_the_server_once_and_writes_nothing(
 
         # A new process remembers nothing: one dry-run apply per child tells it what the
         # server makes of its manifests, and nothing has drifted.
+        metrics_port, liveness_port = free_ports(2)
         running = await start_operator(
             dataclasses.replace(
                 operator_config,
-                metrics_port=free_port(),
-                liveness_endpoint=f"http://127.0.0.1:{free_port()}/healthz",
+                metrics_port=metrics_port,
+                liveness_endpoint=f"http://127.0.0.1:{liveness_port}/healthz",
             )
         )
         await eventually(lambda: len(child_requests(kmock, NAME, dry_run=True)) == 2)
