@@ -104,14 +104,12 @@ def filter_logits(logits: torch.Tensor, params: list[SamplingParams]) -> torch.T
     sampling, temperature > 0); removed entries become -inf. Returns a new tensor, or logits
     itself when no row changes anything (temperature 1, no filter: the OpenAI API's default)."""
     vocab = logits.shape[-1]
-    if all(
-        p.temperature == 1.0 and not (p.top_k and p.top_k < vocab) and p.top_p >= 1.0
-        and p.min_p <= 0.0
-        for p in params
-    ):  # fmt: skip
+    k_idx = [i for i, p in enumerate(params) if p.top_k and p.top_k < vocab]
+    p_idx = [i for i, p in enumerate(params) if p.top_p < 1.0]
+    m_idx = [i for i, p in enumerate(params) if p.min_p > 0.0]
+    if not (k_idx or p_idx or m_idx) and all(p.temperature == 1.0 for p in params):
         return logits
     logits = logits / _column([p.temperature for p in params], logits)
-    k_idx = [i for i, p in enumerate(params) if p.top_k and p.top_k < vocab]
     if k_idx:
         sub = _rows(logits, k_idx)
         ks = [params[i].top_k for i in k_idx]
@@ -120,12 +118,10 @@ def filter_logits(logits: torch.Tensor, params: list[SamplingParams]) -> torch.T
         ranks = torch.tensor(ks, device=logits.device).sub_(1).unsqueeze(1)
         kth = torch.topk(sub, max(ks)).values.gather(1, ranks)
         logits = _put_rows(logits, k_idx, sub.masked_fill(sub < kth, float("-inf")))
-    p_idx = [i for i, p in enumerate(params) if p.top_p < 1.0]
     if p_idx:
         sub = _rows(logits, p_idx)
         top_p = _column([params[i].top_p for i in p_idx], logits)
         logits = _put_rows(logits, p_idx, sub.masked_fill(_top_p_drop(sub, top_p), float("-inf")))
-    m_idx = [i for i, p in enumerate(params) if p.min_p > 0.0]
     if m_idx:
         sub = _rows(logits, m_idx)
         probs = sub.softmax(-1)
@@ -155,7 +151,7 @@ def _top_p_drop(logits: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     top-p set is wider get the full sort."""
     rows, vocab = logits.shape
     probs = logits.softmax(-1)
-    drop: torch.Tensor | None = None  # built on the first row that needs it
+    drop = torch.ones_like(logits, dtype=torch.bool)
     todo: torch.Tensor | None = None  # rows still open; None: all of them (no index copies)
     # A row that top-k has cut to fewer live tokens than k candidates is always settled here:
     # its last candidate is -inf, so every live token counts as above the edge. (Counting live
@@ -178,9 +174,7 @@ def _top_p_drop(logits: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
         certain = held >= sub_top_p[:, 0] + TOP_P_MARGIN
         cand_drop = (cumulative - cand) >= sub_top_p
         if todo is None and bool(certain.all()):  # the common case: no row needs more
-            return torch.ones_like(logits, dtype=torch.bool).scatter_(1, ids, cand_drop)
-        if drop is None:
-            drop = torch.ones_like(logits, dtype=torch.bool)
+            return drop.scatter_(1, ids, cand_drop)
         rows_now = torch.arange(rows, device=logits.device) if todo is None else todo
         if bool(certain.any()):
             done = rows_now[certain]
@@ -190,8 +184,6 @@ def _top_p_drop(logits: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
             return drop
     if todo is None:
         todo = torch.arange(rows, device=logits.device)
-    if drop is None:
-        drop = torch.ones_like(logits, dtype=torch.bool)
     order = torch.sort(logits[todo], dim=-1, descending=True, stable=True).indices
     sorted_probs = probs[todo].gather(1, order)
     # Drop a token when the mass before it already reaches top_p (the first token always stays).
