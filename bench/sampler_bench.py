@@ -21,17 +21,11 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent.parent / "tests" / "engine"))
+from sampling_ab import exponential_race, full_sort
 from test_sampler_batched import reference_sample
 
 from kvpilot.engine import sampler as sampler_module
-from kvpilot.engine.sampler import (
-    SampleResult,
-    SamplerRow,
-    _draw_uniforms,
-    filter_logits,
-    inverse_cdf,
-    sample,
-)
+from kvpilot.engine.sampler import SampleResult, SamplerRow, filter_logits, sample
 from kvpilot.engine.sampling_params import SamplingParams
 
 VOCAB = 49152
@@ -80,19 +74,23 @@ def time_ms(
     return [statistics.median(t) * 1e3 for t in times]
 
 
-def exponential_race(
-    logits: torch.Tensor, rows: list[SamplerRow], default: torch.Generator
-) -> torch.Tensor:
-    """The draw the sampler used before: argmax(p / E), E ~ Exp(1) per entry (unseeded rows)."""
-    probs = filter_logits(logits, [r.params for r in rows]).softmax(-1)
-    return (probs / torch.empty_like(probs).exponential_(generator=default)).max(-1).indices
-
-
 def inverse_cdf_draw(
     logits: torch.Tensor, rows: list[SamplerRow], default: torch.Generator
 ) -> torch.Tensor:
+    """The draw alone, through the sampler module's functions (which exponential_race swaps)."""
     probs = filter_logits(logits, [r.params for r in rows]).softmax(-1)
-    return inverse_cdf(probs, _draw_uniforms([None] * len(rows), default, probs.device))
+    generators = [None] * len(rows)
+    return sampler_module.inverse_cdf(
+        probs, sampler_module._draw_uniforms(generators, default, probs.device)
+    )
+
+
+def exponential_race_draw(
+    logits: torch.Tensor, rows: list[SamplerRow], default: torch.Generator
+) -> torch.Tensor:
+    """The draw the sampler used before: argmax(p / E), E ~ Exp(1) per entry (unseeded rows)."""
+    with exponential_race():
+        return inverse_cdf_draw(logits, rows, default)
 
 
 def candidates_filter(
@@ -104,12 +102,8 @@ def candidates_filter(
 def full_sort_filter(
     logits: torch.Tensor, rows: list[SamplerRow], default: torch.Generator
 ) -> torch.Tensor:
-    saved = sampler_module.TOP_P_CANDIDATES
-    sampler_module.TOP_P_CANDIDATES = ()
-    try:
+    with full_sort():
         return filter_logits(logits, [r.params for r in rows])
-    finally:
-        sampler_module.TOP_P_CANDIDATES = saved
 
 
 def main() -> None:
@@ -129,7 +123,11 @@ def main() -> None:
     }
     tables = [
         ("workload", ("per-row cpu ms", "batched cpu ms"), [reference_sample, sample]),
-        ("draw (T=1)", ("exp. race ms", "inverse CDF ms"), [exponential_race, inverse_cdf_draw]),
+        (
+            "draw (T=1)",
+            ("exp. race ms", "inverse CDF ms"),
+            [exponential_race_draw, inverse_cdf_draw],
+        ),
         ("top-p filter", ("full sort ms", "candidates ms"), [full_sort_filter, candidates_filter]),
     ]
     for (title, labels, fns), cases in zip(
