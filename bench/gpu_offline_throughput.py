@@ -192,15 +192,18 @@ def make_llm(model_dir: Path, args: argparse.Namespace) -> Any:
         gpu_memory_utilization=args.gpu_memory_utilization,
         block_size=args.block_size,
         enforce_eager=args.enforce_eager,
+        async_scheduling=not args.no_async_scheduling,
     )
 
 
 def graph_info(llm: Any) -> dict[str, Any] | None:
-    graphs = llm.engine.runner.decode_graphs
+    graphs = llm.engine.runner.step_graphs
     if graphs is None:
         return None
     return {
-        "sizes": list(graphs.sizes),
+        "decode_sizes": list(graphs.decode_sizes),
+        "mixed_sizes": list(graphs.mixed_sizes),
+        "mixed_replays": graphs.mixed_replays,
         "capture_s": graphs.capture_s,
         "pool_mib": graphs.pool_bytes / 2**20,
         "replays": graphs.replays,
@@ -277,12 +280,16 @@ def measure_idle_fraction(
             engine.step()
         torch.cuda.synchronize()
     intervals, starts, ends = [], [], []
+    by_kernel: dict[str, list[float]] = {}
     for evt in prof.events():
         tr = evt.time_range
         starts.append(tr.start)
         ends.append(tr.end)
         if evt.device_type == torch.autograd.DeviceType.CUDA:
             intervals.append((tr.start, tr.end))
+            entry = by_kernel.setdefault(evt.name[:90], [0.0, 0])
+            entry[0] += (tr.end - tr.start) / 1e3
+            entry[1] += 1
     busy = _union_length(intervals)
     window = max(ends) - min(starts)
     running = engine.stats().num_running
@@ -296,6 +303,11 @@ def measure_idle_fraction(
         "window_ms": window / 1e3,
         "gpu_busy_ms": busy / 1e3,
         "gpu_idle_fraction": 1 - busy / window,
+        # Where the busy time goes: device time per kernel name over the profiled steps.
+        "top_kernels": [
+            {"name": name, "ms": round(ms, 3), "launches": count}
+            for name, (ms, count) in sorted(by_kernel.items(), key=lambda kv: -kv[1][0])[:20]
+        ],
     }
 
 
@@ -402,6 +414,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--attention-backend", default="triton", choices=("triton", "torch"))
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs for decode steps")
+    p.add_argument(
+        "--no-async-scheduling",
+        action="store_true",
+        help="steps in turn: read each step's tokens before scheduling the next",
+    )
     p.add_argument("--subset-requests", type=int, default=200)
     p.add_argument("--idle-decode-batches", default="1,16,64")
     p.add_argument("--max-num-seqs", type=int, default=256)

@@ -24,6 +24,8 @@
 #
 #   bash bench/gpu_session.sh 1   # then, on the same machine:   bash bench/gpu_session.sh 2
 #   bash bench/gpu_session.sh 2 smollm2_tests transformers   # only the steps named
+#   (phase 1's steps: kernel_tests graphs sync eager kernels_bench; phase 2's: smollm2_tests
+#   transformers torch_backend)
 set -u
 phase=${1:?phase 1 or 2}
 shift
@@ -65,15 +67,18 @@ if [ "$phase" = 1 ]; then
     nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.mem --format=csv
     python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
     run kernel_tests 150 python3 -m pytest -p no:cacheprovider -q -n 8 -m gpu \
-        tests/kernels/test_gpu_kernels.py -k "not smollm2 and not decode_graphs"
-    run graphs 200 python3 $bench --parts subset,kvpilot,idle,idle_decode,single \
+        tests/kernels/test_gpu_kernels.py -k "not smollm2 and not step_graphs"
+    run graphs 240 python3 $bench --parts subset,kvpilot,idle,idle_decode,single \
         --out "$OUT/offline_graphs.json"
+    # The same engine reading each step's tokens before scheduling the next (no async scheduling).
+    run sync 150 python3 $bench --no-async-scheduling --parts subset,idle,idle_decode,single \
+        --out "$OUT/offline_sync.json"
     run eager 110 python3 $bench --enforce-eager --parts subset,idle_decode,single \
         --out "$OUT/offline_eager.json"
     run kernels_bench 60 python3 bench/kernels_bench.py --quick --out "$OUT/kernels.json"
 else
     run smollm2_tests 200 python3 -m pytest -p no:cacheprovider -q -m gpu \
-        tests/kernels/test_gpu_kernels.py -k "smollm2 or decode_graphs"
+        tests/kernels/test_gpu_kernels.py -k "smollm2 or step_graphs"
     run transformers 90 python3 $bench --parts hf --hf-num-requests 32 --hf-batch-size 32 \
         --out "$OUT/offline_transformers.json"
     run torch_backend 90 python3 $bench --attention-backend torch --enforce-eager \

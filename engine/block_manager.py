@@ -77,8 +77,8 @@ class BlockManager:
         return parent, tuple(seq.token_ids[start : start + self.block_size]), seq.cache_salt
 
     def update_block_hashes(self, seq: Sequence) -> None:
-        """Extend the sequence's hash chain over every full block of its tokens."""
-        num_full = seq.num_tokens // self.block_size
+        """Extend the sequence's hash chain over every full block of its known tokens."""
+        num_full = seq.num_known_tokens // self.block_size
         for index in range(len(seq.block_hashes), num_full):
             seq.block_hashes.append(hash_block(self.block_key(seq, index)))
 

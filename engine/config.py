@@ -209,6 +209,16 @@ class EngineConfig:
     # On CUDA (with the triton backend, one rank), decode steps replay CUDA graphs captured at
     # start (engine/cuda_graphs.py); True runs every step eagerly (vLLM's --enforce-eager).
     enforce_eager: bool = False
+    # Schedule step N+1 and launch it before reading step N's sampled tokens, so the host's work
+    # runs while the device computes (vLLM's async scheduling). None: on for one CUDA rank, off
+    # on CPU (where the forward runs on the host anyway, and it would only delay outputs a step).
+    async_scheduling: bool | None = None
+
+    @property
+    def resolved_async_scheduling(self) -> bool:
+        if self.async_scheduling is not None:
+            return self.async_scheduling and self.tensor_parallel_size == 1
+        return self.resolved_device.type == "cuda" and self.tensor_parallel_size == 1
 
     def __post_init__(self) -> None:
         if self.load_format not in LOAD_FORMATS:

@@ -12,7 +12,8 @@ import torch
 
 from kvpilot.engine.attention import AttentionMetadata, get_attention_backend
 from kvpilot.engine.config import EngineConfig, ModelConfig
-from kvpilot.engine.cuda_graphs import DecodeGraphs, graph_batch_sizes
+from kvpilot.engine.cuda_graphs import StepGraphs, graph_batch_sizes, mixed_token_sizes
+from kvpilot.engine.host_copy import to_device
 from kvpilot.engine.model.cpu_linear import pack_linears, packing_available
 from kvpilot.engine.model.layer_ops import LayerOps
 from kvpilot.engine.model.llama import ForwardContext, LlamaForCausalLM
@@ -24,7 +25,13 @@ from kvpilot.engine.model.loader import (
     model_size_gib,
 )
 from kvpilot.engine.parallel.group import TPGroup
-from kvpilot.engine.sampler import SampleResult, SamplerRow, sample
+from kvpilot.engine.sampler import (
+    LaunchedSample,
+    SampleResult,
+    SamplerRow,
+    launch_sample,
+    resolve_sample,
+)
 from kvpilot.engine.scheduler import ScheduledSequence
 from kvpilot.engine.step_input import StepInput, plan_step
 from kvpilot.engine.structured.manager import StructuredOutputs
@@ -37,6 +44,36 @@ class PreparedBatch:
     input_ids: torch.Tensor  # [T]
     ctx: ForwardContext
     logits_indices: torch.Tensor  # [S_sample]: flat index of each sampling sequence's last token
+
+
+@dataclass(frozen=True)
+class LaunchedStep:
+    """A step queued on the device: the sequences that sample, in order, and their draws."""
+
+    sampling: list[ScheduledSequence]
+    sample: LaunchedSample | None
+
+
+@dataclass(frozen=True)
+class PendingInputs:
+    """Input tokens that are the previous step's samples, still on the device (async
+    scheduling): flat token index in this step -> row of the previous step's draws."""
+
+    token_indices: list[int]
+    sample_rows: list[int]
+
+
+def pending_inputs(scheduled: list[ScheduledSequence]) -> PendingInputs:
+    """Where this step reads tokens the host does not know yet: a sequence's pending token is its
+    last, so it is the last of its chunk."""
+    indices, rows = [], []
+    end = 0
+    for item in scheduled:
+        end += item.num_new_tokens
+        if item.seq.pending_row is not None:
+            indices.append(end - 1)
+            rows.append(item.seq.pending_row)
+    return PendingInputs(indices, rows)
 
 
 class StepSink(Protocol):
@@ -132,12 +169,16 @@ class ModelRunner:
             self.num_blocks * self.bytes_per_block / 2**30,
         )
         self.default_generator = torch.Generator(device=self.device).manual_seed(config.seed)
-        self.decode_graphs: DecodeGraphs | None = None
+        self._last_draws: torch.Tensor | None = None  # the last launched step's tokens [S]
+        self.step_graphs: StepGraphs | None = None
         if self.null_block is not None:
-            self.decode_graphs = DecodeGraphs(
+            sched = config.scheduler
+            self.step_graphs = StepGraphs(
                 self.model,
                 self.kv_caches,
-                graph_batch_sizes(config.scheduler.max_num_seqs),
+                graph_batch_sizes(sched.max_num_seqs),
+                mixed_token_sizes(sched.max_num_batched_tokens),
+                sched.max_num_seqs,
                 max_model_len,
                 self.block_size,
                 self.null_block,
@@ -205,7 +246,7 @@ class ModelRunner:
         dev = self.device
 
         def tensor(values: list[int] | list[list[int]], dtype: torch.dtype) -> torch.Tensor:
-            return torch.tensor(values, dtype=dtype).to(dev, non_blocking=True)
+            return to_device(values, dtype, dev)
 
         query_start, seq_lens = step.query_start, step.seq_lens
         query_lens = tuple(b - a for a, b in itertools.pairwise(query_start))
@@ -228,23 +269,38 @@ class ModelRunner:
     def execute(
         self, scheduled: list[ScheduledSequence], structured: StructuredOutputs | None = None
     ) -> tuple[list[ScheduledSequence], SampleResult]:
-        """Runs one step. Returns the sequences that sampled, in order, and what they sampled.
-        Constrained sequences' token masks are filled by `structured` while the forward runs."""
+        """Runs one step and waits for it. Returns the sequences that sampled, in order, and what
+        they sampled."""
+        launched = self.launch(scheduled, structured)
+        return launched.sampling, self.resolve(launched)
+
+    @torch.inference_mode()
+    def launch(
+        self, scheduled: list[ScheduledSequence], structured: StructuredOutputs | None = None
+    ) -> LaunchedStep:
+        """Queues one step's forward pass and sampling on the device; resolve() reads the tokens.
+        Constrained sequences' token masks are filled by `structured` while the forward runs.
+        Sequences with a pending token (pending_row set) read it from the previous launch's
+        draws on the device."""
         step = plan_step(scheduled, self.block_size)
+        pending = pending_inputs(scheduled)
         sampling = [item for item in scheduled if item.will_sample]
         grammars = [item.seq.grammar for item in sampling]
         masks = structured.start_masks(grammars) if structured is not None else None
         if self.workers is None:
-            logits = self.forward_step(step)
+            logits = self.forward_step(step, pending)
         else:
+            if pending.token_indices:
+                raise ValueError("async scheduling does not run with tensor parallelism")
             self.workers.send(step)
             try:
                 logits = self.forward_step(step)
             except RuntimeError as exc:  # a collective failed: name the rank that died, if one did
                 self.workers.blame(exc)
                 raise
-        if logits is None:
-            return [], SampleResult([], [])
+        if logits is None or not sampling:
+            self._last_draws = None
+            return LaunchedStep([], None)
         rows = [
             SamplerRow(
                 item.seq.params,
@@ -254,19 +310,48 @@ class ModelRunner:
             )
             for item in sampling
         ]
-        if masks is None:
-            return sampling, sample(logits, rows, self.default_generator)
-        return sampling, sample(logits, rows, self.default_generator, masks.result())
+        mask = masks.result() if masks is not None else None
+        drawn = launch_sample(logits, rows, self.default_generator, mask)
+        self._last_draws = drawn.token_ids
+        return LaunchedStep(sampling, drawn)
+
+    def resolve(self, launched: LaunchedStep) -> SampleResult:
+        """The launched step's tokens on the host (waits for the device)."""
+        if launched.sample is None:
+            return SampleResult([], [])
+        return resolve_sample(launched.sample)
 
     @torch.inference_mode()
-    def forward_step(self, step: StepInput) -> torch.Tensor | None:
+    def forward_step(
+        self, step: StepInput, pending: PendingInputs | None = None
+    ) -> torch.Tensor | None:
         """The forward pass of one step: the sampling rows' logits [S_sample, vocab] (on tensor
         parallel rank 0; None on the others, and when nothing samples)."""
-        graphs = self.decode_graphs
-        if graphs is not None and graphs.can_run(step):
-            return self.model.compute_logits(graphs.run(step))
+        graphs = self.step_graphs
+        shape = graphs.shape_for(step) if graphs is not None else None
+        if graphs is not None and shape is not None:
+            graphs.load(step, shape)
+            self._fill_pending(graphs.input_ids, pending)
+            hidden = graphs.replay(step, shape)
+            if not step.logits_indices:
+                return None
+            if not shape.decode:  # a decode graph's rows are its sampling rows, in order
+                hidden = hidden[self._indices(step.logits_indices)]
+            return self.model.compute_logits(hidden)
         batch = self.prepare(step)
+        self._fill_pending(batch.input_ids, pending)
         hidden = self.model(batch.input_ids, batch.ctx)
         if not step.logits_indices:
             return None
         return self.model.compute_logits(hidden[batch.logits_indices])
+
+    def _fill_pending(self, input_ids: torch.Tensor, pending: PendingInputs | None) -> None:
+        if pending is None or not pending.token_indices:
+            return
+        if self._last_draws is None:
+            raise RuntimeError("a pending input token, but the last step drew none")
+        draws = self._last_draws[self._indices(pending.sample_rows)]
+        input_ids.index_copy_(0, self._indices(pending.token_indices), draws)
+
+    def _indices(self, values: list[int]) -> torch.Tensor:
+        return to_device(values, torch.int64, self.device)

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kvpilot.engine.host_copy import to_device
 from kvpilot.engine.sampling_params import SamplingParams
 from kvpilot.engine.structured.bitmask import GrammarMask
 
@@ -42,19 +43,24 @@ class SampleResult:
 
 def _column(values: list[float], like: torch.Tensor) -> torch.Tensor:
     """A [R, 1] tensor of per-row values in like's dtype and device, to broadcast over [R, V]."""
-    return torch.tensor(values, dtype=like.dtype, device=like.device).unsqueeze(1)
+    return to_device(values, like.dtype, like.device).unsqueeze(1)
+
+
+def _index(idx: list[int], like: torch.Tensor) -> torch.Tensor:
+    # A list index would be copied to the device from pageable memory (which may wait).
+    return to_device(idx, torch.int64, like.device)
 
 
 def _rows(logits: torch.Tensor, idx: list[int]) -> torch.Tensor:
     # Indexing copies; when every row takes part there is nothing to pick.
-    return logits if len(idx) == logits.shape[0] else logits[idx]
+    return logits if len(idx) == logits.shape[0] else logits[_index(idx, logits)]
 
 
 def _put_rows(logits: torch.Tensor, idx: list[int], values: torch.Tensor) -> torch.Tensor:
     """logits with rows idx replaced by values; logits must be a tensor this module owns."""
     if len(idx) == logits.shape[0]:
         return values
-    logits[idx] = values
+    logits[_index(idx, logits)] = values
     return logits
 
 
@@ -69,7 +75,9 @@ def apply_logit_bias(logits: torch.Tensor, rows: list[SamplerRow]) -> torch.Tens
     biases = [b for i in idx for _, b in rows[i].params.logit_bias]
     biased = logits.clone()
     # Each (row, token) appears once (SamplingParams checks), so this is one add per entry.
-    biased[row_ids, token_ids] += torch.tensor(biases, dtype=logits.dtype, device=logits.device)
+    biased[_index(row_ids, logits), _index(token_ids, logits)] += to_device(
+        biases, logits.dtype, logits.device
+    )
     return biased
 
 
@@ -82,12 +90,13 @@ def apply_penalties(logits: torch.Tensor, rows: list[SamplerRow]) -> torch.Tenso
     vocab = logits.shape[1]
     longest = max(len(rows[i].output_token_ids) for i in idx)
     # Pad with an extra column id so the padding is counted somewhere that is then cut away.
-    ids = torch.tensor(
+    ids = to_device(
         [
             rows[i].output_token_ids + [vocab] * (longest - len(rows[i].output_token_ids))
             for i in idx
         ],
-        device=logits.device,
+        torch.int64,
+        logits.device,
     )
     # Counted in integers and converted once, as bincount did: a half-precision count would round.
     counts = torch.zeros(len(idx), vocab + 1, dtype=torch.long, device=logits.device)
@@ -95,7 +104,7 @@ def apply_penalties(logits: torch.Tensor, rows: list[SamplerRow]) -> torch.Tenso
     frequency = _column([rows[i].params.frequency_penalty for i in idx], logits)
     presence = _column([rows[i].params.presence_penalty for i in idx], logits)
     penalized = logits.clone()
-    penalized[idx] -= frequency * counts + presence * (counts > 0).to(logits.dtype)
+    penalized[_index(idx, logits)] -= frequency * counts + presence * (counts > 0).to(logits.dtype)
     return penalized
 
 
@@ -115,7 +124,7 @@ def filter_logits(logits: torch.Tensor, params: list[SamplingParams]) -> torch.T
         ks = [params[i].top_k for i in k_idx]
         # The k-th largest value is the same whichever of several tied values topk returns, so one
         # topk up to the largest k serves every row.
-        ranks = torch.tensor(ks, device=logits.device).sub_(1).unsqueeze(1)
+        ranks = _index(ks, logits).sub_(1).unsqueeze(1)
         kth = torch.topk(sub, max(ks)).values.gather(1, ranks)
         logits = _put_rows(logits, k_idx, sub.masked_fill(sub < kth, float("-inf")))
     if p_idx:
@@ -263,7 +272,7 @@ def _argmax(values: torch.Tensor) -> torch.Tensor:
 
 
 def _logprobs(
-    logits: torch.Tensor, rows: list[SamplerRow], token_ids: list[int]
+    logits: torch.Tensor, rows: list[SamplerRow], token_ids: torch.Tensor
 ) -> list[tuple[float, int, list[tuple[int, float]]] | None]:
     """Chosen-token logprob, its rank and the top-N of the raw distribution, for rows that asked."""
     out: list[tuple[float, int, list[tuple[int, float]]] | None] = [None] * len(rows)
@@ -271,7 +280,7 @@ def _logprobs(
     if not idx:
         return out
     lp = torch.log_softmax(_rows(logits, idx), dim=-1)
-    chosen_ids = torch.tensor([token_ids[i] for i in idx], device=logits.device).unsqueeze(1)
+    chosen_ids = _rows(token_ids.unsqueeze(1), idx)
     chosen = lp.gather(1, chosen_ids)
     ranks = ((lp > chosen).sum(-1) + 1).tolist()
     chosen_values = chosen.squeeze(1).tolist()
@@ -292,28 +301,39 @@ def _logprobs(
     return out
 
 
-def sample(
+@dataclass(frozen=True)
+class LaunchedSample:
+    """A step's draws as they sit on the device: the token ids, and what the logprobs need."""
+
+    token_ids: torch.Tensor  # [S] int64 on the logits' device
+    raw_logits: torch.Tensor  # [S, V] before penalties, bias and truncation (after a grammar mask)
+    rows: list[SamplerRow]
+    # A pinned host copy of token_ids under way, and the event that marks it done (CUDA only).
+    host_copy: torch.Tensor | None = None
+    copied: torch.cuda.Event | None = None
+
+
+def launch_sample(
     logits: torch.Tensor,
     rows: list[SamplerRow],
     default_generator: torch.Generator,
     grammar_mask: GrammarMask | None = None,
-) -> SampleResult:
+) -> LaunchedSample:
     """logits: [S, V] float32, one row per sequence that samples this step; the constrained rows
-    are masked in place first."""
-    if not rows:
-        return SampleResult([], [])
+    are masked in place first. Queues the sampling on the device and returns without waiting for
+    it (unless a filter needs a value on the host: top-p's candidate check)."""
     if grammar_mask is not None:
         grammar_mask.apply(logits)
     raw_logits = logits
     logits = apply_penalties(apply_logit_bias(logits, rows), rows)
-    token_ids: list[int] = [0] * len(rows)
     greedy = [i for i, r in enumerate(rows) if r.params.is_greedy]
-    if greedy:
-        # An all-greedy batch (the common case) skips copying the rows out first.
-        for i, t in zip(greedy, _argmax(_rows(logits, greedy)).tolist(), strict=True):
-            token_ids[i] = t
     sampling = [i for i, r in enumerate(rows) if not r.params.is_greedy]
-    if sampling:
+    if not sampling:  # an all-greedy batch (the common case) skips copying the rows out first
+        token_ids = _argmax(logits)
+    else:
+        token_ids = torch.empty(len(rows), dtype=torch.int64, device=logits.device)
+        if greedy:
+            token_ids[greedy] = _argmax(_rows(logits, greedy))
         probs = filter_logits(_rows(logits, sampling), [rows[i].params for i in sampling])
         probs = probs.softmax(-1)
         # Inverse-CDF sampling: the first token whose cumulative probability exceeds u ~ U[0, 1)
@@ -324,6 +344,36 @@ def sample(
         uniforms = _draw_uniforms(
             [rows[i].generator for i in sampling], default_generator, probs.device
         )
-        for i, t in zip(sampling, inverse_cdf(probs, uniforms).tolist(), strict=True):
-            token_ids[i] = t
-    return SampleResult(token_ids, _logprobs(raw_logits, rows, token_ids))
+        drawn = inverse_cdf(probs, uniforms)
+        token_ids = _put_rows(token_ids, sampling, drawn)
+    if token_ids.device.type != "cuda":
+        return LaunchedSample(token_ids, raw_logits, rows)
+    host_copy = torch.empty(token_ids.shape, dtype=token_ids.dtype, pin_memory=True)
+    host_copy.copy_(token_ids, non_blocking=True)
+    copied = torch.cuda.Event()
+    copied.record()
+    return LaunchedSample(token_ids, raw_logits, rows, host_copy, copied)
+
+
+def resolve_sample(launched: LaunchedSample) -> SampleResult:
+    """The step's tokens on the host (waiting for the device: the step loop's one
+    synchronization), with the logprobs of the rows that asked."""
+    if launched.copied is not None and launched.host_copy is not None:
+        launched.copied.synchronize()
+        token_list = launched.host_copy.tolist()
+    else:
+        token_list = launched.token_ids.tolist()
+    logprobs = _logprobs(launched.raw_logits, launched.rows, launched.token_ids)
+    return SampleResult(token_list, logprobs)
+
+
+def sample(
+    logits: torch.Tensor,
+    rows: list[SamplerRow],
+    default_generator: torch.Generator,
+    grammar_mask: GrammarMask | None = None,
+) -> SampleResult:
+    """launch_sample then resolve_sample: the tokens of [S, V] float32 logits on the host."""
+    if not rows:
+        return SampleResult([], [])
+    return resolve_sample(launch_sample(logits, rows, default_generator, grammar_mask))

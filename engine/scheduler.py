@@ -81,7 +81,8 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         by_seq: dict[int, ScheduledSequence] = {}
 
-        decodes = [s for s in self.running if s.is_decoding]
+        # A sequence whose token in flight ends it (async scheduling) has nothing left to compute.
+        decodes = [s for s in self.running if s.is_decoding and not s.reached_length]
         prefills = [s for s in self.running if not s.is_decoding]
         for seq in decodes + prefills:
             if budget == 0:

@@ -14,6 +14,10 @@ from kvpilot.engine.structured.manager import SequenceGrammar
 
 _seq_counter = itertools.count()
 
+# A sampled token still on the device (async scheduling): what the next step's input reads is the
+# device copy, and the host fills this place in when it reads the step's tokens.
+PENDING_TOKEN = -1
+
 
 class SequenceStatus(enum.Enum):
     WAITING = "waiting"
@@ -44,6 +48,13 @@ class Sequence:
     was_admitted: bool = False
     finish_reason: str | None = None
     stop_reason: int | None = None
+    # Trailing token_ids that are PENDING_TOKEN (at most two: one per step in flight).
+    num_pending_tokens: int = 0
+    # The pending token's row in the last launched step's samples, while it has one.
+    pending_row: int | None = None
+    # Set when the token just launched reaches max_tokens or the context: nothing is left to
+    # schedule; the sequence finishes once that token is read.
+    reached_length: bool = False
 
     @property
     def num_tokens(self) -> int:
@@ -60,6 +71,11 @@ class Sequence:
     @property
     def num_uncomputed_tokens(self) -> int:
         return len(self.token_ids) - self.num_computed_tokens
+
+    @property
+    def num_known_tokens(self) -> int:
+        """Tokens whose ids the host holds (all but the pending ones)."""
+        return len(self.token_ids) - self.num_pending_tokens
 
     @property
     def is_decoding(self) -> bool:

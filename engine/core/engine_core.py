@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass
 
 import torch
 
@@ -33,11 +34,11 @@ from kvpilot.engine.memory_fit import (
     memory_limit,
 )
 from kvpilot.engine.model.loader import read_hf_config, resolve_model, set_offline_defaults
-from kvpilot.engine.model_runner import ModelRunner
+from kvpilot.engine.model_runner import LaunchedStep, ModelRunner
 from kvpilot.engine.parallel.workers import TPWorkers
 from kvpilot.engine.sampling_params import SamplingParams
-from kvpilot.engine.scheduler import Scheduler
-from kvpilot.engine.sequence import Sequence
+from kvpilot.engine.scheduler import ScheduledSequence, Scheduler
+from kvpilot.engine.sequence import PENDING_TOKEN, Sequence
 from kvpilot.engine.structured.backend import resolve_backend
 from kvpilot.engine.structured.manager import SequenceGrammar, StructuredOutputs
 
@@ -107,6 +108,26 @@ def cpu_memory_need(config: EngineConfig, model: ModelConfig) -> MemoryNeed:
     return MemoryNeed(weights=model.num_params * itemsize, kv_cache=kv, working=working)
 
 
+@dataclass(frozen=True)
+class StepInFlight:
+    """A launched step whose tokens the host has not read yet."""
+
+    scheduled: list[ScheduledSequence]
+    launched: LaunchedStep
+    token_positions: list[int]  # per sampling row: where its token goes in the sequence's ids
+    first_scheduled: list[str]
+    started: float
+
+    @property
+    def needs_host_tokens(self) -> bool:
+        """A row whose next step reads its tokens on the host (a grammar's mask, the penalties):
+        the next step waits for this one."""
+        return any(
+            item.seq.grammar is not None or item.seq.params.has_penalties
+            for item in self.launched.sampling
+        )
+
+
 class EngineCore:
     def __init__(self, config: EngineConfig, log_level: int = logging.INFO) -> None:
         set_offline_defaults()
@@ -149,6 +170,8 @@ class EngineCore:
         )
         self.num_prompt_tokens = 0
         self.num_generation_tokens = 0
+        self.async_scheduling = config.resolved_async_scheduling
+        self.in_flight: StepInFlight | None = None
         self.description = ModelDescription(
             model_name=config.served_model_name or source.name,
             hf_dir=str(source.hf_dir),
@@ -162,9 +185,10 @@ class EngineCore:
             grammar_backend=self.structured.backend_name,
         )
         log.info(
-            "engine core ready in %.1f s: %s",
+            "engine core ready in %.1f s: %s%s",
             time.monotonic() - started,
             self.description.model_name,
+            " (async scheduling)" if self.async_scheduling else "",
         )
 
     # ---- requests ------------------------------------------------------------------------------
@@ -229,30 +253,80 @@ class EngineCore:
         return True
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.requests)
+        return bool(self.requests) or self.in_flight is not None
 
     # ---- the step ------------------------------------------------------------------------------
     def step(self, num_commands_applied: int = 0) -> StepOutputs:
+        """Runs a step and returns the tokens read. With async scheduling a call launches the next
+        step before it reads the one in flight, so the host's scheduling and input building
+        overlap the device's work; tokens then arrive one call after their step was launched."""
+        if not self.async_scheduling:
+            launched = self._launch_next()
+            if launched is None:
+                return self.idle_outputs(num_commands_applied)
+            return self._complete(launched, num_commands_applied)
+        previous, self.in_flight = self.in_flight, None
+        drained = None
+        if previous is not None and previous.needs_host_tokens:
+            drained, previous = self._complete(previous, num_commands_applied), None
+        self.in_flight = self._launch_next()
+        if previous is not None:
+            return self._complete(previous, num_commands_applied)
+        if drained is not None:
+            return drained
+        return self.idle_outputs(num_commands_applied)
+
+    def _launch_next(self) -> StepInFlight | None:
+        """Schedules a step and queues it on the device (None: nothing to run). Each sampling
+        sequence gets a pending token in its ids, filled in by _complete."""
         started = time.monotonic()
         plan = self.scheduler.schedule()
         if plan.is_empty:
-            return self.idle_outputs(num_commands_applied)
+            return None
         # Every prefill chunk before a request's first token: the API side keeps the first time.
         first_scheduled = [
             item.seq.request_id
             for item in plan.scheduled
             if item.seq.index == 0 and item.seq.num_output_tokens == 0
         ]
-        sampled, result = self.runner.execute(plan.scheduled, self.structured)
+        launched = self.runner.launch(plan.scheduled, self.structured)
         for item in plan.scheduled:
             item.seq.num_computed_tokens += item.num_new_tokens
-            self.block_manager.cache_full_blocks(item.seq)
-        updates = []
-        for i, item in enumerate(sampled):
+        positions = []
+        for row, item in enumerate(launched.sampling):
             seq = item.seq
-            token = result.token_ids[i]
-            self._append_token(seq, token)
-            if seq.num_output_tokens == 1 and seq.index == 0:
+            seq.token_ids.append(PENDING_TOKEN)
+            seq.num_pending_tokens += 1
+            seq.pending_row = row
+            positions.append(len(seq.token_ids) - 1)
+            max_tokens = seq.params.max_tokens
+            seq.reached_length = (
+                max_tokens is not None and seq.num_output_tokens >= max_tokens
+            ) or seq.num_tokens >= self.max_seq_len
+        return StepInFlight(plan.scheduled, launched, positions, first_scheduled, started)
+
+    def _complete(self, step: StepInFlight, num_commands_applied: int) -> StepOutputs:
+        """Reads a launched step's tokens (waiting for the device) and applies them."""
+        result = self.runner.resolve(step.launched)
+        sampling = step.launched.sampling
+        live = [i for i, item in enumerate(sampling) if not item.seq.is_finished]
+        for i in live:  # (a finished one was aborted, or ended by its token before, meanwhile)
+            seq = sampling[i].seq
+            seq.token_ids[step.token_positions[i]] = result.token_ids[i]
+            seq.num_pending_tokens -= 1
+            if seq.num_pending_tokens == 0:
+                seq.pending_row = None
+        # With every computed token known (the step after this one computes this one's
+        # tokens), before a finished sequence's blocks go back.
+        for item in step.scheduled:
+            if not item.seq.is_finished:
+                self.block_manager.cache_full_blocks(item.seq)
+        updates = []
+        for i in live:
+            seq = sampling[i].seq
+            token, position = result.token_ids[i], step.token_positions[i]
+            self._check_finished(seq, token)
+            if position == seq.num_prompt_tokens and seq.index == 0:
                 self.num_prompt_tokens += seq.num_prompt_tokens
             updates.append(
                 SeqUpdate(
@@ -276,10 +350,10 @@ class EngineCore:
             updates,
             self.stats(),
             num_commands_applied,
-            first_scheduled=first_scheduled,
-            scheduled_time=started,
+            first_scheduled=step.first_scheduled,
+            scheduled_time=step.started,
             token_time=now,
-            step_duration=now - started,
+            step_duration=now - step.started,
             kv_events=self.block_manager.drain_kv_events(),
         )
 
@@ -289,8 +363,8 @@ class EngineCore:
             [], self.stats(), num_commands_applied, kv_events=self.block_manager.drain_kv_events()
         )
 
-    def _append_token(self, seq: Sequence, token: int) -> None:
-        seq.token_ids.append(token)
+    def _check_finished(self, seq: Sequence, token: int) -> None:
+        """Sets finish_reason when the token just read ends the sequence."""
         params = seq.params
         if seq.grammar is not None:
             seq.grammar.accept(token)
@@ -304,9 +378,7 @@ class EngineCore:
             # token goes on to sample the EOS its mask then allows: "stop" drops the last token's
             # text, as it does an EOS's.)
             seq.finish_reason = "stop"
-        elif (
-            params.max_tokens is not None and seq.num_output_tokens >= params.max_tokens
-        ) or seq.num_tokens >= self.max_seq_len:
+        elif seq.reached_length and seq.num_pending_tokens == 0:
             seq.finish_reason = "length"
 
     def check_workers(self) -> None:

@@ -1,7 +1,7 @@
-"""The decode-graph plumbing that needs no CUDA: the captured sizes, bucketing, which steps a graph
-computes, the padding into the null block, and the padded static-buffer forward (what a graph
-records) against the plain eager forward, under Triton's interpreter. Capture and replay on a GPU:
-tests/kernels/test_gpu_kernels.py."""
+"""The step-graph plumbing that needs no CUDA: the captured shapes, bucketing, which graph runs a
+step, the padding into the null block, and the padded static-buffer forward (what a graph
+records) against the plain eager forward for decode and mixed steps, under Triton's interpreter.
+Capture and replay on a GPU: tests/kernels/test_gpu_kernels.py."""
 
 from __future__ import annotations
 
@@ -11,11 +11,13 @@ import torch
 from kvpilot.engine.attention import AttentionMetadata
 from kvpilot.engine.config import ModelConfig
 from kvpilot.engine.cuda_graphs import (
-    DecodeGraphs,
+    GraphShape,
+    StepGraphs,
     bucket_for,
     graph_batch_sizes,
     is_plain_decode,
-    pad_decode,
+    mixed_token_sizes,
+    pad_step,
 )
 from kvpilot.engine.kernels import get_layer_ops
 from kvpilot.engine.kernels.attention_backend import TritonAttentionBackend
@@ -45,6 +47,32 @@ def test_graph_batch_sizes(max_num_seqs: int, limit: int, expected: tuple[int, .
 def test_graph_batch_sizes_rejects_nonpositive() -> None:
     with pytest.raises(ValueError, match="must be >= 1"):
         graph_batch_sizes(0)
+
+
+@pytest.mark.parametrize(
+    ("budget", "limit", "expected"),
+    [
+        (1, 1024, (16,)),
+        (16, 1024, (16,)),
+        (17, 1024, (16, 32)),
+        (128, 1024, (*range(16, 129, 16),)),
+        (300, 1024, (*range(16, 128, 16), *range(128, 256, 32), 256, 320)),
+        (
+            8192,
+            1024,
+            (
+                *range(16, 128, 16),
+                *range(128, 256, 32),
+                *range(256, 512, 64),
+                *range(512, 1025, 128),
+            ),
+        ),
+        (8192, 600, (*range(16, 128, 16), *range(128, 256, 32), *range(256, 512, 64), 512, 640)),
+        (8192, 0, ()),
+    ],
+)
+def test_mixed_token_sizes(budget: int, limit: int, expected: tuple[int, ...]) -> None:
+    assert mixed_token_sizes(budget, limit) == expected
 
 
 def test_bucket_for() -> None:
@@ -77,17 +105,51 @@ def test_is_plain_decode() -> None:
     assert not is_plain_decode(StepInput([], [], [], [0], [], [], []))
 
 
-def test_pad_decode_fills_rows_with_null_block_sequences() -> None:
-    padded = pad_decode(decode_step(), 8, null_block=9, block_size=4)
+def mixed_step(block_size: int = 4) -> StepInput:
+    # A 5-token chunk of a sequence with 3 tokens already cached (it samples), then two decodes
+    # (lengths 6 and 2).
+    tables = [[1, 4], [5, 2], [8]]
+    chunk_positions = [3, 4, 5, 6, 7]
+    positions = [*chunk_positions, 5, 1]
+    rows = [0] * 5 + [1, 2]
+    slots = [tables[r][p // block_size] * block_size + p % block_size
+             for r, p in zip(rows, positions, strict=True)]  # fmt: skip
+    padded_tables = [t + [0] * (2 - len(t)) for t in tables]
+    return StepInput([21, 22, 23, 24, 25, 31, 41], positions, slots, [0, 5, 6, 7], [8, 6, 2],
+                     padded_tables, [4, 5, 6])  # fmt: skip
+
+
+def test_pad_step_decode_fills_rows_with_null_block_sequences() -> None:
+    padded = pad_step(decode_step(), GraphShape(8, 8, True), null_block=9, block_size=4)
     assert padded.input_ids == [11, 12, 13] + [0] * 5
     assert padded.positions == [5, 8, 0] + [0] * 5
     assert padded.slot_mapping == [2 * 4 + 1, 3 * 4 + 0, 6 * 4 + 0] + [36] * 5
     assert padded.seq_lens == [6, 9, 1] + [1] * 5
     assert padded.block_tables == [[5, 2, 0], [0, 7, 3], [6, 0, 0]] + [[9, 0, 0]] * 5
+    assert padded.query_start is None
     with pytest.raises(ValueError, match="does not fit"):
-        pad_decode(decode_step(), 2, null_block=9, block_size=4)
-    empty = pad_decode(StepInput([], [], [], [0], [], [], []), 2, null_block=9, block_size=4)
+        pad_step(decode_step(), GraphShape(2, 2, True), null_block=9, block_size=4)
+    nothing = StepInput([], [], [], [0], [], [], [])
+    empty = pad_step(nothing, GraphShape(2, 2, True), null_block=9, block_size=4)
     assert empty.block_tables == [[9], [9]] and empty.seq_lens == [1, 1]
+    with pytest.raises(ValueError, match="one token per sequence"):
+        pad_step(mixed_step(), GraphShape(8, 8, True), null_block=9, block_size=4)
+
+
+def test_pad_step_mixed_gives_padded_tokens_to_no_sequence() -> None:
+    step = mixed_step()
+    padded = pad_step(step, GraphShape(16, 5, False), null_block=9, block_size=4)
+    assert padded.input_ids == step.input_ids + [0] * 9
+    assert padded.positions == step.positions + [0] * 9
+    assert padded.slot_mapping == step.slot_mapping + [36] * 9
+    # Padded sequences: no query token (they start where the real tokens end), length 0.
+    assert padded.query_start == [0, 5, 6, 7, 7, 7]
+    assert padded.seq_lens == [8, 6, 2, 0, 0]
+    assert padded.block_tables == [[1, 4], [5, 2], [8, 0], [9, 0], [9, 0]]
+    with pytest.raises(ValueError, match="does not fit"):
+        pad_step(step, GraphShape(16, 2, False), null_block=9, block_size=4)
+    with pytest.raises(ValueError, match="does not fit"):
+        pad_step(step, GraphShape(6, 6, False), null_block=9, block_size=4)
 
 
 TINY = ModelConfig(
@@ -107,10 +169,29 @@ TINY = ModelConfig(
 )
 
 
-def test_padded_static_forward_matches_eager(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The graph's forward (padded rows in the null block, static buffers, max_model_len as the
-    length bound) gives the eager forward's hidden states for the real rows and writes the real
-    slots only: the KV cache outside the null block ends up identical."""
+def metadata_of(step: StepInput) -> AttentionMetadata:
+    query_lens = tuple(b - a for a, b in zip(step.query_start, step.query_start[1:], strict=False))
+    return AttentionMetadata(
+        query_start_loc=torch.tensor(step.query_start, dtype=torch.int32),
+        seq_lens=torch.tensor(step.seq_lens, dtype=torch.int32),
+        block_tables=torch.tensor(step.block_tables, dtype=torch.int32),
+        slot_mapping=torch.tensor(step.slot_mapping),
+        max_query_len=max(query_lens),
+        max_seq_len=max(step.seq_lens),
+        query_lens_cpu=query_lens,
+        seq_lens_cpu=tuple(step.seq_lens),
+    )
+
+
+# A mixed graph's padded tokens belong to no sequence, so no attention program writes their rows:
+# whatever the buffer held flows through those rows only (the interpreter warns of overflows).
+@pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")
+@pytest.mark.parametrize("kind", ["decode", "mixed"])
+def test_padded_static_forward_matches_eager(kind: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The graph's forward (padded tokens in the null block, static buffers, max_model_len as the
+    length bound, a mixed graph's sequences without tokens) gives the eager forward's hidden
+    states for the real tokens and writes the real slots only: the KV cache outside the null block
+    ends up identical."""
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     block_size, num_blocks, max_model_len = 4, 9, 32
     model = build_model(TINY, TritonAttentionBackend(), max_model_len, torch.device("cpu"),
@@ -122,52 +203,53 @@ def test_padded_static_forward_matches_eager(monkeypatch: pytest.MonkeyPatch) ->
     caches = [(torch.randn(shape, generator=gen), torch.randn(shape, generator=gen))
               for _ in range(TINY.num_hidden_layers)]  # fmt: skip
     eager_caches = [(k.clone(), v.clone()) for k, v in caches]
-    step = decode_step(block_size)
+    step = decode_step(block_size) if kind == "decode" else mixed_step(block_size)
 
-    meta = AttentionMetadata(
-        query_start_loc=torch.tensor(step.query_start, dtype=torch.int32),
-        seq_lens=torch.tensor(step.seq_lens, dtype=torch.int32),
-        block_tables=torch.tensor(step.block_tables, dtype=torch.int32),
-        slot_mapping=torch.tensor(step.slot_mapping),
-        max_query_len=1,
-        max_seq_len=max(step.seq_lens),
-        query_lens_cpu=(1, 1, 1),
-        seq_lens_cpu=tuple(step.seq_lens),
-    )
     with torch.inference_mode():
-        ctx = ForwardContext(torch.tensor(step.positions), meta, eager_caches)
+        ctx = ForwardContext(torch.tensor(step.positions), metadata_of(step), eager_caches)
         expected = model(torch.tensor(step.input_ids), ctx)
-        graphs = DecodeGraphs(model, caches, (1, 2, 4, 8), max_model_len, block_size,
-                              null_block=num_blocks, capture=False)  # fmt: skip
-        assert graphs.can_run(step)
-        actual = graphs.run(step)
+        graphs = StepGraphs(model, caches, (1, 2, 4, 8), (16,), 4, max_model_len, block_size,
+                            null_block=num_blocks, capture=False)  # fmt: skip
+        graph_shape = graphs.shape_for(step)
+        assert graph_shape == (GraphShape(4, 4, True) if kind == "decode"
+                               else GraphShape(16, 4, False))  # fmt: skip
+        actual = graphs.run(step, graph_shape)
     assert actual.shape == expected.shape
     torch.testing.assert_close(actual, expected, rtol=1e-5, atol=1e-5)
     written = torch.tensor(step.slot_mapping)
     untouched = torch.ones((num_blocks + 1) * block_size, dtype=torch.bool)
     untouched[written] = False
-    untouched[num_blocks * block_size :] = False  # the null block: the padded rows write there
+    untouched[num_blocks * block_size :] = False  # the null block: the padded tokens write there
     for (k, v), (k_ref, v_ref) in zip(caches, eager_caches, strict=True):
         for new, ref in ((k, k_ref), (v, v_ref)):
             flat, flat_ref = new.flatten(0, 1), ref.flatten(0, 1)
             # Slots nobody wrote are bit for bit the same; the real slots hold the same keys up
-            # to the rounding of a 3-row vs 4-row matmul.
+            # to the rounding of matmuls over other row counts.
             assert torch.equal(flat[untouched], flat_ref[untouched])
             torch.testing.assert_close(flat[written], flat_ref[written], rtol=1e-5, atol=1e-5)
         assert not torch.equal(k[num_blocks], k_ref[num_blocks])
 
 
-def test_can_run_only_decode_steps_that_fit() -> None:
+def test_shape_for_picks_the_graph_or_none() -> None:
     model = build_model(TINY, TritonAttentionBackend(), 12, torch.device("cpu"), torch.float32)
-    shape = (4, 4, TINY.num_key_value_heads, TINY.head_dim)
+    shape = (10, 4, TINY.num_key_value_heads, TINY.head_dim)
     caches = [(torch.zeros(shape), torch.zeros(shape)) for _ in range(TINY.num_hidden_layers)]
-    graphs = DecodeGraphs(model, caches, (1, 2, 4), 12, 4, null_block=3, capture=False)
-    assert graphs.can_run(decode_step())
+    graphs = StepGraphs(model, caches, (1, 2, 4), (16, 32), 6, 12, 4, null_block=9, capture=False)
+    assert graphs.shape_for(decode_step()) == GraphShape(4, 4, True)
     two_blocks = StepInput([1], [4], [8], [0, 1], [5], [[1, 2]], [0])
-    assert graphs.can_run(two_blocks)
-    # Past max_model_len's three blocks per sequence, or more rows than the largest graph: eager.
+    assert graphs.shape_for(two_blocks) == GraphShape(1, 1, True)
+    # Past max_model_len's three blocks per sequence: eager.
     four_blocks = StepInput([1], [12], [8], [0, 1], [13], [[1, 2, 0, 0]], [0])
-    assert not graphs.can_run(four_blocks)
+    assert graphs.shape_for(four_blocks) is None
+    # More decode rows than the largest decode graph: a mixed graph (room for max_num_seqs = 6).
     five = StepInput([1] * 5, [0] * 5, [0] * 5, list(range(6)), [1] * 5, [[0]] * 5, list(range(5)))
-    assert not graphs.can_run(five)
-    assert not graphs.can_run(StepInput([1, 2], [0, 1], [0, 1], [0, 2], [2], [[0]], [1]))
+    assert graphs.shape_for(five) == GraphShape(16, 6, False)
+    seven = StepInput([1] * 7, [0] * 7, [0] * 7, list(range(8)), [1] * 7, [[0]] * 7, list(range(7)))
+    assert graphs.shape_for(seven) is None  # more sequences than any graph holds
+    assert graphs.shape_for(mixed_step()) == GraphShape(16, 6, False)
+    # A prefill chunk that does not sample, and one past the largest mixed graph.
+    chunk = StepInput([1, 2, 3], [0, 1, 2], [0, 1, 2], [0, 3], [3], [[0]], [])
+    assert graphs.shape_for(chunk) == GraphShape(16, 6, False)
+    long = StepInput([1] * 33, list(range(33)), [0] * 33, [0, 33], [33], [[0]], [32])
+    assert graphs.shape_for(long) is None
+    assert graphs.shape_for(StepInput([], [], [], [0], [], [], [])) is None

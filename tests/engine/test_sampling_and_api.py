@@ -1,5 +1,6 @@
 """Sampling, stop handling, n, abort and the offline API on the real model (one engine per
-module)."""
+module and scheduling mode: every test runs with steps in turn, and with async scheduling, where
+step N+1 is launched before step N's tokens are read)."""
 
 from __future__ import annotations
 
@@ -9,9 +10,9 @@ from kvpilot.engine import LLM, SamplingParams
 from kvpilot.engine.detokenizer import find_stop_string
 
 
-@pytest.fixture(scope="module")
-def llm() -> LLM:
-    return LLM(dtype="float32", max_num_batched_tokens=512)
+@pytest.fixture(scope="module", params=[False, True], ids=["steps-in-turn", "async"])
+def llm(request: pytest.FixtureRequest) -> LLM:
+    return LLM(dtype="float32", max_num_batched_tokens=512, async_scheduling=request.param)
 
 
 def chat(llm: LLM, question: str) -> str:

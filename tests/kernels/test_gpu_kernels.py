@@ -238,8 +238,9 @@ def test_smollm2_greedy_parity_on_gpu(cuda_device: torch.device) -> None:
     prompts, expected, _ = smollm2_reference(torch.float32, cuda_device)
     llm = LLM(dtype="float32", device="cuda", attention_backend="triton", **ONE_GIB_KV)
     outputs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=MAX_NEW))
-    assert llm.engine.runner.decode_graphs is not None
-    assert llm.engine.runner.decode_graphs.replays > 0
+    graphs = llm.engine.runner.step_graphs
+    assert graphs is not None and graphs.replays > graphs.mixed_replays > 0
+    del graphs
     release(llm)
     for i, (out, ref) in enumerate(zip(outputs, expected, strict=True)):
         assert out.outputs[0].token_ids == ref, f"prompt {i}"
@@ -275,23 +276,29 @@ def test_smollm2_bf16_close_to_transformers_on_gpu(cuda_device: torch.device) ->
 
 
 @pytest.mark.parametrize("dtype", ("float32", "bfloat16"))
-def test_decode_graphs_match_eager_steps(cuda_device: torch.device, dtype: str) -> None:
-    """Graph replay against eager steps, same engine, same kernels: a batch that shrinks as its
-    requests finish at different lengths (so steps move between padded sizes) gives the same
-    greedy tokens (float32: all; bfloat16: up to a near tie, as above)."""
+def test_step_graphs_match_eager_steps(cuda_device: torch.device, dtype: str) -> None:
+    """Graph replay with async scheduling against eager steps in turn, same engine, same kernels:
+    prompts chunked under a 96-token budget (mixed steps of prefill chunks and decodes, in mixed
+    graphs) and a batch that shrinks as its requests finish at different lengths (decode steps
+    moving between padded sizes) give the same greedy tokens (float32: all; bfloat16: up to a
+    near tie, as above)."""
     from kvpilot.engine import LLM, SamplingParams
 
     prompts = [[1, *range(100 + 7 * i, 140 + 13 * i)] for i in range(11)]
     params = [SamplingParams(temperature=0.0, max_tokens=8 + 5 * i) for i in range(11)]
     runs = {}
     for eager in (False, True):
+        # The graphs run also schedules asynchronously (CUDA's default); the eager one in turn.
         llm = LLM(dtype=dtype, device="cuda", attention_backend="triton", enforce_eager=eager,
+                  async_scheduling=not eager, max_num_batched_tokens=96,
                   **ONE_GIB_KV)  # fmt: skip
+        assert llm.engine.core.async_scheduling is not eager
         runs[eager] = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
-        graphs = llm.engine.runner.decode_graphs
+        graphs = llm.engine.runner.step_graphs
         assert (graphs is None) == eager
         if graphs is not None:
-            assert graphs.replays > 0 and graphs.sizes[0] == 1
+            assert graphs.replays > graphs.mixed_replays > 0 and graphs.decode_sizes[0] == 1
+            assert graphs.mixed_sizes[-1] == 96
         del graphs
         release(llm)
     if dtype == "float32":
