@@ -298,10 +298,13 @@ def paged_attention(
     num_splits: int | None = None,
     tile_n: int | None = None,
     out: torch.Tensor | None = None,
+    num_warps: int | None = None,
+    num_stages: int = 2,
 ) -> torch.Tensor:
     """Causal attention of every query token over its sequence's cached keys: [num_tokens, H, D].
 
-    num_splits: None picks split-K by occupancy on CUDA (never on CPU); tile_n: keys per iteration.
+    num_splits: None picks split-K by occupancy on CUDA (never on CPU); tile_n: keys per iteration;
+    num_warps (None: by tile size) and num_stages: the launch's, for tuning (bench/).
     """
     _check_inputs(query, k_cache, v_cache, meta)
     num_tokens, num_heads, head_dim = query.shape
@@ -394,8 +397,8 @@ def paged_attention(
         INTERPRET=query.device.type == "cpu",
         # Compiled for sm_90: BLOCK_M 64 x TILE_N 64 x D 128 took 189-223 registers with 4 warps,
         # 128-134 with 8; decode tiles (BLOCK_M 16) about 93 with 4. No spills in the chosen ones.
-        num_warps=8 if block_m * head_dim_pad >= 64 * 128 else 4,
-        num_stages=2,
+        num_warps=num_warps or (8 if block_m * head_dim_pad >= 64 * 128 else 4),
+        num_stages=num_stages,
     )
     if num_splits > 1:
         merge = _merge_splits_kernel.on(query.device)
