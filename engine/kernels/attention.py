@@ -66,6 +66,7 @@ def _paged_attention_kernel(
     TILE_N: tl.constexpr,  # keys per iteration
     BLOCK_SIZE: tl.constexpr,  # tokens per KV cache block
     NUM_SPLITS: tl.constexpr,
+    ROWS: tl.constexpr,  # 0: every sequence; 1: only one-token (decode) ones; 2: only the others
     UPCAST: tl.constexpr,  # do the dots in fp32 (fp32 inputs; the CPU interpreter has no bf16 math)
     INTERPRET: tl.constexpr,
 ):
@@ -91,6 +92,12 @@ def _paged_attention_kernel(
     q_block_local = q_block - (q_start // BLOCK_Q + seq * SPARE)
     if q_block_local * BLOCK_Q >= q_len:
         return  # a spare block
+    if ROWS == 1:  # noqa: SIM102 (a constexpr branch: compiled out, not a runtime condition)
+        if q_len != 1:
+            return  # a prefill chunk's token: the other pass has it
+    if ROWS == 2:  # noqa: SIM102 (a constexpr branch)
+        if q_len == 1:
+            return  # a decode: the decode pass has it
 
     seq_len = tl.load(seq_lens_ptr + seq)
     prefix_len = seq_len - q_len
@@ -195,10 +202,14 @@ def _merge_splits_kernel(
     HEAD_DIM_PAD: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
     SPLITS_PAD: tl.constexpr,
+    SKIP_UNTOUCHED: tl.constexpr,  # rows whose first split's sum is still the -1 fill: not ours
     INTERPRET: tl.constexpr,
 ):
     token = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
+    if SKIP_UNTOUCHED:  # noqa: SIM102 (a constexpr branch)
+        if tl.load(lse_sum_ptr + (token * num_heads + head) * NUM_SPLITS) < 0.0:
+            return  # the other pass's row: its output is already in place
     offs_s = tl.arange(0, SPLITS_PAD)
     offs_d = tl.arange(0, HEAD_DIM_PAD)
     s_ok = offs_s < NUM_SPLITS
@@ -299,17 +310,16 @@ def paged_attention(
     tile_n: int | None = None,
     out: torch.Tensor | None = None,
     num_warps: int | None = None,
-    num_stages: int = 2,
+    num_stages: int | None = None,
 ) -> torch.Tensor:
     """Causal attention of every query token over its sequence's cached keys: [num_tokens, H, D].
 
     num_splits: None picks split-K by occupancy on CUDA (never on CPU); tile_n: keys per iteration;
-    num_warps (None: by tile size) and num_stages: the launch's, for tuning (bench/).
+    num_warps and num_stages (None: by tiling): the launches', for tuning (bench/).
     """
     _check_inputs(query, k_cache, v_cache, meta)
-    num_tokens, num_heads, head_dim = query.shape
-    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
-    group = num_heads // num_kv_heads
+    num_tokens, num_heads = query.shape[:2]
+    group = num_heads // k_cache.shape[2]
     num_seqs = meta.num_seqs
     if out is None:
         out = torch.empty_like(query)
@@ -321,12 +331,53 @@ def paged_attention(
         return out
 
     # Decode-only batches get one token per program; prefill chunks up to 64 rows of (token, head).
-    block_q = 1 if meta.max_query_len == 1 else max(1, 64 // group)
-    block_q = min(block_q, next_power_of_2(meta.max_query_len))
+    # A mixed batch runs in two passes: its decodes in the decode tiling, then its chunks (one
+    # launch in the prefill tiling took 2.1x as long as the two passes on an H200 at 384 decodes
+    # + a 256-token chunk, bench/RESULTS.md). Each pass's grid covers the whole batch and its
+    # programs skip the other kind's sequences, so it needs no host count of either: a CUDA graph
+    # of a mixed step, whose host lengths are only bounds (0 for its padded sequences), does both.
+    mixed = meta.max_query_len > 1
+    decode_pass = not mixed or (num_seqs > 1 and min(meta.query_lens_cpu) <= 1)
+    if decode_pass:
+        _launch(query, k_cache, v_cache, meta, scale, out, block_q=1, rows=1 if mixed else 0,
+                num_splits=num_splits, tile_n=tile_n, num_warps=num_warps,
+                num_stages=num_stages)  # fmt: skip
+    if mixed:
+        block_q = min(max(1, 64 // group), next_power_of_2(meta.max_query_len))
+        _launch(query, k_cache, v_cache, meta, scale, out, block_q=block_q,
+                rows=2 if decode_pass else 0, num_splits=num_splits, tile_n=tile_n,
+                num_warps=num_warps, num_stages=num_stages)  # fmt: skip
+    return out
+
+
+def _launch(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+    out: torch.Tensor,
+    *,
+    block_q: int,
+    rows: int,
+    num_splits: int | None,
+    tile_n: int | None,
+    num_warps: int | None,
+    num_stages: int | None,
+) -> None:
+    num_tokens, num_heads, head_dim = query.shape
+    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    group = num_heads // num_kv_heads
+    num_seqs = meta.num_seqs
     block_m = max(16, next_power_of_2(block_q * group))
     head_dim_pad = max(16, next_power_of_2(head_dim))
+    decode_tiles = block_q == 1
     if tile_n is None:
-        tile_n = 64 if head_dim_pad <= 128 else 32
+        # Decode tiles: 128 keys and 3 stages were 6-9% faster than 64 / 2 at 256-512 sequences
+        # of ~400 tokens on an H200 (bench/attention_tuning.py).
+        tile_n = (128 if decode_tiles else 64) if head_dim_pad <= 128 else 32
+    if num_stages is None:
+        num_stages = 3 if decode_tiles and head_dim_pad <= 128 else 2
     if tile_n < 16 or tile_n & (tile_n - 1):
         raise ValueError(f"tile_n must be a power of two >= 16, got {tile_n}")
     spare = 0 if block_q == 1 else 1
@@ -353,7 +404,8 @@ def paged_attention(
         lse_max = torch.empty(
             (num_tokens, num_heads, num_splits), dtype=torch.float32, device=query.device
         )
-        lse_sum = torch.empty_like(lse_max)
+        # A pass over part of the batch marks the rows it never reaches, for the merge to skip.
+        lse_sum = torch.empty_like(lse_max) if rows == 0 else torch.full_like(lse_max, -1.0)
         target, stride_ot, stride_oh = partial, 0, 0
     else:
         target, lse_max, lse_sum = out, out, out  # the lse pointers are unused without splits
@@ -393,6 +445,7 @@ def paged_attention(
         TILE_N=tile_n,
         BLOCK_SIZE=block_size,
         NUM_SPLITS=num_splits,
+        ROWS=rows,
         UPCAST=upcast,
         INTERPRET=query.device.type == "cpu",
         # Compiled for sm_90: BLOCK_M 64 x TILE_N 64 x D 128 took 189-223 registers with 4 warps,
@@ -414,10 +467,10 @@ def paged_attention(
             HEAD_DIM_PAD=head_dim_pad,
             NUM_SPLITS=num_splits,
             SPLITS_PAD=next_power_of_2(num_splits),
+            SKIP_UNTOUCHED=rows != 0,
             INTERPRET=query.device.type == "cpu",
             num_warps=4,
         )
-    return out
 
 
 __all__ = ["choose_num_splits", "is_supported", "paged_attention"]
