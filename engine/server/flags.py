@@ -69,8 +69,15 @@ def build_parser(
     g.add_argument(
         "--enforce-eager",
         action="store_true",
-        help="run every step eagerly: no CUDA graphs for decode steps (on CUDA they are captured "
-        "at start for the triton attention backend)",
+        help="run every step eagerly: no CUDA graphs for decode and mixed steps (on CUDA they are "
+        "captured at start for the triton attention backend)",
+    )
+    g.add_argument(
+        "--async-scheduling",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="launch step N+1 before reading step N's tokens, overlapping host and device work "
+        "(default: on for one CUDA rank, off on CPU)",
     )
     sched = p.add_argument_group("scheduler")
     sched.add_argument(
@@ -212,6 +219,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         device=args.device,
         attention_backend=args.attention_backend,
         enforce_eager=args.enforce_eager,
+        async_scheduling=args.async_scheduling,
         max_model_len=args.max_model_len,
         seed=args.seed,
         served_model_name=args.served_model_name,

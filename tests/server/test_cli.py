@@ -20,6 +20,19 @@ def test_defaults_match_the_engine_defaults() -> None:
     config = engine_config(args)
     assert config.model is None and config.cache.enable_prefix_caching
     assert config.cache.block_size == 16 and config.scheduler.max_num_seqs == 128
+    # Async scheduling by device: off on CPU, on for one CUDA rank, off under tensor parallelism.
+    assert config.async_scheduling is None and not config.resolved_async_scheduling
+
+
+def test_async_scheduling_flag() -> None:
+    cuda = ["--device", "cuda"]
+    resolved = {
+        tuple(argv): engine_config(build_parser().parse_args(argv)).resolved_async_scheduling
+        for argv in ([*cuda], [*cuda, "--no-async-scheduling"], ["--async-scheduling"],
+                     [*cuda, "--tensor-parallel-size", "2"],
+                     [*cuda, "--tensor-parallel-size", "2", "--async-scheduling"])
+    }  # fmt: skip
+    assert list(resolved.values()) == [True, False, True, False, False]
 
 
 def test_flags_map_onto_engine_cache_and_scheduler_configs() -> None:
