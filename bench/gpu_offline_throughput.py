@@ -12,6 +12,8 @@ Four parts, each runnable alone (--parts), all on dummy bf16 weights (no downloa
   prompt tokens each, profiled once every prompt is in): where graphs matter most.
 - subset: the first --subset-requests requests of the same workload through kvpilot (the attention
   backends and graphs-on/off compared on identical requests where the slower ones would take long).
+- host: cProfile of the host over steady steps under the whole workload (where the host time of a
+  step goes, without the torch profiler's per-op overhead).
 
 Decode steps replay CUDA graphs unless --enforce-eager (they need the triton backend); the graphs'
 capture time and memory are part of the JSON result.
@@ -311,6 +313,55 @@ def measure_idle_fraction(
     }
 
 
+def profile_host(
+    llm: Any, workload: Workload, warm_steps: int, steps: int, top: int = 25
+) -> dict[str, Any]:
+    """cProfile of the host over `steps` steady steps under the whole workload (no torch
+    profiler, whose per-op recording would inflate the host side): wall ms per step and the
+    functions with the most own time."""
+    import cProfile
+    import pstats
+
+    import torch
+
+    engine = llm.engine
+    for i, (prompt, n) in enumerate(zip(workload.prompts, workload.output_lens, strict=True)):
+        engine.add_request(f"host-{i}", prompt, sampling(n))
+    for _ in range(warm_steps):
+        engine.step()
+    torch.cuda.synchronize()
+    profiler = cProfile.Profile()
+    started = time.perf_counter()
+    profiler.enable()
+    for _ in range(steps):
+        engine.step()
+    profiler.disable()
+    torch.cuda.synchronize()
+    wall_ms = (time.perf_counter() - started) * 1e3
+    running = engine.stats().num_running
+    stats = pstats.Stats(profiler)
+    rows = sorted(stats.stats.items(), key=lambda kv: -kv[1][2])[:top]  # type: ignore[attr-defined]
+    functions = [
+        {
+            "function": f"{Path(file).name}:{line}({name})",
+            "calls": calls,
+            "own_ms_per_step": own * 1e3 / steps,
+            "cumulative_ms_per_step": cumulative * 1e3 / steps,
+        }
+        for (file, line, name), (_, calls, own, cumulative, _) in rows
+    ]
+    for i in range(len(workload.prompts)):
+        engine.abort_request(f"host-{i}")
+    while engine.has_unfinished_requests():
+        engine.step()
+    return {
+        "steps": steps,
+        "running_sequences": running,
+        "wall_ms_per_step_under_cprofile": wall_ms / steps,
+        "top_functions_by_own_time": functions,
+    }
+
+
 def _union_length(intervals: list[tuple[float, float]]) -> float:
     total, cur_start, cur_end = 0.0, None, None
     for start, end in sorted(intervals):
@@ -457,7 +508,7 @@ def main(argv: list[str] | None = None) -> int:
         )
         return 2
     parts = set(args.parts.split(","))
-    unknown = parts - {"kvpilot", "idle", "idle_decode", "single", "hf", "subset"}
+    unknown = parts - {"kvpilot", "idle", "idle_decode", "single", "hf", "subset", "host"}
     if unknown:
         print(f"unknown parts: {sorted(unknown)}", file=sys.stderr)
         return 2
@@ -469,7 +520,7 @@ def main(argv: list[str] | None = None) -> int:
 
     command = "python bench/gpu_offline_throughput.py " + " ".join(sys.argv[1:])
     result["command"] = command
-    if parts & {"kvpilot", "idle", "idle_decode", "single", "subset"}:
+    if parts & {"kvpilot", "idle", "idle_decode", "single", "subset", "host"}:
         with tempfile.TemporaryDirectory() as tmp:
             started = time.perf_counter()
             llm = make_llm(write_model_dir(Path(tmp)), args)
@@ -490,6 +541,13 @@ def main(argv: list[str] | None = None) -> int:
                     llm, workload, args.idle_warm_steps, args.idle_profiled_steps
                 )
                 print(f"GPU idle fraction under load: {result['idle']['gpu_idle_fraction']:.1%}")
+                save()
+            if "host" in parts:
+                result["host"] = profile_host(
+                    llm, workload, args.idle_warm_steps, args.idle_profiled_steps
+                )
+                for row in result["host"]["top_functions_by_own_time"][:12]:
+                    print(f"host: {row['own_ms_per_step']:6.2f} ms/step  {row['function']}")
                 save()
             if "idle_decode" in parts:
                 result["idle_decode"] = {}

@@ -24,8 +24,8 @@
 #
 #   bash bench/gpu_session.sh 1   # then, on the same machine:   bash bench/gpu_session.sh 2
 #   bash bench/gpu_session.sh 2 smollm2_tests transformers   # only the steps named
-#   (phase 1's steps: kernel_tests graphs sync eager kernels_bench; phase 2's: smollm2_tests
-#   transformers torch_backend)
+#   (phase 1's steps: kernel_tests graphs graphs512 sync eager kernels_bench attention_tuning;
+#   phase 2's: smollm2_tests transformers torch_backend)
 set -u
 phase=${1:?phase 1 or 2}
 shift
@@ -70,12 +70,17 @@ if [ "$phase" = 1 ]; then
         tests/kernels/test_gpu_kernels.py -k "not smollm2 and not step_graphs"
     run graphs 240 python3 $bench --parts subset,kvpilot,idle,idle_decode,single \
         --out "$OUT/offline_graphs.json"
+    # 512 running sequences (the best measured), with the device's kernel breakdown and the host's
+    # cProfile under that load.
+    run graphs512 120 python3 $bench --max-num-seqs 512 --parts kvpilot,idle,host \
+        --out "$OUT/offline_512.json"
     # The same engine reading each step's tokens before scheduling the next (no async scheduling).
     run sync 150 python3 $bench --no-async-scheduling --parts subset,idle,idle_decode,single \
         --out "$OUT/offline_sync.json"
     run eager 110 python3 $bench --enforce-eager --parts subset,idle_decode,single \
         --out "$OUT/offline_eager.json"
     run kernels_bench 60 python3 bench/kernels_bench.py --quick --out "$OUT/kernels.json"
+    run attention_tuning 60 python3 bench/attention_tuning.py --out "$OUT/attention_tuning.json"
 else
     run smollm2_tests 200 python3 -m pytest -p no:cacheprovider -q -m gpu \
         tests/kernels/test_gpu_kernels.py -k "smollm2 or step_graphs"
