@@ -133,6 +133,10 @@ class BlockManager:
     def allocate(self, seq: Sequence, num_new_tokens: int, cached_blocks: list[int] = ()) -> bool:
         """Grow seq's block table to hold num_new_tokens more tokens, first taking cached_blocks
         (a prefix hit, only when the table is empty). False, changing nothing, if blocks run out."""
+        if not cached_blocks and (
+            seq.num_computed_tokens + num_new_tokens <= len(seq.block_table) * self.block_size
+        ):
+            return True  # most decode steps: the last block has room
         if not self.can_allocate(seq, num_new_tokens, cached_blocks):
             return False
         num_fresh = self._num_fresh_blocks(seq, num_new_tokens, len(cached_blocks))

@@ -28,10 +28,15 @@ def plan_step(scheduled: list[ScheduledSequence], block_size: int) -> StepInput:
     for item in scheduled:
         seq, start = item.seq, item.seq.num_computed_tokens
         end = start + item.num_new_tokens
-        step.input_ids.extend(seq.token_ids[start:end])
-        step.positions.extend(range(start, end))
         table = seq.block_table
-        step.slot_mapping.extend(table[p // bs] * bs + p % bs for p in range(start, end))
+        if end - start == 1:  # a decode (most rows of most steps): no ranges to build
+            step.input_ids.append(seq.token_ids[start])
+            step.positions.append(start)
+            step.slot_mapping.append(table[start // bs] * bs + start % bs)
+        else:
+            step.input_ids.extend(seq.token_ids[start:end])
+            step.positions.extend(range(start, end))
+            step.slot_mapping.extend(table[p // bs] * bs + p % bs for p in range(start, end))
         step.query_start.append(step.query_start[-1] + item.num_new_tokens)
         step.seq_lens.append(end)
         if item.will_sample:
