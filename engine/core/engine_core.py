@@ -183,6 +183,7 @@ class EngineCore:
             eos_token_ids=tuple(self.model_config.eos_token_ids),
             tensor_parallel_size=config.tensor_parallel_size,
             grammar_backend=self.structured.backend_name,
+            async_scheduling=self.async_scheduling,
         )
         log.info(
             "engine core ready in %.1f s: %s%s",

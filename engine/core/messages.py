@@ -104,6 +104,7 @@ class ModelDescription(msgspec.Struct, frozen=True, array_like=True):
     eos_token_ids: tuple[int, ...]  # from the model's config (the tokenizer may add one)
     tensor_parallel_size: int = 1
     grammar_backend: str = "xgrammar"  # what constrained requests are compiled with
+    async_scheduling: bool = False  # steps launched before the previous one's tokens are read
 
 
 class CoreReady(msgspec.Struct, frozen=True, array_like=True, tag=True):

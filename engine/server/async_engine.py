@@ -167,6 +167,7 @@ class ModelInfo:
     # every stream and probe.
     spare_tokenizers: queue.SimpleQueue[Any] = field(default_factory=queue.SimpleQueue)
     grammar_backend: str = "xgrammar"  # the core's, which request constraints are checked with
+    async_scheduling: bool = False  # the core's: tokens arrive a step after their step launched
 
     def limits(self, requests: RequestLimits, chat: ChatOptions | None = None) -> PromptLimits:
         return PromptLimits(
@@ -424,6 +425,7 @@ class AsyncEngine:
             eos_token_ids=eos_token_ids(model.eos_token_ids, tokenizer),
             hf_dir=model.hf_dir,
             grammar_backend=model.grammar_backend,
+            async_scheduling=model.async_scheduling,
             max_chars_per_token=None if tokenizer is None else max_chars_per_token(tokenizer),
         )
         # Everything this process keeps is loaded now: a full collection walking it would stall
