@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from kernels_bench import HEAD_DIM, KV_HEADS, bench_ms, paged_batch
+from kernels_bench import HEAD_DIM, KV_HEADS, bench_ms, paged_batch, result_header
 
 
 def contexts(batch: int, seed: int = 0) -> list[int]:
@@ -89,7 +89,6 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", type=Path, default=Path("bench/out/attention_tuning.json"))
     args = p.parse_args(argv)
     import torch
-    import triton
 
     from kvpilot.engine.kernels.attention import paged_attention
 
@@ -98,13 +97,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     scale = 1 / math.sqrt(HEAD_DIM)
     rows: list[dict[str, Any]] = []
-    result = {
-        "device": torch.cuda.get_device_name(0),
-        "torch": torch.__version__,
-        "triton": triton.__version__,
-        "command": "python bench/attention_tuning.py " + " ".join(sys.argv[1:]),
-        "rows": rows,
-    }
+    result = {**result_header("attention_tuning.py"), "rows": rows}
 
     def save() -> None:  # after every part: a run cut short keeps what it measured
         args.out.parent.mkdir(parents=True, exist_ok=True)

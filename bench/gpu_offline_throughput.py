@@ -264,6 +264,27 @@ def run_kvpilot(llm: Any, workload: Workload) -> dict[str, Any]:
     }
 
 
+def load_engine(llm: Any, workload: Workload, warm_steps: int, tag: str) -> None:
+    """Adds the whole workload (ids tag-i) and runs warm_steps steps, then waits for the device."""
+    import torch
+
+    engine = llm.engine
+    for i, (prompt, n) in enumerate(zip(workload.prompts, workload.output_lens, strict=True)):
+        engine.add_request(f"{tag}-{i}", prompt, sampling(n))
+    for _ in range(warm_steps):
+        engine.step()
+    torch.cuda.synchronize()
+
+
+def empty_engine(llm: Any, workload: Workload, tag: str) -> None:
+    """Aborts what load_engine added, so the next part starts from an empty engine."""
+    engine = llm.engine
+    for i in range(len(workload.prompts)):
+        engine.abort_request(f"{tag}-{i}")
+    while engine.has_unfinished_requests():
+        engine.step()
+
+
 def measure_idle_fraction(
     llm: Any, workload: Workload, warm_steps: int, profiled_steps: int, tag: str = "idle"
 ) -> dict[str, Any]:
@@ -272,11 +293,7 @@ def measure_idle_fraction(
     from torch.profiler import ProfilerActivity, profile
 
     engine = llm.engine
-    for i, (prompt, n) in enumerate(zip(workload.prompts, workload.output_lens, strict=True)):
-        engine.add_request(f"{tag}-{i}", prompt, sampling(n))
-    for _ in range(warm_steps):
-        engine.step()
-    torch.cuda.synchronize()
+    load_engine(llm, workload, warm_steps, tag)
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         for _ in range(profiled_steps):
             engine.step()
@@ -295,10 +312,7 @@ def measure_idle_fraction(
     busy = _union_length(intervals)
     window = max(ends) - min(starts)
     running = engine.stats().num_running
-    for i in range(len(workload.prompts)):  # leave the engine empty for the next part
-        engine.abort_request(f"{tag}-{i}")
-    while engine.has_unfinished_requests():
-        engine.step()
+    empty_engine(llm, workload, tag)
     return {
         "profiled_steps": profiled_steps,
         "running_sequences": running,
@@ -325,11 +339,7 @@ def profile_host(
     import torch
 
     engine = llm.engine
-    for i, (prompt, n) in enumerate(zip(workload.prompts, workload.output_lens, strict=True)):
-        engine.add_request(f"host-{i}", prompt, sampling(n))
-    for _ in range(warm_steps):
-        engine.step()
-    torch.cuda.synchronize()
+    load_engine(llm, workload, warm_steps, "host")
     profiler = cProfile.Profile()
     started = time.perf_counter()
     profiler.enable()
@@ -350,10 +360,7 @@ def profile_host(
         }
         for (file, line, name), (_, calls, own, cumulative, _) in rows
     ]
-    for i in range(len(workload.prompts)):
-        engine.abort_request(f"host-{i}")
-    while engine.has_unfinished_requests():
-        engine.step()
+    empty_engine(llm, workload, "host")
     return {
         "steps": steps,
         "running_sequences": running,

@@ -34,6 +34,19 @@ def bench_ms(fn: Callable[[], Any]) -> float:
     return float(triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median"))
 
 
+def result_header(script: str) -> dict[str, Any]:
+    """The device, versions and command every GPU benchmark's JSON starts with."""
+    import torch
+    import triton
+
+    return {
+        "device": torch.cuda.get_device_name(0),
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "command": f"python bench/{script} " + " ".join(sys.argv[1:]),
+    }
+
+
 def paged_batch(seqs: list[tuple[int, int]], dtype: Any, seed: int = 0) -> dict[str, Any]:
     """(prefix, query length) per sequence -> query, caches and AttentionMetadata on the GPU, with
     blocks handed out shuffled (a realistic, fragmented pool)."""
@@ -261,20 +274,13 @@ def main(argv: list[str] | None = None) -> int:
             "this benchmark needs a CUDA GPU (torch.cuda.is_available() is False)", file=sys.stderr
         )
         return 2
-    import triton
 
     rows: list[dict[str, Any]] = []
     for name, seqs in attention_cases(args.quick):
         rows += attention_case(name, seqs, torch.bfloat16, args.sweep)
         print(to_markdown(rows[-1:]).splitlines()[-1], flush=True)
     rows += layer_op_rows(args.quick)
-    result = {
-        "device": torch.cuda.get_device_name(0),
-        "torch": torch.__version__,
-        "triton": triton.__version__,
-        "command": "python bench/kernels_bench.py " + " ".join(sys.argv[1:]),
-        "rows": rows,
-    }
+    result = {**result_header("kernels_bench.py"), "rows": rows}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2))
     print(to_markdown(rows))

@@ -24,18 +24,25 @@ MAX_MODEL_LEN = 2048
 STRICT_MAX_QUEUE = 2
 
 
-@pytest.fixture(scope="session")
-def engine() -> Iterator[AsyncEngine]:
+def start_engine(**config: object) -> AsyncEngine:
+    """The bundled SmolLM2 behind an AsyncEngine, loaded; `config`: more EngineConfig fields."""
     # The engine core runs in its own process. On 2 cores, one intra-op thread there leaves a core
     # for this process's uvicorn loops and test clients.
-    config = EngineConfig(
+    engine_config = EngineConfig(
         max_model_len=MAX_MODEL_LEN,
         cache=CacheConfig(kv_cache_gib=0.25),
         scheduler=SchedulerConfig(max_num_seqs=MAX_NUM_SEQS),
+        **config,  # type: ignore[arg-type]
     )
-    async_engine = AsyncEngine(config, registry=CollectorRegistry(), core_threads=1)
+    async_engine = AsyncEngine(engine_config, registry=CollectorRegistry(), core_threads=1)
     async_engine.start()
     assert async_engine.wait_loaded(timeout=300), f"the engine did not load: {async_engine.error}"
+    return async_engine
+
+
+@pytest.fixture(scope="session")
+def engine() -> Iterator[AsyncEngine]:
+    async_engine = start_engine()
     yield async_engine
     async_engine.shutdown()
 

@@ -11,29 +11,18 @@ from collections.abc import Iterator
 import httpx
 import openai
 import pytest
-from prometheus_client import CollectorRegistry
 
-from kvpilot.engine import CacheConfig, EngineConfig, SchedulerConfig
-from kvpilot.engine.server.async_engine import AsyncEngine
 from kvpilot.engine.server.inprocess import InProcessServer, serve_in_thread
 from kvpilot.engine.server.state import ServerState
 
-from .conftest import MAX_MODEL_LEN, MAX_NUM_SEQS, wait_until_idle
+from .conftest import start_engine, wait_until_idle
 
 QUESTIONS = ["Name three colors.", "What is 2 + 2?", "Say hello in French."]
 
 
 @pytest.fixture(scope="module")
 def async_server() -> Iterator[InProcessServer]:
-    config = EngineConfig(
-        max_model_len=MAX_MODEL_LEN,
-        cache=CacheConfig(kv_cache_gib=0.25),
-        scheduler=SchedulerConfig(max_num_seqs=MAX_NUM_SEQS),
-        async_scheduling=True,
-    )
-    engine = AsyncEngine(config, registry=CollectorRegistry(), core_threads=1)
-    engine.start()
-    assert engine.wait_loaded(timeout=300), f"the engine did not load: {engine.error}"
+    engine = start_engine(async_scheduling=True)
     assert engine.info is not None and engine.info.async_scheduling
     live = serve_in_thread(ServerState(engine))
     yield live
