@@ -59,7 +59,8 @@ for module in runner.model.modules():
 wrap(runner, "prepare", "runner.prepare")
 wrap(runner.model, "compute_logits", "lm_head")
 wrap(runner.model, "forward", "model forward")
-wrap(model_runner, "sample", "sampler")
+wrap(model_runner, "launch_sample", "sampler")  # on CPU the draw itself
+wrap(model_runner, "resolve_sample", "sampler")  # the host copy and the logprobs
 wrap(llm.engine.core.scheduler, "schedule", "scheduler")
 wrap(llm.engine.processor, "process", "output processor")
 add_random_requests(llm, rng, args.batch, "p", 64)

@@ -95,7 +95,8 @@ def main() -> None:
     wrap(runner, "prepare", "runner.prepare")
     wrap(model, "compute_logits", "lm_head")
     wrap(model, "forward", "model forward")
-    wrap(model_runner, "sample", "sampler")
+    wrap(model_runner, "launch_sample", "sampler")  # on CPU the draw itself
+    wrap(model_runner, "resolve_sample", "sampler")  # the host copy and the logprobs
     wrap(llm.engine.core.scheduler, "schedule", "scheduler")
 
     per_round: dict[str, list[dict[str, float]]] = {name: [] for name in variants}
