@@ -216,9 +216,10 @@ class EngineConfig:
 
     @property
     def resolved_async_scheduling(self) -> bool:
-        if self.async_scheduling is not None:
-            return self.async_scheduling and self.tensor_parallel_size == 1
-        return self.resolved_device.type == "cuda" and self.tensor_parallel_size == 1
+        wanted = self.async_scheduling
+        if wanted is None:
+            wanted = self.resolved_device.type == "cuda"
+        return wanted and self.tensor_parallel_size == 1
 
     def __post_init__(self) -> None:
         if self.load_format not in LOAD_FORMATS:

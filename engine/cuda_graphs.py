@@ -312,8 +312,3 @@ class StepGraphs:
             self.replays += 1
             self.mixed_replays += not shape.decode
         return self.hidden[: len(step.input_ids)]
-
-    def run(self, step: StepInput, shape: GraphShape) -> torch.Tensor:
-        """load() then replay()."""
-        self.load(step, shape)
-        return self.replay(step, shape)

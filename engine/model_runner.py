@@ -266,15 +266,6 @@ class ModelRunner:
         )
 
     @torch.inference_mode()
-    def execute(
-        self, scheduled: list[ScheduledSequence], structured: StructuredOutputs | None = None
-    ) -> tuple[list[ScheduledSequence], SampleResult]:
-        """Runs one step and waits for it. Returns the sequences that sampled, in order, and what
-        they sampled."""
-        launched = self.launch(scheduled, structured)
-        return launched.sampling, self.resolve(launched)
-
-    @torch.inference_mode()
     def launch(
         self, scheduled: list[ScheduledSequence], structured: StructuredOutputs | None = None
     ) -> LaunchedStep:

@@ -114,7 +114,6 @@ class StepInFlight:
 
     scheduled: list[ScheduledSequence]
     launched: LaunchedStep
-    token_positions: list[int]  # per sampling row: where its token goes in the sequence's ids
     first_scheduled: list[str]
     started: float
 
@@ -293,27 +292,28 @@ class EngineCore:
         launched = self.runner.launch(plan.scheduled, self.structured)
         for item in plan.scheduled:
             item.seq.num_computed_tokens += item.num_new_tokens
-        positions = []
         for row, item in enumerate(launched.sampling):
             seq = item.seq
             seq.token_ids.append(PENDING_TOKEN)
             seq.num_pending_tokens += 1
             seq.pending_row = row
-            positions.append(len(seq.token_ids) - 1)
             max_tokens = seq.params.max_tokens
             seq.reached_length = (
                 max_tokens is not None and seq.num_output_tokens >= max_tokens
             ) or seq.num_tokens >= self.max_seq_len
-        return StepInFlight(plan.scheduled, launched, positions, first_scheduled, started)
+        return StepInFlight(plan.scheduled, launched, first_scheduled, started)
 
     def _complete(self, step: StepInFlight, num_commands_applied: int) -> StepOutputs:
         """Reads a launched step's tokens (waiting for the device) and applies them."""
         result = self.runner.resolve(step.launched)
         sampling = step.launched.sampling
         live = [i for i, item in enumerate(sampling) if not item.seq.is_finished]
+        positions = {}
         for i in live:  # (a finished one was aborted, or ended by its token before, meanwhile)
             seq = sampling[i].seq
-            seq.token_ids[step.token_positions[i]] = result.token_ids[i]
+            # Pending tokens trail the ids and are read in launch order: this one is the oldest.
+            positions[i] = seq.num_known_tokens
+            seq.token_ids[positions[i]] = result.token_ids[i]
             seq.num_pending_tokens -= 1
             if seq.num_pending_tokens == 0:
                 seq.pending_row = None
@@ -325,7 +325,7 @@ class EngineCore:
         updates = []
         for i in live:
             seq = sampling[i].seq
-            token, position = result.token_ids[i], step.token_positions[i]
+            token, position = result.token_ids[i], positions[i]
             self._check_finished(seq, token)
             if position == seq.num_prompt_tokens and seq.index == 0:
                 self.num_prompt_tokens += seq.num_prompt_tokens
