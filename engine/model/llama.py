@@ -76,15 +76,18 @@ class Attention(nn.Module):
         cos_sin_cache: torch.Tensor,
     ) -> torch.Tensor:
         num_tokens = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        qkv = self.ops.project(x, self.qkv_proj)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(num_tokens, self.num_heads, self.head_dim)
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
-        q, k = self.ops.apply_rotary(q, k, ctx.positions, cos_sin_cache)
+        q = self.ops.rotate_and_write_kv(
+            q, k, v, ctx.positions, cos_sin_cache, kv_cache, ctx.attn.slot_mapping,
+            self.backend.write_kv,
+        )  # fmt: skip
         k_cache, v_cache = kv_cache
-        self.backend.write_kv(k, v, k_cache, v_cache, ctx.attn.slot_mapping)
         out = self.backend.forward(q, k_cache, v_cache, ctx.attn, self.scale)
-        out = self.o_proj(out.reshape(num_tokens, self.q_size))
+        out = self.ops.project(out.reshape(num_tokens, self.q_size), self.o_proj)
         return out if self.tp is None else self.tp.all_reduce(out)
 
 
@@ -98,11 +101,12 @@ class MLP(nn.Module):
         self.tp = tp
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.gate_up_proj(x)
+        h = self.ops.project(x, self.gate_up_proj)
         # On CPU the projection may apply SiLU-and-multiply itself (cpu_linear.PackedSiluGateUp).
-        if not getattr(self.gate_up_proj, "fuses_silu_and_mul", False):
-            h = self.ops.silu_and_mul(h)
-        out = self.down_proj(h)
+        if getattr(self.gate_up_proj, "fuses_silu_and_mul", False):
+            out = self.down_proj(h)
+        else:
+            out = self.ops.activate_then_project(h, self.down_proj)
         return out if self.tp is None else self.tp.all_reduce(out)
 
 
@@ -202,7 +206,7 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """[S, hidden] -> [S, vocab] in float32 (sampling and logprobs want full precision); under
         tensor parallelism on rank 0 only (every rank must call it: it gathers), None elsewhere."""
-        logits = self.lm_head(hidden).float()
+        logits = self.model.ops.project(hidden, self.lm_head).float()
         if self.tp is None:
             return logits
         return self.tp.gather_vocab(logits, self.config.vocab_size)
