@@ -3,7 +3,8 @@
 For each linear of the Llama-3.1-8B shape (bf16, one token), cuBLAS (torch's F.linear) and a plain
 Triton GEMV (tile sweep) are timed inside a CUDA graph that walks through enough distinct weight
 copies that nothing is served from the L2 (> 1 GB per replay), as a decode step walks through its
-32 layers. Achieved bandwidth = weight bytes / time, against a device-to-device copy of 2 GiB.
+32 layers. Achieved bandwidth = weight bytes / time, against the device-to-device copy bandwidth
+(bytes read + written) that gpu_offline_throughput.py's single-stream roofline divides by.
 
     python bench/gemv_bandwidth.py --out bench/out/gemv.json
 """
@@ -87,15 +88,6 @@ def time_triton(
     return graph_ms(lambda: run(weights)) / len(weights), err
 
 
-def copy_bandwidth() -> float:
-    import torch
-
-    src = torch.empty(2**30, dtype=torch.int16, device="cuda")
-    dst = torch.empty_like(src)
-    ms = graph_ms(lambda: dst.copy_(src))
-    return 2 * src.numel() * 2 / ms / 1e6  # read + write, GB/s
-
-
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--out", type=Path, default=Path("bench/out/gemv.json"))
@@ -107,10 +99,11 @@ def main(argv: list[str] | None = None) -> int:
         print("this benchmark needs a CUDA GPU", file=sys.stderr)
         return 2
     sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from gpu_offline_throughput import measure_copy_bandwidth
     from kernels_bench import result_header
 
     gemv = gemv_kernel()
-    copy_gb_s = copy_bandwidth()
+    copy_gb_s = measure_copy_bandwidth() / 1e9
     print(f"copy bandwidth {copy_gb_s:.0f} GB/s")
     rows: list[dict[str, Any]] = []
     for name, (n, k) in SHAPES.items():

@@ -16,10 +16,7 @@ Four parts, each runnable alone (--parts), all on dummy bf16 weights (no downloa
   step goes, without the torch profiler's per-op overhead).
 
 Decode steps replay CUDA graphs unless --enforce-eager (they need the triton backend); the graphs'
-capture time and memory are part of the JSON result. --layer-ops takes parts of the engine's
-fusions away for a side-by-side: 'no-silu-fusion' runs SiLU-and-mul as its own kernel before the
-one-token down_proj; 'no-rotary-kv-fusion' the KV write after the rotary; 'unfused' both, and
-cuBLAS for one-token projections (the layer ops before kvpilot.engine.kernels.gemv).
+capture time and memory are part of the JSON result.
 
 The workload generator (`sharegpt_like_lengths`): lognormal input and output lengths with means
 220 and 185 tokens (sigma 0.9 and 0.8; ShareGPT's spread, long tail included), clipped like vLLM's
@@ -183,32 +180,9 @@ def measure_copy_bandwidth(num_bytes: int = 4 * 2**30, iters: int = 20) -> float
     return 2 * num_bytes / seconds
 
 
-def take_away_fusions(variant: str) -> None:
-    """The engine's 'triton' layer ops with fewer fused variants (the model then runs the separate
-    ops): what --layer-ops measures against."""
-    from dataclasses import replace
-
-    import kvpilot.engine.kernels as kernels
-
-    fused = kernels.get_layer_ops
-    removals: dict[str, dict[str, None]] = {
-        "no-silu-fusion": {"silu_and_mul_linear": None},
-        "no-rotary-kv-fusion": {"rotary_write_kv": None},
-        "unfused": {"silu_and_mul_linear": None, "linear": None, "rotary_write_kv": None},
-    }
-    removed = removals[variant]
-
-    def fewer(backend: str) -> Any:
-        return replace(fused(backend), **removed)
-
-    kernels.get_layer_ops = fewer  # type: ignore[assignment]
-
-
 def make_llm(model_dir: Path, args: argparse.Namespace) -> Any:
     from kvpilot.engine import LLM
 
-    if args.layer_ops != "fused":
-        take_away_fusions(args.layer_ops)
     return LLM(
         model=str(model_dir),
         load_format="dummy",
@@ -502,12 +476,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--no-async-scheduling",
         action="store_true",
         help="steps in turn: read each step's tokens before scheduling the next",
-    )
-    p.add_argument(
-        "--layer-ops",
-        default="fused",
-        choices=("fused", "no-silu-fusion", "no-rotary-kv-fusion", "unfused"),
-        help="the engine's fused layer ops, or fewer of them (the A of an A/B)",
     )
     p.add_argument("--subset-requests", type=int, default=200)
     p.add_argument("--idle-decode-batches", default="1,16,64")

@@ -25,7 +25,7 @@
 #   bash bench/gpu_session.sh 1   # then, on the same machine:   bash bench/gpu_session.sh 2
 #   bash bench/gpu_session.sh 2 smollm2_tests transformers   # only the steps named
 #   (phase 1's steps: kernel_tests graphs graphs512 sync eager kernels_bench attention_tuning gemv
-#   decode1 decode1_no_silu decode1_unfused load load_no_rotary_kv load_unfused;
+#   decode1 load;
 #   phase 2's: smollm2_tests transformers torch_backend)
 set -u
 phase=${1:?phase 1 or 2}
@@ -82,23 +82,14 @@ if [ "$phase" = 1 ]; then
         --out "$OUT/offline_eager.json"
     run kernels_bench 60 python3 bench/kernels_bench.py --quick --out "$OUT/kernels.json"
     run attention_tuning 60 python3 bench/attention_tuning.py --out "$OUT/attention_tuning.json"
-    # Batch-1 decode: the matrix-vector products against the copy bandwidth, and where one step's
-    # device time goes (kernel breakdown of 30 profiled decode steps, then the single stream).
+    # Batch-1 decode: the matrix-vector products (cuBLAS and a Triton GEMV) against the copy
+    # bandwidth, and where one step's device time goes (kernel breakdown of 30 profiled decode
+    # steps at batch 1 and 16, then the single stream).
     run gemv 120 python3 bench/gemv_bandwidth.py --out "$OUT/gemv.json"
     run decode1 150 python3 $bench --parts idle_decode,single --idle-decode-batches 1,16 \
         --out "$OUT/decode1.json"
-    # The same with fewer fusions (the A/B's As): SiLU-and-mul as its own kernel; and cuBLAS for
-    # one-token projections, the KV write after the rotary.
-    run decode1_no_silu 150 python3 $bench --layer-ops no-silu-fusion --parts idle_decode,single \
-        --idle-decode-batches 1,16 --out "$OUT/decode1_no_silu.json"
-    run decode1_unfused 150 python3 $bench --layer-ops unfused --parts idle_decode,single \
-        --idle-decode-batches 1,16 --out "$OUT/decode1_unfused.json"
     # The 1000-request throughput alone (no profiling parts).
     run load 150 python3 $bench --parts kvpilot --out "$OUT/load.json"
-    run load_no_rotary_kv 150 python3 $bench --layer-ops no-rotary-kv-fusion --parts kvpilot \
-        --out "$OUT/load_no_rotary_kv.json"
-    run load_unfused 150 python3 $bench --layer-ops unfused --parts kvpilot \
-        --out "$OUT/load_unfused.json"
 else
     run smollm2_tests 200 python3 -m pytest -p no:cacheprovider -q -m gpu \
         tests/kernels/test_gpu_kernels.py -k "smollm2 or step_graphs"

@@ -19,19 +19,11 @@ def get_layer_ops(backend: str) -> LayerOps:
         return LayerOps()
     if backend == "triton":
         # Lazy: importing the package must not import Triton.
-        from kvpilot.engine.kernels import gemv
         from kvpilot.engine.kernels.activation import silu_and_mul
         from kvpilot.engine.kernels.rms_norm import rms_norm
-        from kvpilot.engine.kernels.rotary import apply_rotary, rotary_write_kv
+        from kvpilot.engine.kernels.rotary import apply_rotary
 
-        return LayerOps(
-            rms_norm=rms_norm,
-            silu_and_mul=silu_and_mul,
-            apply_rotary=apply_rotary,
-            silu_and_mul_linear=gemv.silu_and_mul_linear,
-            linear=gemv.linear,
-            rotary_write_kv=rotary_write_kv,
-        )
+        return LayerOps(rms_norm=rms_norm, silu_and_mul=silu_and_mul, apply_rotary=apply_rotary)
     raise ValueError(f"layer ops backend must be one of {LAYER_OP_BACKENDS}, got {backend!r}")
 
 

@@ -1,6 +1,4 @@
-"""Fused neox-style rotary embedding of query and key in one launch, one program per token; with
-TO_CACHE the rotated key and the value go straight into their slot of the paged KV cache (the
-rotary and the KV write in one kernel, the rotated key never written elsewhere)."""
+"""Fused neox-style rotary embedding of query and key in one launch, one program per token."""
 
 from __future__ import annotations
 
@@ -19,21 +17,13 @@ def _rotary_kernel(
     q_ptr,  # [T, H, D]
     k_ptr,  # [T, KVH, D]
     q_out_ptr,  # [T, H, D] contiguous
-    k_out_ptr,  # [T, KVH, D] contiguous; TO_CACHE: the key cache [blocks, BLOCK_SIZE, KVH, D]
-    v_ptr,  # TO_CACHE only: [T, KVH, D]
-    v_cache_ptr,  # TO_CACHE only: [blocks, BLOCK_SIZE, KVH, D]
-    slot_mapping_ptr,  # TO_CACHE only: [T]
+    k_out_ptr,  # [T, KVH, D] contiguous
     positions_ptr,  # [T]
     cos_sin_ptr,  # [max_pos, D] fp32: cos of the half-dims, then sin
     stride_qt,
     stride_qh,
     stride_kt,
     stride_kh,
-    stride_vt,
-    stride_vh,
-    stride_cb,  # TO_CACHE: block, slot and head strides of both caches
-    stride_cs,
-    stride_ch,
     stride_cache,
     NUM_HEADS: tl.constexpr,
     NUM_KV_HEADS: tl.constexpr,
@@ -41,8 +31,6 @@ def _rotary_kernel(
     BLOCK_H: tl.constexpr,
     BLOCK_KH: tl.constexpr,
     BLOCK_HALF: tl.constexpr,
-    TO_CACHE: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr,
     INTERPRET: tl.constexpr,
 ):
     token = tl.program_id(0).to(tl.int64)
@@ -68,17 +56,7 @@ def _rotary_kernel(
     src = k_ptr + token * stride_kt + kv_heads[:, None] * stride_kh + offs[None, :]
     y1 = tl.load(src, mask=kv_mask, other=0.0).to(tl.float32)
     y2 = tl.load(src + HALF, mask=kv_mask, other=0.0).to(tl.float32)
-    if TO_CACHE:
-        slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
-        at_slot = (slot // BLOCK_SIZE) * stride_cb + (slot % BLOCK_SIZE) * stride_cs
-        dst = k_out_ptr + at_slot + kv_heads[:, None] * stride_ch + offs[None, :]
-        # The cache's dtype is the key's (write_kv's contract), so one rounding, as there.
-        v_src = v_ptr + token * stride_vt + kv_heads[:, None] * stride_vh + offs[None, :]
-        v_dst = v_cache_ptr + at_slot + kv_heads[:, None] * stride_ch + offs[None, :]
-        tl.store(v_dst, tl.load(v_src, mask=kv_mask), mask=kv_mask)
-        tl.store(v_dst + HALF, tl.load(v_src + HALF, mask=kv_mask), mask=kv_mask)
-    else:
-        dst = k_out_ptr + (token * NUM_KV_HEADS + kv_heads[:, None]) * (2 * HALF) + offs[None, :]
+    dst = k_out_ptr + (token * NUM_KV_HEADS + kv_heads[:, None]) * (2 * HALF) + offs[None, :]
     tl.store(dst, cast_to(y1 * cos - y2 * sin, dtype, INTERPRET), mask=kv_mask)
     tl.store(dst + HALF, cast_to(y2 * cos + y1 * sin, dtype, INTERPRET), mask=kv_mask)
 
@@ -116,96 +94,33 @@ def apply_rotary(
         and is_supported(query, key, positions, cos_sin_cache)
     ):
         return layers.apply_rotary(query, key, positions, cos_sin_cache)
-    q_out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
-    k_out = torch.empty(key.shape, dtype=key.dtype, device=key.device)
-    if query.shape[0] == 0:
-        return q_out, k_out
-    _launch(query, key, q_out, k_out, positions, cos_sin_cache)
-    return q_out, k_out
-
-
-def _launch(
-    query: torch.Tensor,
-    key: torch.Tensor,
-    q_out: torch.Tensor,
-    k_out: torch.Tensor,
-    positions: torch.Tensor,
-    cos_sin_cache: torch.Tensor,
-    value: torch.Tensor | None = None,
-    v_cache: torch.Tensor | None = None,
-    slot_mapping: torch.Tensor | None = None,
-) -> None:
-    """k_out: the rotated keys' tensor, or (with value, v_cache and slot_mapping) the key cache."""
     num_tokens, num_heads, head_dim = query.shape
     num_kv_heads = key.shape[1]
-    to_cache = v_cache is not None
-    cache = v_cache if v_cache is not None else k_out
-    v = value if value is not None else key
+    q_out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
+    k_out = torch.empty(key.shape, dtype=key.dtype, device=key.device)
+    if num_tokens == 0:
+        return q_out, k_out
+    half = head_dim // 2
     kernel = _rotary_kernel.on(query.device)
     kernel[(num_tokens,)](
         query,
         key,
         q_out,
         k_out,
-        v,
-        cache,
-        slot_mapping if slot_mapping is not None else positions,
         positions,
         cos_sin_cache,
         query.stride(0),
         query.stride(1),
         key.stride(0),
         key.stride(1),
-        v.stride(0),
-        v.stride(1),
-        cache.stride(0) if to_cache else 0,
-        cache.stride(1) if to_cache else 0,
-        cache.stride(2) if to_cache else 0,
         cos_sin_cache.stride(0),
         NUM_HEADS=num_heads,
         NUM_KV_HEADS=num_kv_heads,
-        HALF=head_dim // 2,
+        HALF=half,
         BLOCK_H=next_power_of_2(num_heads),
         BLOCK_KH=next_power_of_2(num_kv_heads),
-        BLOCK_HALF=next_power_of_2(head_dim // 2),
-        TO_CACHE=to_cache,
-        BLOCK_SIZE=cache.shape[1] if to_cache else 1,
+        BLOCK_HALF=next_power_of_2(half),
         INTERPRET=query.device.type == "cpu",
         num_warps=4,
     )
-
-
-def rotary_write_kv(
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    positions: torch.Tensor,
-    cos_sin_cache: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    slot_mapping: torch.Tensor,
-) -> torch.Tensor | None:
-    """apply_rotary, then write_kv of the rotated key and the value, in one kernel: returns the
-    rotated query; None where the kernel does not apply (then run the two ops). The caches must
-    have the key's dtype and the same layout (the KV write's contract); the slots are not checked.
-    """
-    if not (
-        can_use_triton(query, key, value, positions, cos_sin_cache, k_cache, v_cache, slot_mapping)
-        and is_supported(query, key, positions, cos_sin_cache)
-        and value.shape == key.shape
-        and value.dtype == key.dtype
-        and value.stride(-1) == 1
-        and k_cache.dim() == 4
-        and k_cache.shape[2:] == key.shape[1:]
-        and v_cache.shape == k_cache.shape
-        and v_cache.stride() == k_cache.stride()
-        and k_cache.dtype == v_cache.dtype == key.dtype
-        and k_cache.stride(-1) == 1
-        and tuple(slot_mapping.shape) == (key.shape[0],)
-        and slot_mapping.dtype in (torch.int32, torch.int64)
-    ):
-        return None
-    q_out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
-    if query.shape[0]:
-        _launch(query, key, q_out, k_cache, positions, cos_sin_cache, value, v_cache, slot_mapping)
-    return q_out
+    return q_out, k_out

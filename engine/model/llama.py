@@ -76,18 +76,15 @@ class Attention(nn.Module):
         cos_sin_cache: torch.Tensor,
     ) -> torch.Tensor:
         num_tokens = x.shape[0]
-        qkv = self.ops.project(x, self.qkv_proj)
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(num_tokens, self.num_heads, self.head_dim)
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
-        q = self.ops.rotate_and_write_kv(
-            q, k, v, ctx.positions, cos_sin_cache, kv_cache, ctx.attn.slot_mapping,
-            self.backend.write_kv,
-        )  # fmt: skip
+        q, k = self.ops.apply_rotary(q, k, ctx.positions, cos_sin_cache)
         k_cache, v_cache = kv_cache
+        self.backend.write_kv(k, v, k_cache, v_cache, ctx.attn.slot_mapping)
         out = self.backend.forward(q, k_cache, v_cache, ctx.attn, self.scale)
-        out = self.ops.project(out.reshape(num_tokens, self.q_size), self.o_proj)
+        out = self.o_proj(out.reshape(num_tokens, self.q_size))
         return out if self.tp is None else self.tp.all_reduce(out)
 
 
@@ -101,12 +98,11 @@ class MLP(nn.Module):
         self.tp = tp
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.ops.project(x, self.gate_up_proj)
+        h = self.gate_up_proj(x)
         # On CPU the projection may apply SiLU-and-multiply itself (cpu_linear.PackedSiluGateUp).
-        if getattr(self.gate_up_proj, "fuses_silu_and_mul", False):
-            out = self.down_proj(h)
-        else:
-            out = self.ops.activate_then_project(h, self.down_proj)
+        if not getattr(self.gate_up_proj, "fuses_silu_and_mul", False):
+            h = self.ops.silu_and_mul(h)
+        out = self.down_proj(h)
         return out if self.tp is None else self.tp.all_reduce(out)
 
 
@@ -206,7 +202,7 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """[S, hidden] -> [S, vocab] in float32 (sampling and logprobs want full precision); under
         tensor parallelism on rank 0 only (every rank must call it: it gathers), None elsewhere."""
-        logits = self.model.ops.project(hidden, self.lm_head).float()
+        logits = self.lm_head(hidden).float()
         if self.tp is None:
             return logits
         return self.tp.gather_vocab(logits, self.config.vocab_size)

@@ -7,12 +7,11 @@ from collections.abc import Callable
 import pytest
 import torch
 
-from kvpilot.engine.attention.torch_ref import write_kv_reference
 from kvpilot.engine.config import RopeScaling
-from kvpilot.engine.kernels import gemv, get_layer_ops
+from kvpilot.engine.kernels import get_layer_ops
 from kvpilot.engine.kernels.activation import silu_and_mul
 from kvpilot.engine.kernels.rms_norm import rms_norm
-from kvpilot.engine.kernels.rotary import apply_rotary, rotary_write_kv
+from kvpilot.engine.kernels.rotary import apply_rotary
 from kvpilot.engine.model import layers
 from kvpilot.engine.model.layer_ops import LayerOps
 
@@ -96,60 +95,11 @@ def test_rotary(
     assert torch.equal(qkv, before)  # out of place, like the reference
 
 
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize(("num_heads", "num_kv_heads", "head_dim"), ((9, 3, 64), (6, 2, 48)))
-def test_rotary_write_kv(
-    num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype
-) -> None:
-    """Rotary with the KV write fused in against apply_rotary then write_kv: the same query, and
-    the same cache contents bit for bit (only the new tokens' slots written). 48: a half head_dim
-    that is not a power of two."""
-    cache = layers.rope_cos_sin_cache(head_dim, 256, 10000.0, RopeScaling())
-    num_tokens, num_blocks, block_size = 7, 6, 4
-    qkv = randn(num_tokens, num_heads + 2 * num_kv_heads, head_dim, dtype=dtype, seed=7)
-    query, key = qkv[:, :num_heads], qkv[:, num_heads : num_heads + num_kv_heads]
-    value = qkv[:, num_heads + num_kv_heads :]
-    positions = torch.tensor([0, 1, 2, 30, 31, 200, 9])
-    slots = torch.tensor([5, 6, 7, 12, 13, 22, 3], dtype=torch.int32)
-    k_cache = randn(num_blocks, block_size, num_kv_heads, head_dim, dtype=dtype, seed=8)
-    v_cache = randn(num_blocks, block_size, num_kv_heads, head_dim, dtype=dtype, seed=9)
-    k_ref, v_ref = k_cache.clone(), v_cache.clone()
-    q = rotary_write_kv(query, key, value, positions, cache, k_cache, v_cache, slots)
-    q_sep, k_rot = apply_rotary(query, key, positions, cache)
-    write_kv_reference(k_rot, value, k_ref, v_ref, slots)
-    assert q is not None and torch.equal(q, q_sep)
-    assert torch.equal(k_cache, k_ref) and torch.equal(v_cache, v_ref)
-    # Through LayerOps, with the torch ops as the reference (the model's call).
-    k2, v2 = k_ref.clone(), v_ref.clone()
-    q2 = get_layer_ops("triton").rotate_and_write_kv(
-        query, key, value, positions, cache, (k2, v2), slots.long(), write_kv_reference
-    )
-    k3, v3 = k_ref.clone(), v_ref.clone()
-    q3 = LayerOps().rotate_and_write_kv(
-        query, key, value, positions, cache, (k3, v3), slots.long(), write_kv_reference
-    )
-    # The torch rotary rounds like the kernel up to float association: within a half-precision ulp.
-    tol = {} if dtype == torch.float32 else {"atol": 2e-2, "rtol": 2e-2}
-    torch.testing.assert_close(q2, q3, **tol)
-    torch.testing.assert_close(k2, k3, **tol)
-    assert torch.equal(v2, v3)
-    # A cache of another dtype is write_kv's (it casts); the fused kernel declines.
-    wide = (k_cache.double(), v_cache.double())
-    assert rotary_write_kv(query, key, value, positions, cache, *wide, slots) is None
-
-
 def test_get_layer_ops() -> None:
     assert get_layer_ops("torch") == LayerOps(
         layers.rms_norm, layers.silu_and_mul, layers.apply_rotary
     )
-    assert get_layer_ops("triton") == LayerOps(
-        rms_norm,
-        silu_and_mul,
-        apply_rotary,
-        gemv.silu_and_mul_linear,
-        gemv.linear,
-        rotary_write_kv,
-    )
+    assert get_layer_ops("triton") == LayerOps(rms_norm, silu_and_mul, apply_rotary)
     with pytest.raises(ValueError, match="must be one of"):
         get_layer_ops("cuda")
 
