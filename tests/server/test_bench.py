@@ -63,6 +63,21 @@ async def test_a_tiny_run_against_the_real_server(
         assert s["ttft_ms"]["p50"] > 0 and s["e2e_ms"]["p99"] >= s["ttft_ms"]["p99"]
         assert s["request_throughput"] > 0
         assert s["server_metrics_delta"]["vllm:generation_tokens_total"] == s["total_output_tokens"]
+        assert s["client_cpu_s"] > 0  # the load generator's own CPU time, reported beside
+
+
+async def test_a_refused_request_is_recorded_not_raised(
+    bench: ModuleType, server: InProcessServer
+) -> None:
+    """An HTTP error answer (here a 400 for a prompt of the wrong type) becomes the request's
+    error, with the status, and the run goes on."""
+    import aiohttp
+
+    result = bench.RequestResult(0)
+    async with aiohttp.ClientSession() as http:
+        body = {"model": "x", "prompt": {"not": "a prompt"}, "max_tokens": 2, "stream": True}
+        await bench.send(http, server.url + "/v1/completions", body, result, 0.0)
+    assert not result.ok and result.error.startswith("HTTP 400") and result.ttft == 0.0
 
 
 def test_the_prompt_is_what_the_request_body_sends(bench: ModuleType) -> None:
