@@ -63,6 +63,9 @@ TYPED: dict[str, Signature] = {
     "rms_norm_prepare": ([_PTR] * 4 + [_I64] * 2, None),
     # sum, variance, weight; eps; out; tokens, hidden
     "rms_norm_apply": ([_PTR] * 3 + [_F32] + [_PTR] + [_I64] * 2, None),
+    # x, residual (NULL: none), sum, weight; eps; out; tokens, hidden, lanes -> 0, or 1 when the
+    # lanes are out of range or a row buffer could not be allocated
+    "rms_norm_fused": ([_PTR] * 4 + [_F32] + [_PTR] + [_I64] * 3, _INT),
     # gate_up, out; tokens, inter, stride
     "silu_and_mul": ([_PTR] * 2 + [_I64] * 3, None),
     # x, packed weight, bias (NULL: none), y; M, N, K, x_stride, y_stride -> 0, or 1 when this
@@ -73,6 +76,8 @@ UNTYPED: dict[str, Signature] = {
     "kvpilot_openmp_threads": ([], _INT),
     "kvpilot_set_openmp_threads": ([_INT], _INT),
     "kvpilot_linear_available": ([], _INT),
+    # x, out; rows, n, lanes
+    "torch_order_sums": ([_PTR] * 2 + [_I64] * 3, None),
 }
 
 

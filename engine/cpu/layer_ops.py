@@ -13,6 +13,7 @@ over a dense sweep); in bfloat16 it gives torch's result for every gate value.
 from __future__ import annotations
 
 import ctypes
+import functools
 
 import torch
 
@@ -130,9 +131,11 @@ def rms_norm(
     eps: float,
     residual: torch.Tensor | None = None,
     serial_mean: bool = True,
+    lanes: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """layers.rms_norm, bit for bit: the C kernels do the elementwise passes, torch's own mean
-    sums the squares (so the variance is summed in exactly torch's order).
+    """layers.rms_norm, bit for bit. With `lanes` (torch_sum_lanes: the vector width with which
+    the C sum adds in torch's order) one C call does it all; without, the C kernels do the
+    elementwise passes and torch's own mean sums the squares between them.
 
     serial_mean: that mean runs on this thread alone. Each row is summed by one thread in the
     same order either way (identical results), and the whole mean is ~25-50 us at 2048 tokens,
@@ -152,6 +155,21 @@ def rms_norm(
     tokens, hidden = x.shape
     suffix = SUFFIXES[x.dtype]
     summed = x if residual is None else torch.empty_like(x)
+    if lanes is not None and hidden >= lanes:
+        out = torch.empty_like(x)
+        failed = getattr(lib, f"rms_norm_fused_{suffix}")(
+            x.data_ptr(),
+            None if residual is None else residual.data_ptr(),
+            summed.data_ptr(),
+            weight.data_ptr(),
+            eps,
+            out.data_ptr(),
+            tokens,
+            hidden,
+            lanes,
+        )
+        if not failed:
+            return out, summed
     squares = torch.empty((tokens, hidden), dtype=torch.float32)
     getattr(lib, f"rms_norm_prepare_{suffix}")(
         x.data_ptr(),
@@ -201,18 +219,58 @@ def silu_and_mul(lib: ctypes.CDLL | None, gate_up: torch.Tensor) -> torch.Tensor
     return out
 
 
+# Rows of the load-time check: lengths with and without a scalar tail, short and long enough for
+# torch's cascade of partial sums to take a level step at every vector width.
+_CHECK_LENGTHS = (576, 896, 1001, 2048, 4096, 5003, 8219)
+_CHECK_ROWS = 8
+# Vector widths (floats) to try: 8 first, what torch 2.13's sum kernel uses on AVX2 and, measured,
+# on AVX-512 machines too.
+_LANES_TO_TRY = (8, 16, 4)
+
+
+@functools.cache
+def torch_sum_lanes(lib: ctypes.CDLL) -> int | None:
+    """The vector width with which the C sum (torch_order_sum) adds float32 rows exactly as
+    torch's CPU sum does on this machine, checked bit for bit on rows whose sums depend on the
+    order (random magnitudes over 12 binades, with and without a scalar tail, long enough for
+    torch's cascade); None when no width matches (another torch version or dispatch): RMSNorm then
+    keeps torch's own mean."""
+    generator = torch.Generator().manual_seed(0)
+    rows = []
+    for n in _CHECK_LENGTHS:
+        values = torch.rand(_CHECK_ROWS, n, generator=generator) + 0.5
+        binades = torch.randint(-6, 6, (_CHECK_ROWS, n), generator=generator)
+        rows.append(values * torch.exp2(binades))
+    for lanes in _LANES_TO_TRY:
+        if all(_sums_match(lib, row, lanes) for row in rows):
+            return lanes
+    return None
+
+
+def _sums_match(lib: ctypes.CDLL, rows: torch.Tensor, lanes: int) -> bool:
+    ours = torch.empty(rows.shape[0], dtype=torch.float32)
+    lib.torch_order_sums(rows.data_ptr(), ours.data_ptr(), rows.shape[0], rows.shape[1], lanes)
+    # The reference mean's own division too: layers.rms_norm takes torch's mean, not the sum.
+    reference = rows.mean(-1)
+    return torch.equal(ours / rows.shape[1], reference) and torch.equal(ours, rows.sum(-1))
+
+
 def cpu_layer_ops() -> LayerOps:
     """The C versions bound to the compiled library (each falls back to torch by itself).
 
-    RMSNorm leaves the sum of squares to torch's mean: a C sum in another order changed the float32
-    variance by an ulp, which bfloat16 rounding turned into different tokens on the real model
-    (torch matches transformers bit for bit there). SiLU-and-multiply is one AVX-512 pass (a
+    RMSNorm sums the squares in torch's own order (torch_sum_lanes checks it at load; without a
+    match it leaves the sum to torch's mean): a C sum in another order changed the float32 variance
+    by an ulp, which bfloat16 rounding turned into different tokens on the real model (torch
+    matches transformers bit for bit there). SiLU-and-multiply is one AVX-512 pass (a
     plain C loop the compiler left scalar lost to torch's; the explicit one does not)."""
     lib = load_library()
     if lib is None:
         return LayerOps()
+    lanes = torch_sum_lanes(lib)
     return LayerOps(
-        rms_norm=lambda x, weight, eps, residual=None: rms_norm(lib, x, weight, eps, residual),
+        rms_norm=lambda x, weight, eps, residual=None: rms_norm(
+            lib, x, weight, eps, residual, lanes=lanes
+        ),
         silu_and_mul=lambda gate_up: silu_and_mul(lib, gate_up),
         apply_rotary=lambda q, k, positions, cache: apply_rotary(lib, q, k, positions, cache),
     )

@@ -102,16 +102,48 @@ def test_rotary_positions_beyond_the_table_raise() -> None:
         layer_ops.apply_rotary(LIB, q, k, torch.tensor([3, 16]), cache)
 
 
+def test_the_c_sum_adds_in_torchs_order_at_one_vector_width() -> None:
+    """The load-time check finds the width with which the C sum reproduces torch's sum (and
+    mean) bit for bit; the check's rows tell the widths apart, so a changed torch order fails it
+    (then RMSNorm keeps torch's mean: slower, still exact) and fails here, loudly."""
+    lanes = layer_ops.torch_sum_lanes(LIB)
+    assert lanes in (4, 8, 16), "torch's CPU sum no longer adds in the order torch_order_sum does"
+    gen = torch.Generator().manual_seed(1)
+    rows = (torch.rand(8, 5003, generator=gen) + 0.5) * torch.exp2(
+        torch.randint(-6, 6, (8, 5003), generator=gen)
+    )
+    assert layer_ops._sums_match(LIB, rows, lanes)
+    for other in {4, 8, 16} - {lanes}:
+        assert not layer_ops._sums_match(LIB, rows, other)
+
+
+def test_the_fused_rms_norm_refuses_widths_it_has_no_sum_for() -> None:
+    x = torch.randn(2, 576)
+    out = torch.zeros_like(x)
+    for lanes in (0, 5, 32):
+        failed = LIB.rms_norm_fused_f32(
+            x.data_ptr(), None, x.data_ptr(), x[0].data_ptr(), 1e-5, out.data_ptr(), 2, 576, lanes
+        )
+        assert failed == 1 and not out.any()
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize(
-    ("num_tokens", "hidden"), [(1, 576), (32, 576), (300, 576), (2048, 576), (7, 4096)]
+    ("num_tokens", "hidden"),
+    [(1, 576), (32, 576), (65, 576), (300, 576), (2048, 576), (7, 4096), (5, 1001), (3, 8219)],
 )
 @pytest.mark.parametrize("with_residual", [False, True])
+@pytest.mark.parametrize("fused", [False, True], ids=["torch-mean", "fused"])
 def test_rms_norm_is_bit_identical(
-    dtype: torch.dtype, num_tokens: int, hidden: int, with_residual: bool
+    dtype: torch.dtype, num_tokens: int, hidden: int, with_residual: bool, fused: bool
 ) -> None:
     """Both outputs (normed, next residual), over rows of very different scales and many seeds:
-    the variance must be torch's to the last bit, or bf16 rounding flips values."""
+    the variance must be torch's to the last bit, or bf16 rounding flips values. Fused: one C
+    call with the sum in torch's order (rows split over threads past 64 tokens; a scalar tail at
+    1001 and 8219; torch's cascade of partial sums at 4096 and 8219); else torch's own mean."""
+    lanes = layer_ops.torch_sum_lanes(LIB) if fused else None
+    if fused and lanes is None:
+        pytest.fail("no vector width reproduces torch's sum (see the test above)")
     for seed in range(4):
         gen = torch.Generator().manual_seed(seed)
         scales = 10.0 ** torch.randint(-3, 4, (num_tokens, 1), generator=gen)
@@ -119,7 +151,7 @@ def test_rms_norm_is_bit_identical(
         residual = (torch.randn(num_tokens, hidden, generator=gen) * scales).to(dtype)
         weight = (1 + 0.1 * torch.randn(hidden, generator=gen)).to(dtype)
         res = residual if with_residual else None
-        out, new_residual = layer_ops.rms_norm(LIB, x, weight, 1e-5, res)
+        out, new_residual = layer_ops.rms_norm(LIB, x, weight, 1e-5, res, lanes=lanes)
         ref, ref_residual = layers.rms_norm(x, weight, 1e-5, res)
         assert_matches(out, ref)
         assert_matches(new_residual, ref_residual)

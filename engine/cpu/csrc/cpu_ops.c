@@ -759,6 +759,82 @@ DEFINE_VARLEN(bf16, uint16_t, bf16_to_f32, f32_to_bf16, PREFILL_TILE_BF16)
         return 0;                                                                                 \
     }
 
+/* The sum of a contiguous float32 row in exactly the order torch's CPU sum kernel adds it
+ * (aten/src/ATen/native/cpu/SumKernel.cpp: vectorized_inner_sum -> row_sum -> multi_row_sum), for
+ * vectors of `lanes` floats (torch's Vectorized<float>::size() for the CPU capability it dispatched
+ * to: 16 with AVX-512, 8 with AVX2). The row is read as vectors; four interleaved accumulators of
+ * vectors (ILP) are summed in a cascade of levels of 2^level_power steps; then the leftover
+ * vectors, the accumulators into the first, the leftover scalars and last the lanes one by one.
+ * Every add is a plain float add in that order, so the result is torch's bit for bit (checked
+ * against torch at load: kvpilot.engine.cpu.layer_ops.fused_rms_norm_lanes). */
+#define TORCH_SUM_ILP 4
+#define TORCH_SUM_LEVELS 4
+
+static int64_t torch_ceil_log2(int64_t x) {
+    if (x <= 2) return 1;
+    int64_t last = 63 - __builtin_clzll((unsigned long long)(x - 1));
+    return last + 1;
+}
+
+/* One function per width, so the compiler keeps each lane loop in one vector register. */
+#define DEFINE_TORCH_ORDER_SUM(LANES)                                                             \
+    static float torch_order_sum_##LANES(const float *x, int64_t n) {                             \
+        const int64_t vec_size = n / LANES;                                                       \
+        const int64_t size = vec_size / TORCH_SUM_ILP;                                            \
+        float acc[TORCH_SUM_LEVELS][TORCH_SUM_ILP][LANES];                                        \
+        memset(acc, 0, sizeof(acc));                                                              \
+        int64_t level_power = torch_ceil_log2(size) / TORCH_SUM_LEVELS;                           \
+        if (level_power < 4) level_power = 4;                                                     \
+        const int64_t level_step = (int64_t)1 << level_power, level_mask = level_step - 1;        \
+        int64_t i = 0;                                                                            \
+        while (i + level_step <= size) {                                                          \
+            for (int64_t j = 0; j < level_step; ++j, ++i)                                         \
+                for (int64_t k = 0; k < TORCH_SUM_ILP; ++k)                                       \
+                    for (int64_t l = 0; l < LANES; ++l)                                           \
+                        acc[0][k][l] += x[(i * TORCH_SUM_ILP + k) * LANES + l];                   \
+            for (int64_t j = 1; j < TORCH_SUM_LEVELS; ++j) {                                      \
+                for (int64_t k = 0; k < TORCH_SUM_ILP; ++k)                                       \
+                    for (int64_t l = 0; l < LANES; ++l) {                                         \
+                        acc[j][k][l] += acc[j - 1][k][l];                                         \
+                        acc[j - 1][k][l] = 0.0f;                                                  \
+                    }                                                                             \
+                if ((i & (level_mask << (j * level_power))) != 0) break;                          \
+            }                                                                                     \
+        }                                                                                         \
+        for (; i < size; ++i)                                                                     \
+            for (int64_t k = 0; k < TORCH_SUM_ILP; ++k)                                           \
+                for (int64_t l = 0; l < LANES; ++l)                                               \
+                    acc[0][k][l] += x[(i * TORCH_SUM_ILP + k) * LANES + l];                       \
+        for (int64_t j = 1; j < TORCH_SUM_LEVELS; ++j)                                            \
+            for (int64_t k = 0; k < TORCH_SUM_ILP; ++k)                                           \
+                for (int64_t l = 0; l < LANES; ++l) acc[0][k][l] += acc[j][k][l];                 \
+        for (int64_t v = size * TORCH_SUM_ILP; v < vec_size; ++v)                                 \
+            for (int64_t l = 0; l < LANES; ++l) acc[0][0][l] += x[v * LANES + l];                 \
+        for (int64_t k = 1; k < TORCH_SUM_ILP; ++k)                                               \
+            for (int64_t l = 0; l < LANES; ++l) acc[0][0][l] += acc[0][k][l];                     \
+        float total = 0.0f;                                                                       \
+        for (int64_t t = vec_size * LANES; t < n; ++t) total += x[t];                             \
+        for (int64_t l = 0; l < LANES; ++l) total += acc[0][0][l];                                \
+        return total;                                                                             \
+    }
+
+DEFINE_TORCH_ORDER_SUM(4)
+DEFINE_TORCH_ORDER_SUM(8)
+DEFINE_TORCH_ORDER_SUM(16)
+
+/* lanes is 4, 8 or 16 (rms_norm_fused checks). */
+static float torch_order_sum(const float *x, int64_t n, int64_t lanes) {
+    if (lanes == 8) return torch_order_sum_8(x, n);
+    if (lanes == 16) return torch_order_sum_16(x, n);
+    return torch_order_sum_4(x, n);
+}
+
+/* The sums of `rows` contiguous rows of n floats, in torch's order (for the load-time check). */
+void torch_order_sums(const float *x, float *out, int64_t rows, int64_t n, int64_t lanes) {
+    if (lanes != 4 && lanes != 8 && lanes != 16) return;
+    for (int64_t r = 0; r < rows; r++) out[r] = torch_order_sum(x + r * n, n, lanes);
+}
+
 /* RMSNorm in two passes around torch's own mean of the squares (its summation order is torch's
  * business; a sum in another order changes the variance in the last bit). Together with that mean
  * they compute exactly what kvpilot.engine.model.layers.rms_norm computes:
@@ -800,6 +876,54 @@ DEFINE_VARLEN(bf16, uint16_t, bf16_to_f32, f32_to_bf16, PREFILL_TILE_BF16)
             for (int64_t i = 0; i < hidden; i++)                                                  \
                 o[i] = STORE(LOAD(weight[i]) * ROUND(LOAD(sr[i]) * scale));                       \
         }                                                                                         \
+    }                                                                                             \
+                                                                                                  \
+    /* prepare, torch's mean (its sum in torch's order over `lanes`-float vectors, then divided \
+     * by hidden) and apply in one call, each row by one thread. Returns 0, or 1 (writing       \
+     * nothing) when lanes is out of range or a row buffer could not be allocated. */            \
+    int rms_norm_fused_##SUFFIX(const T *x, const T *residual, T *sum, const T *weight,          \
+                                float eps, T *out, int64_t tokens, int64_t hidden,               \
+                                int64_t lanes) {                                                  \
+        if ((lanes != 4 && lanes != 8 && lanes != 16) || hidden < lanes) return 1;              \
+        int failed = 0;                                                                           \
+        _Pragma("omp parallel if (tokens > 64)")                                                  \
+        {                                                                                         \
+            float *sq = malloc(hidden * sizeof(float));                                           \
+            if (sq == NULL) {                                                                     \
+                _Pragma("omp atomic write")                                                       \
+                failed = 1;                                                                       \
+            }                                                                                     \
+            _Pragma("omp barrier")                                                                \
+            if (!failed) {                                                                        \
+                _Pragma("omp for")                                                                \
+                for (int64_t t = 0; t < tokens; t++) {                                            \
+                    const T *xr = x + t * hidden;                                                 \
+                    const T *sr = xr;                                                             \
+                    if (residual != NULL) {                                                       \
+                        const T *rr = residual + t * hidden;                                      \
+                        T *s = sum + t * hidden;                                                  \
+                        for (int64_t i = 0; i < hidden; i++) {                                    \
+                            s[i] = STORE(LOAD(xr[i]) + LOAD(rr[i]));                              \
+                            const float v = LOAD(s[i]);                                           \
+                            sq[i] = v * v;                                                        \
+                        }                                                                         \
+                        sr = s;                                                                   \
+                    } else {                                                                      \
+                        for (int64_t i = 0; i < hidden; i++) {                                    \
+                            const float v = LOAD(xr[i]);                                          \
+                            sq[i] = v * v;                                                        \
+                        }                                                                         \
+                    }                                                                             \
+                    const float variance = torch_order_sum(sq, hidden, lanes) / (float)hidden;    \
+                    const float scale = 1.0f / sqrtf(variance + eps);                             \
+                    T *o = out + t * hidden;                                                      \
+                    for (int64_t i = 0; i < hidden; i++)                                          \
+                        o[i] = STORE(LOAD(weight[i]) * ROUND(LOAD(sr[i]) * scale));               \
+                }                                                                                 \
+            }                                                                                     \
+            free(sq);                                                                             \
+        }                                                                                         \
+        return failed;                                                                            \
     }
 
 DEFINE_RMS_NORM(f32, float, LOAD_F32, STORE_F32, ROUND_F32)
