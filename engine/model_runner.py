@@ -302,7 +302,9 @@ class ModelRunner:
             for item in sampling
         ]
         mask = masks.result() if masks is not None else None
-        drawn = launch_sample(logits, rows, self.default_generator, mask)
+        drawn = launch_sample(
+            logits, rows, self.default_generator, mask, self.model.model.ops.argmax_rows
+        )
         self._last_draws = drawn.token_ids
         return LaunchedStep(sampling, drawn)
 

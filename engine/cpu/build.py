@@ -78,6 +78,8 @@ UNTYPED: dict[str, Signature] = {
     "kvpilot_linear_available": ([], _INT),
     # x, out; rows, n, lanes
     "torch_order_sums": ([_PTR] * 2 + [_I64] * 3, None),
+    # x, out; rows, n, stride
+    "argmax_rows_f32": ([_PTR] * 2 + [_I64] * 3, None),
 }
 
 

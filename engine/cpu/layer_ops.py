@@ -219,6 +219,25 @@ def silu_and_mul(lib: ctypes.CDLL | None, gate_up: torch.Tensor) -> torch.Tensor
     return out
 
 
+def argmax_rows(lib: ctypes.CDLL | None, values: torch.Tensor) -> torch.Tensor:
+    """layers.argmax_rows (the same indices, NaN included) for float32 [R, V] rows with a
+    contiguous last dimension, in C; anything else goes to the torch version."""
+    if (
+        lib is None
+        or values.device.type != "cpu"
+        or values.dtype != torch.float32
+        or values.dim() != 2
+        or values.shape[1] == 0
+        or values.stride(1) != 1
+    ):
+        return layers.argmax_rows(values)
+    out = torch.empty(values.shape[0], dtype=torch.int64)
+    lib.argmax_rows_f32(
+        values.data_ptr(), out.data_ptr(), values.shape[0], values.shape[1], values.stride(0)
+    )
+    return out
+
+
 # Rows of the load-time check: lengths with and without a scalar tail, short and long enough for
 # torch's cascade of partial sums to take a level step at every vector width.
 _CHECK_LENGTHS = (576, 896, 1001, 2048, 4096, 5003, 8219)
@@ -273,4 +292,5 @@ def cpu_layer_ops() -> LayerOps:
         ),
         silu_and_mul=lambda gate_up: silu_and_mul(lib, gate_up),
         apply_rotary=lambda q, k, positions, cache: apply_rotary(lib, q, k, positions, cache),
+        argmax_rows=lambda values: argmax_rows(lib, values),
     )

@@ -17,10 +17,11 @@ from kvpilot.engine.model import layers
 
 @dataclass(frozen=True)
 class LayerOps:
-    """RMSNorm(+residual), SiLU-and-multiply and rotary, with the signatures of
-    kvpilot.engine.model.layers; the defaults are those torch versions, and each backend swaps in
-    its own for the ops it implements."""
+    """RMSNorm(+residual), SiLU-and-multiply and rotary, and the greedy sampler's per-row argmax,
+    with the signatures of kvpilot.engine.model.layers; the defaults are those torch versions, and
+    each backend swaps in its own for the ops it implements."""
 
     rms_norm: Callable[..., tuple[torch.Tensor, torch.Tensor]] = layers.rms_norm
     silu_and_mul: Callable[[torch.Tensor], torch.Tensor] = layers.silu_and_mul
     apply_rotary: Callable[..., tuple[torch.Tensor, torch.Tensor]] = layers.apply_rotary
+    argmax_rows: Callable[[torch.Tensor], torch.Tensor] = layers.argmax_rows

@@ -244,3 +244,40 @@ def test_silu_and_mul_falls_back_for_what_the_kernel_does_not_take() -> None:
             assert torch.equal(layer_ops.silu_and_mul(lib, x), layers.silu_and_mul(x))
     with pytest.raises(RuntimeError):  # an odd width is the torch version's to reject
         layer_ops.silu_and_mul(LIB, gate_up[:, :63])
+
+
+@pytest.mark.parametrize(("rows", "vocab"), [(1, 49152), (16, 49152), (9, 1000), (3, 7)])
+def test_argmax_rows_gives_torchs_indices(rows: int, vocab: int) -> None:
+    """Random rows (the parallel path from 8 rows, a tail after the 16-float vectors, rows shorter
+    than one vector), then the cases an argmax gets wrong: ties (the first wins), -0.0 against
+    0.0, infinities, NaN (the first NaN wins over any number), a row of -inf, and rows that are a
+    strided view of wider logits."""
+    gen = torch.Generator().manual_seed(rows * vocab)
+    values = torch.randn(rows, vocab, generator=gen)
+    cases = [values]
+    tied = values.clone()
+    tied[:, vocab // 3] = tied[:, -1] = tied.max() + 1  # the same largest value twice
+    cases.append(tied)
+    zeros = torch.full((rows, vocab), -1.0)
+    zeros[:, vocab // 2] = -0.0
+    zeros[:, -1] = 0.0
+    cases.append(zeros)
+    special = values.clone()
+    special[0, vocab // 2] = float("inf")
+    special[-1, :] = float("-inf")
+    cases.append(special)
+    nans = values.clone()
+    nans[:, -1] = float("nan")
+    nans[0, vocab // 4] = float("nan")
+    nans[:, 0] = float("inf")
+    cases.append(nans)
+    wide = torch.randn(rows, vocab + 40, generator=gen)
+    cases.append(wide[:, 8 : 8 + vocab])
+    for case in cases:
+        assert torch.equal(layer_ops.argmax_rows(LIB, case), layers.argmax_rows(case))
+
+
+def test_argmax_rows_falls_back_for_what_the_kernel_does_not_take() -> None:
+    values = torch.randn(4, 100)
+    for case in (values.to(torch.bfloat16), values.t(), values[0], values.double()):
+        assert torch.equal(layer_ops.argmax_rows(LIB, case), layers.argmax_rows(case))

@@ -364,16 +364,22 @@ def test_empty_batch() -> None:
 
 
 def test_the_fast_argmax_picks_what_argmax_picks_on_ties_and_nan() -> None:
-    from kvpilot.engine.sampler import _argmax
+    """The greedy pick, torch's max(-1) and (float32) the C kernel, against argmax(-1)."""
+    from kvpilot.engine.cpu import layer_ops
+    from kvpilot.engine.cpu.build import load_library
+    from kvpilot.engine.model.layers import argmax_rows
 
+    lib = load_library()
     gen = torch.Generator().manual_seed(3)
     tied = torch.randint(0, 4, (16, 4096), generator=gen).float()  # many maxima per row
     tied[3, 100] = tied[3, 900] = 10.0
     with_nan = torch.randn(4, 64, generator=gen)
     with_nan[1, 40] = with_nan[1, 20] = float("nan")
-    for values in (tied, tied.to(torch.bfloat16), with_nan):
-        assert torch.equal(_argmax(values), values.argmax(-1))
-    assert _argmax(tied)[3] == 100 and _argmax(with_nan)[1] == 20
+    picks = [argmax_rows] + ([] if lib is None else [lambda v: layer_ops.argmax_rows(lib, v)])
+    for pick in picks:
+        for values in (tied, tied.to(torch.bfloat16), with_nan):
+            assert torch.equal(pick(values), values.argmax(-1))
+        assert pick(tied)[3] == 100 and pick(with_nan)[1] == 20
 
 
 def test_inverse_cdf_never_picks_a_zero_probability_token() -> None:

@@ -932,6 +932,51 @@ DEFINE_RMS_NORM(bf16, uint16_t, bf16_to_f32, f32_to_bf16, ROUND_BF16)
 DEFINE_LAYER_OPS(f32, float, LOAD_F32, STORE_F32, ROUND_F32)
 DEFINE_LAYER_OPS(bf16, uint16_t, bf16_to_f32, f32_to_bf16, ROUND_BF16)
 
+/* Per row of `n` >= 1 floats (rows `stride` apart), the index of the first largest value, a NaN
+ * counting as larger than any number (the first NaN): what torch's max(-1).indices returns, which
+ * on CPU is a scalar loop (~40 us per 49,152-float row, against ~3 us here). Two passes: the
+ * largest value, then the first element equal to it (-0.0 == 0.0, as torch's comparisons have it). */
+static int64_t argmax_row(const float *row, int64_t n) {
+    int64_t i = 0;
+    float best = row[0];
+    int any_nan = 0;
+#if defined(__AVX512F__)
+    if (n >= 16) {
+        __m512 vbest = _mm512_loadu_ps(row);
+        __mmask16 nan = 0;
+        for (; i + 16 <= n; i += 16) {
+            const __m512 v = _mm512_loadu_ps(row + i);
+            nan |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+            vbest = _mm512_max_ps(vbest, v);
+        }
+        any_nan = nan != 0;
+        best = _mm512_reduce_max_ps(vbest);
+    }
+#endif
+    for (; i < n; i++) {
+        any_nan |= row[i] != row[i];
+        best = row[i] > best ? row[i] : best;
+    }
+    i = 0;
+#if defined(__AVX512F__)
+    const __m512 target = _mm512_set1_ps(best);
+    for (; i + 16 <= n; i += 16) {
+        const __m512 v = _mm512_loadu_ps(row + i);
+        const __mmask16 hit = any_nan ? _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q)
+                                      : _mm512_cmp_ps_mask(v, target, _CMP_EQ_OQ);
+        if (hit) return i + __builtin_ctz(hit);
+    }
+#endif
+    for (; i < n; i++)
+        if (any_nan ? row[i] != row[i] : row[i] == best) return i;
+    return 0; /* not reached: some element equals the largest */
+}
+
+void argmax_rows_f32(const float *x, int64_t *out, int64_t rows, int64_t n, int64_t stride) {
+    _Pragma("omp parallel for if (rows >= 8)")
+    for (int64_t r = 0; r < rows; r++) out[r] = argmax_row(x + r * stride, n);
+}
+
 int kvpilot_openmp_threads(void) {
 #ifdef _OPENMP
     extern int omp_get_max_threads(void);
