@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import importlib.util
 import math
+import socket
 import statistics
 import sys
+import time
 from pathlib import Path
 from types import ModuleType
 
@@ -159,3 +161,13 @@ async def test_the_health_probe_runs_beside_the_workload(
     health = run.report()["summary"]["health_ms"]
     assert health["probes"] >= 1 and health["failed"] == 0
     assert 0 < health["p50"] <= health["p99"] <= health["max"]
+
+
+def test_the_health_probe_counts_refused_probes_and_keeps_probing(bench: ModuleType) -> None:
+    with socket.socket() as unused:
+        unused.bind(("127.0.0.1", 0))
+        port = unused.getsockname()[1]  # closed again before the probes: nobody listens there
+    probe = bench.HealthProbe(f"http://127.0.0.1:{port}/health", interval=0.01)
+    with probe:
+        time.sleep(0.2)
+    assert len(probe.latencies) >= 2 and probe.failures == len(probe.latencies)
