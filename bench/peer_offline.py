@@ -356,6 +356,46 @@ def format_greedy(label: str, check: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def warm_up(workers: dict[str, OfflineWorker], warm: tuple[list[Prompt], list[int]]) -> None:
+    """The workload's shapes on other prompts (own seed, so no block of theirs is cached for a
+    measured request): first-call overheads out of the timings, as in a running server."""
+    warm_ids = workers["kvpilot"]("tokenize", prompts=warm[0])
+    for worker in workers.values():
+        worker("run", prompts=warm_ids, max_tokens=warm[1])
+
+
+def offline_round(
+    workers: dict[str, OfflineWorker],
+    index: int,
+    seed: int,
+    prompts: list[Prompt],
+    max_tokens: list[int],
+    progress: Callable[[], None] = lambda: None,
+    quiet_pgids: tuple[int, ...] = (),
+) -> dict[str, Any]:
+    """Round `index` (0-based): both workers on the same requests, kvpilot first in even rounds;
+    before each run, the workers and the process groups in `quiet_pgids` (idle servers beside
+    them) go quiet first."""
+    ids = workers["kvpilot"]("tokenize", prompts=prompts)
+    order = list(SYSTEMS) if index % 2 == 0 else list(reversed(SYSTEMS))
+    record: dict[str, Any] = {
+        "round": index + 1,
+        "seed": seed,
+        "order": order,
+        "prompt_tokens": sum(len(p) for p in ids),
+    }
+    for name in order:
+        pgids = [worker.proc.pid for worker in workers.values()] + list(quiet_pgids)
+        settle_s = wait_until_idle(pgids)
+        result = workers[name]("run", prompts=ids, max_tokens=max_tokens)
+        result["tokens_per_s"] = result["output_tokens"] / result["seconds"]
+        result["settle_s"] = settle_s  # waited for everything beside it to go quiet first
+        record[name] = result
+        progress()
+    record["ratio"] = record["kvpilot"]["tokens_per_s"] / record["vllm"]["tokens_per_s"]
+    return record
+
+
 def offline_batch(
     workers: dict[str, OfflineWorker],
     rounds: list[tuple[int, list[Prompt], list[int]]],
@@ -363,32 +403,12 @@ def offline_batch(
     progress: Callable[[], None],
 ) -> list[dict[str, Any]]:
     """Warm-up, then the rounds (seed, prompts, output lengths) in alternating order."""
-    warm_ids = workers["kvpilot"]("tokenize", prompts=warm[0])
-    for worker in workers.values():
-        # The workload's shapes on other prompts (own seed, so no block of theirs is cached for a
-        # measured request): first-call overheads out of the timings, as in a running server.
-        worker("run", prompts=warm_ids, max_tokens=warm[1])
+    warm_up(workers, warm)
     progress()
-    records = []
-    for index, (seed, prompts, max_tokens) in enumerate(rounds):
-        ids = workers["kvpilot"]("tokenize", prompts=prompts)
-        order = list(SYSTEMS) if index % 2 == 0 else list(reversed(SYSTEMS))
-        record: dict[str, Any] = {
-            "round": index + 1,
-            "seed": seed,
-            "order": order,
-            "prompt_tokens": sum(len(p) for p in ids),
-        }
-        for name in order:
-            settle_s = wait_until_idle([worker.proc.pid for worker in workers.values()])
-            result = workers[name]("run", prompts=ids, max_tokens=max_tokens)
-            result["tokens_per_s"] = result["output_tokens"] / result["seconds"]
-            result["settle_s"] = settle_s  # waited for both workers to go quiet first
-            record[name] = result
-            progress()
-        record["ratio"] = record["kvpilot"]["tokens_per_s"] / record["vllm"]["tokens_per_s"]
-        records.append(record)
-    return records
+    return [
+        offline_round(workers, index, seed, prompts, max_tokens, progress)
+        for index, (seed, prompts, max_tokens) in enumerate(rounds)
+    ]
 
 
 def offline_summary(records: list[dict[str, Any]]) -> dict[str, Any]:

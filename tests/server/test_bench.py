@@ -8,6 +8,7 @@ import socket
 import statistics
 import sys
 import time
+import types
 from pathlib import Path
 from types import ModuleType
 
@@ -171,3 +172,44 @@ def test_the_health_probe_counts_refused_probes_and_keeps_probing(bench: ModuleT
     with probe:
         time.sleep(0.2)
     assert len(probe.latencies) >= 2 and probe.failures == len(probe.latencies)
+
+
+class FakeWorker:
+    """An offline worker's call interface (tokenize, run) without a process behind it."""
+
+    UNUSED_PGID = 2**22 - 1  # above Linux's default pid_max: no process group has it
+
+    def __init__(self, name: str, seconds: float, calls: list[tuple[str, str]]) -> None:
+        self.name, self.seconds, self.calls = name, seconds, calls
+        self.proc = types.SimpleNamespace(pid=self.UNUSED_PGID)
+
+    def __call__(self, op: str, **payload: object) -> object:
+        self.calls.append((self.name, op))
+        if op == "tokenize":
+            return [[1, 2, 3] for _ in payload["prompts"]]  # type: ignore[attr-defined]
+        return {"output_tokens": sum(payload["max_tokens"]), "seconds": self.seconds}  # type: ignore[arg-type]
+
+
+def test_an_offline_round_runs_both_workers_in_the_rounds_order(bench: ModuleType) -> None:
+    """What --interleave-offline runs after each serving round: the same requests through both
+    offline workers, kvpilot first in even rounds (0-based), the ratio from their rates."""
+    import peer_offline  # on the path once serve_bench is loaded
+
+    calls: list[tuple[str, str]] = []
+    workers = {"kvpilot": FakeWorker("kvpilot", 2.0, calls), "vllm": FakeWorker("vllm", 4.0, calls)}
+    second = peer_offline.offline_round(
+        workers, 1, 7, ["a", "b"], [10, 20], quiet_pgids=(FakeWorker.UNUSED_PGID - 1,)
+    )
+    assert second["round"] == 2 and second["seed"] == 7 and second["order"] == ["vllm", "kvpilot"]
+    assert second["prompt_tokens"] == 6
+    assert second["kvpilot"]["tokens_per_s"] == 15.0 and second["ratio"] == 2.0
+    assert [c for c in calls if c[1] == "run"] == [("vllm", "run"), ("kvpilot", "run")]
+    calls.clear()
+    first = peer_offline.offline_round(workers, 0, 8, ["a"], [4])
+    assert first["order"] == ["kvpilot", "vllm"]
+    assert [c for c in calls if c[1] == "run"] == [("kvpilot", "run"), ("vllm", "run")]
+
+
+def test_interleave_offline_is_an_option_of_the_peer_mode(bench: ModuleType) -> None:
+    args = bench.build_parser().parse_args(["--peer-vllm", "/bin/true", "--interleave-offline"])
+    assert args.interleave_offline and not args.no_offline
