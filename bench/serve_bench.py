@@ -777,7 +777,7 @@ def peer_serving(
     records: list[dict[str, Any]] = []
     offline_records: list[dict[str, Any]] = []
     greedy: dict[str, Any] = {}
-    interleave = args.interleave_offline and not args.no_offline
+    interleave = args.interleave_offline  # exclusive with --no-offline and --offline-only
     try:
         servers["kvpilot"] = ServerProcess(
             "kvpilot", kvpilot_serve_cmd(kvpilot_args), "/ready",
@@ -818,9 +818,8 @@ def peer_serving(
                             )
                         )
                 if workers and not greedy:
-                    greedy = peer_greedy_check(
-                        args, workers, peer_dataset(args, round_seed(args, ci, 0))
-                    )
+                    first = prompts_and_lengths(args, peer_dataset(args, round_seed(args, ci, 0)))
+                    greedy = peer_greedy_check(args, workers, *first)
                 info = {name: worker.info for name, worker in workers.items()}
             finally:
                 for worker in workers.values():
@@ -886,11 +885,12 @@ def peer_serving_round(
 def peer_greedy_check(
     args: argparse.Namespace,
     workers: dict[str, peer_offline.OfflineWorker],
-    first_round: list[BenchRequest],
+    prompts: list[Any],
+    lengths: list[int],
 ) -> dict[str, Any]:
-    """Greedy on the chat questions and the first --greedy-check requests of the first round."""
+    """Greedy on the chat questions and the first --greedy-check of the first round's requests
+    (their prompts and output lengths)."""
     questions = [[{"role": "user", "content": q}] for q in peer_offline.CHECK_QUESTIONS]
-    prompts, lengths = prompts_and_lengths(args, first_round)
     n = args.greedy_check
     return peer_offline.greedy_check(
         workers,
@@ -924,7 +924,7 @@ def peer_offline_runs(
         try:
             batch_rounds = peer_offline.offline_batch(workers, rounds, warm, progress)
             if not greedy:
-                greedy = peer_greedy_check(args, workers, peer_dataset(args, rounds[0][0]))
+                greedy = peer_greedy_check(args, workers, rounds[0][1], rounds[0][2])
             info = {name: worker.info for name, worker in workers.items()}
         finally:
             bar.close()
@@ -1228,7 +1228,7 @@ def run_peer(args: argparse.Namespace) -> int:
             if check:
                 greedy[dtype] = check
             save()
-        if not args.no_offline and not (args.interleave_offline and not args.offline_only):
+        if not args.no_offline and not args.interleave_offline:
             records, greedy[dtype] = peer_offline_runs(
                 args, dtype, concurrencies, hf_dir, env, logs
             )
