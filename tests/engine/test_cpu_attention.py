@@ -86,7 +86,9 @@ def reference(
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(
     ("num_heads", "num_kv_heads", "head_dim", "block_size"),
-    [(9, 3, 64, 16), (4, 4, 64, 32), (8, 2, 128, 16), (16, 1, 32, 8)],
+    # Every path of the kernel's inner loops: four keys at a time (group <= 4) or one, the P.V
+    # accumulators in registers (group x head_dim / 16 <= 16) or one 16-dim slice at a time.
+    [(9, 3, 64, 16), (4, 4, 64, 32), (8, 2, 128, 16), (16, 1, 32, 8), (8, 1, 32, 16)],
 )
 def test_decode_matches_reference(
     dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_dim: int, block_size: int

@@ -120,12 +120,48 @@ static inline __m512 load16_bf16(const uint16_t *x) {
     SPECIALIZE_SHAPE(CALL, 7, 128)                                                                \
     SPECIALIZE_SHAPE(CALL, 8, 128)
 
+/* The four sums of a, b, c and d's lanes: unpack, shuffle and two halvings shared by the four,
+ * where four full reductions cost twice the instructions. */
+static inline __m128 sum4_ps(__m512 a, __m512 b, __m512 c, __m512 d) {
+    const __m512 ab = _mm512_add_ps(_mm512_unpacklo_ps(a, b), _mm512_unpackhi_ps(a, b));
+    const __m512 cd = _mm512_add_ps(_mm512_unpacklo_ps(c, d), _mm512_unpackhi_ps(c, d));
+    const __m512 abcd = _mm512_add_ps(_mm512_shuffle_ps(ab, cd, _MM_SHUFFLE(1, 0, 1, 0)),
+                                      _mm512_shuffle_ps(ab, cd, _MM_SHUFFLE(3, 2, 3, 2)));
+    const __m256 h = _mm256_add_ps(_mm512_castps512_ps256(abcd), _mm512_extractf32x8_ps(abcd, 1));
+    return _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+}
+
+/* Scores: up to 4 heads share a kv head in the common shapes, and their keys go four at a time
+ * (sum4_ps). P.V: with group x D/16 accumulators in registers (<= 16: the common shapes), each
+ * value row updates them all, group x D/16 independent FMA chains where one 16-dim slice at a
+ * time had group, which waited on each other's latency; each accumulator adds the same terms in
+ * the same order either way. */
+#define ACC_REGS 16
 #define DEFINE_BLOCK_OPS(SUFFIX, T, LOAD16)                                                       \
     static inline __attribute__((always_inline)) void scores_impl_##SUFFIX(                      \
         const float (*q)[MAX_HEAD_DIM], const T *kb, int64_t ss, int64_t n, int64_t group,        \
         int64_t D, float (*p)[MAX_CHUNK], int64_t t0) {                                           \
         __m512 row[MAX_HEAD_DIM / 16];                                                            \
-        for (int64_t t = 0; t < n; t++) {                                                         \
+        int64_t t = 0;                                                                            \
+        if (group <= 4) {                                                                         \
+            for (; t + 4 <= n; t += 4) {                                                          \
+                __m512 dots[4][4];                                                                \
+                for (int64_t u = 0; u < 4; u++) {                                                 \
+                    for (int64_t c = 0; c < D / 16; c++)                                          \
+                        row[c] = LOAD16(kb + (t + u) * ss + 16 * c);                              \
+                    for (int64_t j = 0; j < group; j++) {                                         \
+                        __m512 acc = _mm512_mul_ps(_mm512_loadu_ps(q[j]), row[0]);                \
+                        for (int64_t c = 1; c < D / 16; c++)                                      \
+                            acc = _mm512_fmadd_ps(_mm512_loadu_ps(q[j] + 16 * c), row[c], acc);   \
+                        dots[j][u] = acc;                                                         \
+                    }                                                                             \
+                }                                                                                 \
+                for (int64_t j = 0; j < group; j++)                                               \
+                    _mm_storeu_ps(p[j] + t0 + t,                                                  \
+                                  sum4_ps(dots[j][0], dots[j][1], dots[j][2], dots[j][3]));       \
+            }                                                                                     \
+        }                                                                                         \
+        for (; t < n; t++) {                                                                      \
             for (int64_t c = 0; c < D / 16; c++) row[c] = LOAD16(kb + t * ss + 16 * c);           \
             for (int64_t j = 0; j < group; j++) {                                                 \
                 __m512 acc = _mm512_mul_ps(_mm512_loadu_ps(q[j]), row[0]);                        \
@@ -138,7 +174,27 @@ static inline __m512 load16_bf16(const uint16_t *x) {
     static inline __attribute__((always_inline)) void accumulate_impl_##SUFFIX(                  \
         float (*acc)[MAX_HEAD_DIM], const T *vb, int64_t ss, int64_t n, int64_t group, int64_t D, \
         const float (*p)[MAX_CHUNK], int64_t t0) {                                                \
-        for (int64_t c = 0; c < D / 16; c++) {                                                    \
+        const int64_t slices = D / 16;                                                            \
+        if (group * slices <= ACC_REGS) {                                                         \
+            __m512 sums[ACC_REGS];                                                                \
+            for (int64_t j = 0; j < group; j++)                                                   \
+                for (int64_t c = 0; c < slices; c++)                                              \
+                    sums[j * slices + c] = _mm512_loadu_ps(acc[j] + 16 * c);                      \
+            for (int64_t t = 0; t < n; t++) {                                                     \
+                __m512 v[ACC_REGS];                                                               \
+                for (int64_t c = 0; c < slices; c++) v[c] = LOAD16(vb + t * ss + 16 * c);        \
+                for (int64_t j = 0; j < group; j++) {                                             \
+                    const __m512 w = _mm512_set1_ps(p[j][t0 + t]);                                \
+                    for (int64_t c = 0; c < slices; c++)                                          \
+                        sums[j * slices + c] = _mm512_fmadd_ps(w, v[c], sums[j * slices + c]);    \
+                }                                                                                 \
+            }                                                                                     \
+            for (int64_t j = 0; j < group; j++)                                                   \
+                for (int64_t c = 0; c < slices; c++)                                              \
+                    _mm512_storeu_ps(acc[j] + 16 * c, sums[j * slices + c]);                      \
+            return;                                                                               \
+        }                                                                                         \
+        for (int64_t c = 0; c < slices; c++) {                                                    \
             __m512 sums[MAX_GROUP];                                                               \
             for (int64_t j = 0; j < group; j++) sums[j] = _mm512_loadu_ps(acc[j] + 16 * c);       \
             for (int64_t t = 0; t < n; t++) {                                                     \
@@ -222,6 +278,36 @@ static inline void prefetch_block(const char *k, const char *v, int64_t k_stride
                    len - (b) * block_size < block_size ? len - (b) * block_size : block_size,     \
                    D * (int64_t)sizeof(*k_cache))
 
+/* Units go to the threads one at a time, as they finish (units differ in length, and a thread may
+ * lose its core for a while), and each thread claims its next unit before it works on the one in
+ * hand, asking for that unit's first blocks: their misses overlap this unit's arithmetic instead
+ * of stalling the next unit's start (bench/cpu_decode_attention_bench.py). */
+#define NEXT_PREFETCH_BLOCKS 4
+#define DECODE_LOOP(SUFFIX)                                                                       \
+    const int64_t num_units = num_seqs * num_kv_heads;                                            \
+    int64_t next_unit = 0;                                                                        \
+    _Pragma("omp parallel")                                                                       \
+    {                                                                                             \
+        int64_t unit = __atomic_fetch_add(&next_unit, 1, __ATOMIC_RELAXED);                       \
+        while (unit < num_units) {                                                                \
+            const int64_t claimed = __atomic_fetch_add(&next_unit, 1, __ATOMIC_RELAXED);          \
+            if (claimed < num_units) {                                                            \
+                const int64_t s = claimed / num_kv_heads, kvh = claimed % num_kv_heads;           \
+                const int32_t *table = block_tables + s * table_stride;                           \
+                const int64_t len = seq_lens[s];                                                  \
+                const int64_t D = head_dim;                                                       \
+                const int64_t nb = (len + block_size - 1) / block_size;                           \
+                for (int64_t b = 0; b < nb && b < NEXT_PREFETCH_BLOCKS; b++)                      \
+                    PREFETCH_DECODE_BLOCK(b);                                                     \
+            }                                                                                     \
+            const int64_t s = unit / num_kv_heads, kvh = unit % num_kv_heads;                     \
+            decode_unit_##SUFFIX(query + s * num_heads * head_dim, out + s * num_heads * head_dim, \
+                                 k_cache, v_cache, block_tables + s * table_stride, seq_lens[s],  \
+                                 kvh, group, head_dim, block_size, k_sb, k_sh, k_ss, v_sb, v_sh,  \
+                                 v_ss, scale);                                                    \
+            unit = claimed;                                                                       \
+        }                                                                                         \
+    }
 #define DEFINE_DECODE(NAME, SUFFIX, T, LOAD, STORE)                                               \
     /* One (sequence, kv head) with a single query token: qtok and otok point at that token's     \
      * heads, table at the sequence's block table; len >= 0 cached tokens. */                     \
@@ -293,14 +379,7 @@ static inline void prefetch_block(const char *k, const char *v, int64_t k_stride
               int64_t k_sb, int64_t k_ss, int64_t k_sh, int64_t v_sb, int64_t v_ss, int64_t v_sh, \
               float scale) {                                                                      \
         const int64_t group = num_heads / num_kv_heads;                                           \
-        _Pragma("omp parallel for schedule(dynamic, 1)")                                          \
-        for (int64_t unit = 0; unit < num_seqs * num_kv_heads; unit++) {                          \
-            const int64_t s = unit / num_kv_heads, kvh = unit % num_kv_heads;                     \
-            decode_unit_##SUFFIX(query + s * num_heads * head_dim, out + s * num_heads * head_dim, \
-                                 k_cache, v_cache, block_tables + s * table_stride, seq_lens[s],  \
-                                 kvh, group, head_dim, block_size, k_sb, k_sh, k_ss, v_sb, v_sh,  \
-                                 v_ss, scale);                                                    \
-        }                                                                                         \
+        DECODE_LOOP(SUFFIX)                                                                       \
     }
 
 DEFINE_DECODE(paged_decode_f32, f32, float, LOAD_F32, STORE_F32)
