@@ -270,18 +270,27 @@ static inline void prefetch_block(const char *k, const char *v, int64_t k_stride
         }
 }
 
-/* Inside decode_unit: block b of the sequence (its last one may be partly filled). */
+/* Inside decode_unit: block b of the sequence (its last one may be partly filled), and block b
+ * of the unit its thread runs next. */
 #define PREFETCH_DECODE_BLOCK(b)                                                                  \
     prefetch_block((const char *)(k_cache + table[b] * k_sb + kvh * k_sh),                        \
                    (const char *)(v_cache + table[b] * v_sb + kvh * v_sh),                        \
                    k_ss * (int64_t)sizeof(*k_cache), v_ss * (int64_t)sizeof(*v_cache),            \
                    len - (b) * block_size < block_size ? len - (b) * block_size : block_size,     \
                    D * (int64_t)sizeof(*k_cache))
+#define PREFETCH_NEXT_UNIT_BLOCK(b)                                                               \
+    prefetch_block((const char *)(k_cache + next_table[b] * k_sb + next_kvh * k_sh),              \
+                   (const char *)(v_cache + next_table[b] * v_sb + next_kvh * v_sh),              \
+                   k_ss * (int64_t)sizeof(*k_cache), v_ss * (int64_t)sizeof(*v_cache),            \
+                   next_len - (b) * block_size < block_size ? next_len - (b) * block_size         \
+                                                            : block_size,                         \
+                   D * (int64_t)sizeof(*k_cache))
 
 /* Units go to the threads one at a time, as they finish (units differ in length, and a thread may
  * lose its core for a while), and each thread claims its next unit before it works on the one in
- * hand, asking for that unit's first blocks: their misses overlap this unit's arithmetic instead
- * of stalling the next unit's start (bench/cpu_decode_attention_bench.py). */
+ * hand, whose P.V pass asks for that next unit's first blocks, one per block it adds up: their
+ * misses overlap this unit's arithmetic instead of stalling the next unit's start
+ * (bench/cpu_decode_attention_bench.py). */
 #define NEXT_PREFETCH_BLOCKS 4
 #define DECODE_LOOP(SUFFIX)                                                                       \
     const int64_t num_units = num_seqs * num_kv_heads;                                            \
@@ -291,31 +300,30 @@ static inline void prefetch_block(const char *k, const char *v, int64_t k_stride
         int64_t unit = __atomic_fetch_add(&next_unit, 1, __ATOMIC_RELAXED);                       \
         while (unit < num_units) {                                                                \
             const int64_t claimed = __atomic_fetch_add(&next_unit, 1, __ATOMIC_RELAXED);          \
-            if (claimed < num_units) {                                                            \
-                const int64_t s = claimed / num_kv_heads, kvh = claimed % num_kv_heads;           \
-                const int32_t *table = block_tables + s * table_stride;                           \
-                const int64_t len = seq_lens[s];                                                  \
-                const int64_t D = head_dim;                                                       \
-                const int64_t nb = (len + block_size - 1) / block_size;                           \
-                for (int64_t b = 0; b < nb && b < NEXT_PREFETCH_BLOCKS; b++)                      \
-                    PREFETCH_DECODE_BLOCK(b);                                                     \
-            }                                                                                     \
             const int64_t s = unit / num_kv_heads, kvh = unit % num_kv_heads;                     \
             decode_unit_##SUFFIX(query + s * num_heads * head_dim, out + s * num_heads * head_dim, \
                                  k_cache, v_cache, block_tables + s * table_stride, seq_lens[s],  \
                                  kvh, group, head_dim, block_size, k_sb, k_sh, k_ss, v_sb, v_sh,  \
-                                 v_ss, scale);                                                    \
+                                 v_ss, scale,                                                     \
+                                 claimed < num_units                                              \
+                                     ? block_tables + (claimed / num_kv_heads) * table_stride     \
+                                     : NULL,                                                      \
+                                 claimed < num_units ? seq_lens[claimed / num_kv_heads] : 0,      \
+                                 claimed % num_kv_heads);                                         \
             unit = claimed;                                                                       \
         }                                                                                         \
     }
 #define DEFINE_DECODE(NAME, SUFFIX, T, LOAD, STORE)                                               \
     /* One (sequence, kv head) with a single query token: qtok and otok point at that token's     \
-     * heads, table at the sequence's block table; len >= 0 cached tokens. */                     \
+     * heads, table at the sequence's block table; len >= 0 cached tokens. next_table, next_len   \
+     * and next_kvh: the unit this thread runs next, whose first blocks it prefetches (next_table \
+     * NULL: none). */                                                                            \
     static void decode_unit_##SUFFIX(const T *qtok, T *otok, const T *k_cache, const T *v_cache,  \
                                      const int32_t *table, int64_t len, int64_t kvh,              \
                                      int64_t group, int64_t D, int64_t block_size, int64_t k_sb,  \
                                      int64_t k_sh, int64_t k_ss, int64_t v_sb, int64_t v_sh,      \
-                                     int64_t v_ss, float scale) {                                 \
+                                     int64_t v_ss, float scale, const int32_t *next_table,        \
+                                     int64_t next_len, int64_t next_kvh) {                        \
         float q[MAX_GROUP][MAX_HEAD_DIM], acc[MAX_GROUP][MAX_HEAD_DIM];                           \
         float p[MAX_GROUP][MAX_CHUNK];                                                            \
         float m[MAX_GROUP], l[MAX_GROUP];                                                         \
@@ -362,6 +370,9 @@ static inline void prefetch_block(const char *k, const char *v, int64_t k_stride
             for (int64_t t0 = 0; t0 < n; t0 += block_size) {                                      \
                 const int64_t block = table[(start + t0) / block_size];                           \
                 const int64_t bn = n - t0 < block_size ? n - t0 : block_size;                     \
+                const int64_t b = (start + t0) / block_size;                                      \
+                if (next_table != NULL && b < NEXT_PREFETCH_BLOCKS && b * block_size < next_len)  \
+                    PREFETCH_NEXT_UNIT_BLOCK(b);                                                  \
                 accumulate_##SUFFIX(acc, v_cache + block * v_sb + kvh * v_sh, v_ss, bn, group, D, \
                                     p, t0);                                                       \
             }                                                                                     \
@@ -777,7 +788,8 @@ static void prefill_tile_bf16_pairs(const uint16_t *query, uint16_t *out, const 
             if (q_len == 1) {                                                                     \
                 decode_unit_##SUFFIX(query + tok * num_heads * D, out + tok * num_heads * D,      \
                                      k_cache, v_cache, table, seq_lens[s], kvh, group, D,         \
-                                     block_size, k_sb, k_sh, k_ss, v_sb, v_sh, v_ss, scale);      \
+                                     block_size, k_sb, k_sh, k_ss, v_sb, v_sh, v_ss, scale, NULL, \
+                                     0, 0);                                                       \
                 continue;                                                                         \
             }                                                                                     \
             const int64_t first = item.tile * tile_tokens;                                        \
