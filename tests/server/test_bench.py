@@ -191,7 +191,7 @@ class FakeWorker:
 
 
 def test_an_offline_round_runs_both_workers_in_the_rounds_order(bench: ModuleType) -> None:
-    """What --interleave-offline runs after each serving round: the same requests through both
+    """What the peer mode runs after each serving round: the same requests through both
     offline workers, kvpilot first in even rounds (0-based), the ratio from their rates."""
     import peer_offline  # on the path once serve_bench is loaded
 
@@ -210,6 +210,14 @@ def test_an_offline_round_runs_both_workers_in_the_rounds_order(bench: ModuleTyp
     assert [c for c in calls if c[1] == "run"] == [("kvpilot", "run"), ("vllm", "run")]
 
 
-def test_interleave_offline_is_an_option_of_the_peer_mode(bench: ModuleType) -> None:
-    args = bench.build_parser().parse_args(["--peer-vllm", "/bin/true", "--interleave-offline"])
-    assert args.interleave_offline and not args.no_offline
+def test_the_peer_mode_pairs_offline_rounds_with_serving_rounds_unless_told(
+    bench: ModuleType,
+) -> None:
+    parse = bench.build_parser().parse_args
+    paired = parse(["--peer-vllm", "/bin/true"])
+    assert not (paired.offline_after or paired.no_offline or paired.offline_only)
+    after = parse(["--peer-vllm", "/bin/true", "--offline-after"])
+    assert after.offline_after and not after.no_offline
+    with pytest.raises(SystemExit):
+        parse(["--peer-vllm", "/bin/true", "--offline-after", "--no-offline"])
+    assert bench.main(["--offline-after"]) == 2  # only with --peer-vllm
