@@ -131,6 +131,16 @@ static inline __m128 sum4_ps(__m512 a, __m512 b, __m512 c, __m512 d) {
     return _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
 }
 
+/* One query row's dot product with a key row (already loaded, `slices` vectors of 16), lanes not
+ * yet added. */
+static inline __attribute__((always_inline)) __m512 dot_lanes(const float *q, const __m512 *row,
+                                                              int64_t slices) {
+    __m512 acc = _mm512_mul_ps(_mm512_loadu_ps(q), row[0]);
+    for (int64_t c = 1; c < slices; c++)
+        acc = _mm512_fmadd_ps(_mm512_loadu_ps(q + 16 * c), row[c], acc);
+    return acc;
+}
+
 /* Scores: up to 4 heads share a kv head in the common shapes, and their keys go four at a time
  * (sum4_ps). P.V: with group x D/16 accumulators in registers (<= 16: the common shapes), each
  * value row updates them all, group x D/16 independent FMA chains where one 16-dim slice at a
@@ -149,12 +159,8 @@ static inline __m128 sum4_ps(__m512 a, __m512 b, __m512 c, __m512 d) {
                 for (int64_t u = 0; u < 4; u++) {                                                 \
                     for (int64_t c = 0; c < D / 16; c++)                                          \
                         row[c] = LOAD16(kb + (t + u) * ss + 16 * c);                              \
-                    for (int64_t j = 0; j < group; j++) {                                         \
-                        __m512 acc = _mm512_mul_ps(_mm512_loadu_ps(q[j]), row[0]);                \
-                        for (int64_t c = 1; c < D / 16; c++)                                      \
-                            acc = _mm512_fmadd_ps(_mm512_loadu_ps(q[j] + 16 * c), row[c], acc);   \
-                        dots[j][u] = acc;                                                         \
-                    }                                                                             \
+                    for (int64_t j = 0; j < group; j++)                                           \
+                        dots[j][u] = dot_lanes(q[j], row, D / 16);                                \
                 }                                                                                 \
                 for (int64_t j = 0; j < group; j++)                                               \
                     _mm_storeu_ps(p[j] + t0 + t,                                                  \
@@ -163,12 +169,8 @@ static inline __m128 sum4_ps(__m512 a, __m512 b, __m512 c, __m512 d) {
         }                                                                                         \
         for (; t < n; t++) {                                                                      \
             for (int64_t c = 0; c < D / 16; c++) row[c] = LOAD16(kb + t * ss + 16 * c);           \
-            for (int64_t j = 0; j < group; j++) {                                                 \
-                __m512 acc = _mm512_mul_ps(_mm512_loadu_ps(q[j]), row[0]);                        \
-                for (int64_t c = 1; c < D / 16; c++)                                              \
-                    acc = _mm512_fmadd_ps(_mm512_loadu_ps(q[j] + 16 * c), row[c], acc);           \
-                p[j][t0 + t] = _mm512_reduce_add_ps(acc);                                         \
-            }                                                                                     \
+            for (int64_t j = 0; j < group; j++)                                                   \
+                p[j][t0 + t] = _mm512_reduce_add_ps(dot_lanes(q[j], row, D / 16));                \
         }                                                                                         \
     }                                                                                             \
     static inline __attribute__((always_inline)) void accumulate_impl_##SUFFIX(                  \
@@ -270,20 +272,13 @@ static inline void prefetch_block(const char *k, const char *v, int64_t k_stride
         }
 }
 
-/* Inside decode_unit: block b of the sequence (its last one may be partly filled), and block b
- * of the unit its thread runs next. */
-#define PREFETCH_DECODE_BLOCK(b)                                                                  \
-    prefetch_block((const char *)(k_cache + table[b] * k_sb + kvh * k_sh),                        \
-                   (const char *)(v_cache + table[b] * v_sb + kvh * v_sh),                        \
+/* Inside decode_unit: block b of a unit (its table, cached length and kv head; the last block may
+ * be partly filled): the unit's own, or the one its thread runs next. */
+#define PREFETCH_UNIT_BLOCK(TABLE, LEN, KVH, b)                                                   \
+    prefetch_block((const char *)(k_cache + (TABLE)[b] * k_sb + (KVH) * k_sh),                    \
+                   (const char *)(v_cache + (TABLE)[b] * v_sb + (KVH) * v_sh),                    \
                    k_ss * (int64_t)sizeof(*k_cache), v_ss * (int64_t)sizeof(*v_cache),            \
-                   len - (b) * block_size < block_size ? len - (b) * block_size : block_size,     \
-                   D * (int64_t)sizeof(*k_cache))
-#define PREFETCH_NEXT_UNIT_BLOCK(b)                                                               \
-    prefetch_block((const char *)(k_cache + next_table[b] * k_sb + next_kvh * k_sh),              \
-                   (const char *)(v_cache + next_table[b] * v_sb + next_kvh * v_sh),              \
-                   k_ss * (int64_t)sizeof(*k_cache), v_ss * (int64_t)sizeof(*v_cache),            \
-                   next_len - (b) * block_size < block_size ? next_len - (b) * block_size         \
-                                                            : block_size,                         \
+                   (LEN) - (b) * block_size < block_size ? (LEN) - (b) * block_size : block_size, \
                    D * (int64_t)sizeof(*k_cache))
 
 /* Units go to the threads one at a time, as they finish (units differ in length, and a thread may
@@ -338,7 +333,8 @@ static inline void prefetch_block(const char *k, const char *v, int64_t k_stride
         }                                                                                         \
         const int64_t num_blocks = (len + block_size - 1) / block_size;                           \
         const int64_t window = PREFETCH_TOKENS > block_size ? PREFETCH_TOKENS / block_size : 1;   \
-        for (int64_t b = 0; b < num_blocks && b < window; b++) PREFETCH_DECODE_BLOCK(b);          \
+        for (int64_t b = 0; b < num_blocks && b < window; b++)                                    \
+            PREFETCH_UNIT_BLOCK(table, len, kvh, b);                                              \
         const int64_t chunk = (MAX_CHUNK / block_size) * block_size;                              \
         for (int64_t start = 0; start < len; start += chunk) {                                    \
             const int64_t n = len - start < chunk ? len - start : chunk;                          \
@@ -346,7 +342,7 @@ static inline void prefetch_block(const char *k, const char *v, int64_t k_stride
                 const int64_t block = table[(start + t0) / block_size];                           \
                 const int64_t bn = n - t0 < block_size ? n - t0 : block_size;                     \
                 if ((start + t0) / block_size + window < num_blocks)                              \
-                    PREFETCH_DECODE_BLOCK((start + t0) / block_size + window);                    \
+                    PREFETCH_UNIT_BLOCK(table, len, kvh, (start + t0) / block_size + window);     \
                 scores_##SUFFIX(q, k_cache + block * k_sb + kvh * k_sh, k_ss, bn, group, D, p,    \
                                 t0);                                                              \
             }                                                                                     \
@@ -372,7 +368,7 @@ static inline void prefetch_block(const char *k, const char *v, int64_t k_stride
                 const int64_t bn = n - t0 < block_size ? n - t0 : block_size;                     \
                 const int64_t b = (start + t0) / block_size;                                      \
                 if (next_table != NULL && b < NEXT_PREFETCH_BLOCKS && b * block_size < next_len)  \
-                    PREFETCH_NEXT_UNIT_BLOCK(b);                                                  \
+                    PREFETCH_UNIT_BLOCK(next_table, next_len, next_kvh, b);                       \
                 accumulate_##SUFFIX(acc, v_cache + block * v_sb + kvh * v_sh, v_ss, bn, group, D, \
                                     p, t0);                                                       \
             }                                                                                     \
