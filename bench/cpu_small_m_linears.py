@@ -14,6 +14,8 @@ the bandwidth a weight-bound kernel could reach.
 
 The largest row counts are prefill's, where the pass is compute-bound: the figure to read there is
 the GFLOP/s. --skip-slow leaves out F.linear and MKL (far behind at every size).
+--variant-flags adds kvpilot's kernel built with extra compiler flags (an A/B of a change kept
+behind a macro while it is measured).
 """
 
 from __future__ import annotations
@@ -59,12 +61,13 @@ def mkl(weight: torch.Tensor, rows: int) -> Linear:
     return lambda x: torch.ops.mkl._mkl_linear(x, packed, weight, None, rows)
 
 
-def kernel(weight: torch.Tensor) -> Linear | None:
-    """The engine's own linear (engine/cpu/linear.py), None where this CPU or build lacks it."""
+def kernel(weight: torch.Tensor, flags: tuple[str, ...] = ()) -> Linear | None:
+    """The engine's own linear (engine/cpu/linear.py), its library built with `flags` added, None
+    where this CPU or build lacks it."""
     from kvpilot.engine.cpu.build import load_library
     from kvpilot.engine.cpu.linear import KernelLinear, kernel_available
 
-    lib = load_library()
+    lib = load_library(flags)
     if not kernel_available(lib, weight.dtype):
         return None
     linear = torch.nn.Linear(weight.shape[1], weight.shape[0], bias=False, dtype=weight.dtype)
@@ -77,6 +80,11 @@ def main() -> None:
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     ap.add_argument("--rows", default="16", help="M, comma-separated: sequences in the step")
     ap.add_argument("--skip-slow", action="store_true", help="only kvpilot's kernel and oneDNN")
+    ap.add_argument(
+        "--variant-flags",
+        default="",
+        help="also kvpilot's kernel built with these compiler flags (an A/B of a kernel change)",
+    )
     args = ap.parse_args()
     dtype = getattr(torch, args.dtype)
     gen = torch.Generator().manual_seed(0)
@@ -106,6 +114,10 @@ def main() -> None:
             "oneDNN packed, hint 64": lambda w: onednn(w, 64),
             f"oneDNN packed, hint {rows}": lambda w, rows=rows: onednn(w, rows),
         }
+        if args.variant_flags:
+            paths[f"kernel {args.variant_flags}"] = functools.partial(
+                kernel, flags=tuple(args.variant_flags.split())
+            )
         if not args.skip_slow:
             paths["F.linear"] = lambda w: functools.partial(F.linear, weight=w)
             if dtype == torch.float32 and hasattr(torch.ops.mkl, "_mkl_linear"):
