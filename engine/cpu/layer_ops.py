@@ -26,10 +26,12 @@ from kvpilot.engine.model.layer_ops import LayerOps
 def kernels_take(*tensors: torch.Tensor) -> bool:
     """CPU tensors of one dtype the kernels are built for, each with a contiguous last dimension."""
     first = tensors[0]
+    dtype = first.dtype
+    # is_cpu, not device.type (which builds a device object): this runs ~200 times per step.
     return (
-        first.device.type == "cpu"
-        and first.dtype in SUFFIXES
-        and all(t.dtype == first.dtype and t.stride(-1) == 1 for t in tensors)
+        first.is_cpu
+        and dtype in SUFFIXES
+        and all(t.dtype == dtype and t.stride(-1) == 1 for t in tensors)
     )
 
 
@@ -145,9 +147,11 @@ def rms_norm(
     tensors = (x, weight) if residual is None else (x, weight, residual)
     if (
         lib is None
-        or not kernels_take(*tensors)
-        or not all(t.is_contiguous() for t in tensors)
         or x.dim() != 2
+        or not kernels_take(*tensors)
+        or not x.is_contiguous()
+        or not weight.is_contiguous()
+        or (residual is not None and not residual.is_contiguous())
         or weight.shape != (x.shape[1],)
         or (residual is not None and residual.shape != x.shape)
     ):
