@@ -925,7 +925,8 @@ def peer_offline_runs(
         try:
             batch_rounds = peer_offline.offline_batch(workers, rounds, warm, progress)
             if not greedy:
-                greedy = peer_greedy_check(args, workers, rounds[0][1], rounds[0][2])
+                _, first_prompts, first_lengths = rounds[0]
+                greedy = peer_greedy_check(args, workers, first_prompts, first_lengths)
             info = {name: worker.info for name, worker in workers.items()}
         finally:
             bar.close()
