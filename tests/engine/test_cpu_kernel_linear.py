@@ -89,6 +89,41 @@ def test_kernel_linear_takes_strided_rows_and_leading_dimensions(dtype: torch.dt
         layer(torch.randn(3, 63).to(dtype))
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_kernel_linear_computes_every_item_whatever_the_team(dtype: torch.dtype) -> None:
+    """The threads split the items in runs and steal from each other's far ends: with 1, 3 and 7
+    threads on this machine's cores (7 oversubscribes, so threads are preempted mid-call and the
+    others steal their items), every output is written (the buffer starts as NaN) and equals one
+    thread's bit for bit, call after call."""
+    needs_kernel(dtype)
+    assert LIB is not None
+    torch.manual_seed(0)
+    rows, out_features, in_features = 130, 960, 576  # 3 chunks x 20 groups: 60 items
+    kernel = KernelLinear(LIB, nn.Linear(in_features, out_features).to(dtype))
+    assert kernel.bias is not None
+    x = torch.randn(rows, in_features).to(dtype)
+    fn = getattr(LIB, f"linear_{'f32' if dtype == torch.float32 else 'bf16'}")
+
+    def call() -> torch.Tensor:
+        out = torch.full((rows, out_features), float("nan"), dtype=dtype)
+        pointers = (x, kernel.packed_weight, kernel.bias, out)
+        sizes = (rows, out_features, in_features, in_features, out_features)
+        assert fn(*(t.data_ptr() for t in pointers), *sizes) == 0
+        return out
+
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        expected = call()
+        assert not expected.isnan().any()
+        for threads in (3, 7):
+            torch.set_num_threads(threads)
+            for _ in range(30):
+                assert torch.equal(call(), expected), f"{threads} threads"
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_pack_weight_layouts() -> None:
     """Groups of 48 columns (the last 16 or 32), each float32 [K, width], or bfloat16
     [K/2, width, 2]: element (k, n) of group g at its row k (pair k // 2) and column n - 48 g."""

@@ -11,9 +11,15 @@
  *   bfloat16: [K/2][p * 16][2]    the same with k in pairs (K even), the operand layout of
  *                                 vdpbf16ps: each 32-bit lane holds W[n][k], W[n][k+1].
  * So a tile of up to 8 rows x 3 panels (24 zmm accumulators) reads its weights as one sequential
- * stream. Work items are (chunk of 64 rows, group), split statically between the OpenMP threads:
- * with few rows each thread streams a contiguous run of groups, with many rows a chunk of x stays
- * in cache across groups; a chunk's second and later tiles read their group from L2.
+ * stream. Work items are (chunk of 64 rows, group), split between the OpenMP threads as
+ * schedule(static) would split them: with few rows each thread streams a contiguous run of groups,
+ * with many rows a chunk of x stays in cache across groups; a chunk's second and later tiles read
+ * their group from L2. A thread that runs out of its own items takes the others' from the far end
+ * of their runs: a thread the kernel preempts (the API process's and the clients' work shares these
+ * cores while serving) no longer holds the whole call up, and on a quiet machine each thread still
+ * streams its own run front to back. Measured against libgomp's schedules (bench/RESULTS.md,
+ * "Linears: static runs with stealing"): schedule(dynamic, 1) streams 4-8 % slower at 1-8 rows,
+ * schedule(guided) lost 5 % in the engine at batch 64.
  *
  * Tried and measured slower on the development VM (Zen 4), so left out:
  * - a software prefetch 1 KiB ahead in the weight stream: 3-7 % faster at 8 rows, 10 % slower at
@@ -32,6 +38,9 @@
  */
 #include <stdint.h>
 #include <string.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
 
 #define LIN_MR 8  /* rows per tile */
 #define LIN_NR 3  /* 16-column panels per tile */
@@ -157,8 +166,60 @@ static inline void store16_bf16(uint16_t *y, const uint16_t *bias, __m512 acc) {
         }                                                                                      \
     }
 
+/* Items [lo, hi) still unclaimed in one thread's run, lo in the low 32 bits: the owner claims lo
+ * and thieves claim hi - 1 with one compare-and-swap on both, so no item is taken twice. A cache
+ * line each, so that the owner's claims stay in its own cache until someone steals. */
+typedef struct {
+    _Alignas(64) uint64_t run;
+} item_run;
+
+static inline uint64_t pack_run(uint64_t lo, uint64_t hi) { return hi << 32 | lo; }
+
+/* The next item of `run` from the front (own = 1) or the back (own = 0), or -1 when it is empty. */
+static inline int64_t claim_item(item_run *run, int own) {
+    uint64_t cur = __atomic_load_n(&run->run, __ATOMIC_RELAXED);
+    for (;;) {
+        const uint64_t lo = cur & 0xffffffffu, hi = cur >> 32;
+        if (lo >= hi) return -1;
+        const uint64_t next = own ? pack_run(lo + 1, hi) : pack_run(lo, hi - 1);
+        if (__atomic_compare_exchange_n(&run->run, &cur, next, 1, __ATOMIC_RELAXED,
+                                        __ATOMIC_RELAXED))
+            return own ? (int64_t)lo : (int64_t)(hi - 1);
+    }
+}
+
 /* x [M][K] (row stride x_stride), packed as above, bias [N] or NULL, y [M][N] (row stride
- * y_stride). Returns 0, or 1 when this build has no kernel for the dtype (nothing written). */
+ * y_stride). Returns 0, or 1 when this build has no kernel for the dtype (nothing written).
+ * Items (fewer than 2^32: M and N are tensor sizes) are numbered chunk-major. Every run is
+ * filled before the parallel region and every thread drains every run, so all items are computed
+ * whatever team size OpenMP gives. */
+#if defined(KVPILOT_LINEAR_STATIC)
+/* The former split, for A/B runs (bench/cpu_neighbour_bench.py): schedule(static), no stealing. */
+#define FOR_EACH_ITEM(items, ...)                                                              \
+    _Pragma("omp parallel for schedule(static)")                                               \
+    for (int64_t item = 0; item < (items); item++) __VA_ARGS__
+#elif defined(_OPENMP)
+#define FOR_EACH_ITEM(items, ...)                                                              \
+    {                                                                                          \
+        const int runs = omp_get_max_threads();                                                \
+        item_run run[runs];                                                                    \
+        for (int t = 0; t < runs; t++)                                                         \
+            run[t].run = pack_run((uint64_t)((items) * t / runs),                              \
+                                  (uint64_t)((items) * (t + 1) / runs));                       \
+        _Pragma("omp parallel")                                                                \
+        {                                                                                      \
+            const int self = omp_get_thread_num() % runs;                                      \
+            for (int v = 0; v < runs; v++) {                                                   \
+                item_run *from = &run[(self + v) % runs];                                      \
+                for (int64_t item; (item = claim_item(from, v == 0)) >= 0;) __VA_ARGS__        \
+            }                                                                                  \
+        }                                                                                      \
+    }
+#else
+#define FOR_EACH_ITEM(items, ...)                                                              \
+    for (int64_t item = 0; item < (items); item++) __VA_ARGS__
+#endif
+
 #define DEFINE_LINEAR(S, T)                                                                    \
     DEFINE_WORK(S, T)                                                                          \
     int linear_##S(const T *x, const T *packed, const T *bias, T *y, int64_t M, int64_t N,     \
@@ -166,16 +227,15 @@ static inline void store16_bf16(uint16_t *y, const uint16_t *bias, __m512 acc) {
         const int64_t panels_total = N / LIN_PANEL;                                            \
         const int64_t groups = (panels_total + LIN_NR - 1) / LIN_NR;                           \
         const int64_t chunks = (M + LIN_MC - 1) / LIN_MC;                                      \
-        _Pragma("omp parallel for collapse(2) schedule(static)")                               \
-        for (int64_t chunk = 0; chunk < chunks; chunk++)                                       \
-            for (int64_t g = 0; g < groups; g++) {                                             \
-                const int64_t p0 = g * LIN_NR, m0 = chunk * LIN_MC;                            \
-                const int panels = (int)(panels_total - p0 < LIN_NR ? panels_total - p0 : LIN_NR); \
-                const int64_t rows = M - m0 < LIN_MC ? M - m0 : LIN_MC;                        \
-                work_##S(x + m0 * x_stride, x_stride, packed + p0 * K * LIN_PANEL,             \
-                         bias ? bias + p0 * LIN_PANEL : NULL, y + m0 * y_stride + p0 * LIN_PANEL, \
-                         y_stride, rows, K, panels);                                           \
-            }                                                                                  \
+        FOR_EACH_ITEM(chunks * groups, {                                                       \
+            const int64_t chunk = item / groups, g = item % groups;                            \
+            const int64_t p0 = g * LIN_NR, m0 = chunk * LIN_MC;                                \
+            const int panels = (int)(panels_total - p0 < LIN_NR ? panels_total - p0 : LIN_NR); \
+            const int64_t rows = M - m0 < LIN_MC ? M - m0 : LIN_MC;                            \
+            work_##S(x + m0 * x_stride, x_stride, packed + p0 * K * LIN_PANEL,                 \
+                     bias ? bias + p0 * LIN_PANEL : NULL, y + m0 * y_stride + p0 * LIN_PANEL,  \
+                     y_stride, rows, K, panels);                                               \
+        })                                                                                     \
         return 0;                                                                              \
     }
 
