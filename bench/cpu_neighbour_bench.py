@@ -33,11 +33,10 @@ import serve_bench
 
 def neighbour(burst_s: float, period_s: float) -> None:
     """Spin for burst_s, sleep out the rest of period_s, forever (killed by the parent)."""
-    spins = 0
     while True:
         start = time.perf_counter()
         while time.perf_counter() - start < burst_s:
-            spins += 1
+            pass
         time.sleep(max(0.0, period_s - (time.perf_counter() - start)))
 
 

@@ -18,7 +18,7 @@
  * of their runs: a thread the kernel preempts (the API process's and the clients' work shares these
  * cores while serving) no longer holds the whole call up, and on a quiet machine each thread still
  * streams its own run front to back. Measured against libgomp's schedules (bench/RESULTS.md,
- * "Linears: static runs with stealing"): schedule(dynamic, 1) streams 4-8 % slower at 1-8 rows,
+ * "Where serving loses against offline"): schedule(dynamic, 1) streams 4-8 % slower at 1-8 rows,
  * schedule(guided) lost 5 % in the engine at batch 64.
  *
  * Tried and measured slower on the development VM (Zen 4), so left out:
