@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch import nn
 
-from kvpilot.engine.cpu.build import load_library
+from kvpilot.engine.cpu.build import SUFFIXES, load_library
 from kvpilot.engine.cpu.linear import (
     KernelLinear,
     kernel_available,
@@ -102,7 +102,7 @@ def test_kernel_linear_computes_every_item_whatever_the_team(dtype: torch.dtype)
     kernel = KernelLinear(LIB, nn.Linear(in_features, out_features).to(dtype))
     assert kernel.bias is not None
     x = torch.randn(rows, in_features).to(dtype)
-    fn = getattr(LIB, f"linear_{'f32' if dtype == torch.float32 else 'bf16'}")
+    fn = getattr(LIB, f"linear_{SUFFIXES[dtype]}")
 
     def call() -> torch.Tensor:
         out = torch.full((rows, out_features), float("nan"), dtype=dtype)
