@@ -538,6 +538,12 @@ class ServerProcess:
         """CPU time (user + system) used so far by the live processes of its group."""
         return peer_offline.group_cpu_seconds(self.proc.pid)  # its own, from start_new_session
 
+    def api_cpu_seconds(self) -> float:
+        """CPU time of the launched process alone (all its threads, none of its children): for
+        kvpilot and vLLM both, the API server, whose engine core is a child process."""
+        fields = Path(f"/proc/{self.proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
     def stop(self) -> None:
         """SIGTERM, then SIGKILL to its whole group if it is not gone within 60 s; children it
         left behind after exiting get the same."""
@@ -656,6 +662,8 @@ SERVE_METRICS = {
     "health_p50_ms": lambda s: s["health_ms"]["p50"],
     "health_p99_ms": lambda s: s["health_ms"]["p99"],
     "health_max_ms": lambda s: s["health_ms"]["max"],
+    # The API process's CPU per streamed token: HTTP, detokenizing, SSE (what serving adds).
+    "api_cpu_us_per_tok": lambda s: 1e6 * s["api_cpu_s"] / max(1, s["total_output_tokens"]),
 }
 NAMES = {"kvpilot": "kvpilot", "vllm": "vLLM"}
 
@@ -738,6 +746,7 @@ def format_run_line(record: dict[str, Any]) -> str:
         else ""
     )
     cpu = record["server_cpu_s"]
+    api, out = "api_cpu_s" in s, max(1, s["total_output_tokens"])
     return (
         f"{record['dtype']} c={record['concurrency']} round {record['round']} "
         f"{NAMES[record['system']]:7}: {s['output_throughput']:7.1f} out tok/s, TTFT p50 "
@@ -746,6 +755,7 @@ def format_run_line(record: dict[str, Any]) -> str:
         f"failed {s['failed']}; {s['duration_s']:.1f} s, server CPU s "
         + ", ".join(f"{NAMES[n]} {v:.1f}" for n, v in cpu.items())
         + f", client CPU s {s['client_cpu_s']:.1f}"
+        + (f", API process {1e6 * s['api_cpu_s'] / out:.0f} us/token" if api else "")
         + f" (after {record.get('settle_s', 0.0):.1f} s waiting for both to go quiet)"
     )
 
@@ -862,9 +872,12 @@ def peer_serving_round(
     for position, name in enumerate(order, 1):
         settle_s = peer_offline.wait_until_idle(pgids)
         cpu = {n: server.cpu_seconds() for n, server in servers.items()}
+        api_cpu = servers[name].api_cpu_seconds()
         run = run_once(args, urls[name], requests, concurrency, seed, False, args.health_interval)
+        api_cpu = servers[name].api_cpu_seconds() - api_cpu
         cpu = {n: server.cpu_seconds() - cpu[n] for n, server in servers.items()}
         report = run.report()
+        report["summary"]["api_cpu_s"] = api_cpu
         record = {
             "dtype": dtype,
             "concurrency": concurrency,
@@ -964,11 +977,10 @@ def peer_summary(
         }
         if runs:
             rounds = sorted({rnd for rnd, _ in runs})
-            metrics = [m for m in SERVE_METRICS if "health" not in m] + (
-                [m for m in SERVE_METRICS if "health" in m]
-                if all("health_ms" in s for s in runs.values())
-                else []
-            )
+            metrics = [m for m in SERVE_METRICS if "health" not in m and "api" not in m]
+            for part, key in (("health", "health_ms"), ("api", "api_cpu_s")):
+                if all(key in s for s in runs.values()):
+                    metrics += [m for m in SERVE_METRICS if part in m]
             serve: dict[str, Any] = {}
             for name in SYSTEMS:
                 mine = [runs[(rnd, name)] for rnd in rounds if (rnd, name) in runs]
@@ -1076,6 +1088,11 @@ def format_peer_config(config: dict[str, Any]) -> str:
         ):
             values = ", ".join(fmt(v) for v in config["serving_ratios"][metric])
             lines.append(f"kvpilot/vLLM per round, {label}: {values}")
+        if all("api_cpu_us_per_tok" in serve[name]["median"] for name in SYSTEMS):
+            api = " / ".join(
+                f"{NAMES[n]} {serve[n]['median']['api_cpu_us_per_tok']:.0f}" for n in SYSTEMS
+            )
+            lines.append(f"API process CPU per output token (us), median: {api}")
     if off:
         values = ", ".join(fmt(v) for v in off["ratios"])
         lines.append(f"kvpilot/vLLM per round, offline tok/s: {values}")

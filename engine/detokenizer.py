@@ -7,17 +7,41 @@ character, so the text waits for the next token.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 # Prompt tokens used as left context for the first output tokens (spacing of word-piece tokenizers).
 _CONTEXT_TOKENS = 5
 
+TextDecoder = Callable[[list[int]], str]
+
+
+def text_decoder(tokenizer: Any) -> TextDecoder:
+    """`tokenizer.decode(ids, skip_special_tokens=True)`, as one call per token can afford it.
+
+    A transformers fast tokenizer's decode is its Rust tokenizer's decode plus optional space
+    clean-up; the Python around that call costs three times the decode itself, and the API
+    process decodes twice per token per stream. When the tokenizer is one whose `_decode` adds
+    nothing (transformers' own, clean-up off), its Rust tokenizer decodes directly; any other
+    tokenizer keeps its own decode."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None or getattr(tokenizer, "clean_up_tokenization_spaces", True):
+        return lambda ids: tokenizer.decode(ids, skip_special_tokens=True)
+    try:
+        from transformers import PreTrainedTokenizerFast
+    except ImportError:
+        return lambda ids: tokenizer.decode(ids, skip_special_tokens=True)
+    if type(tokenizer)._decode is not PreTrainedTokenizerFast._decode:
+        return lambda ids: tokenizer.decode(ids, skip_special_tokens=True)
+    decode = backend.decode
+    return lambda ids: decode(ids, skip_special_tokens=True)
+
 
 class IncrementalDetokenizer:
     """The text of one sequence's output so far. Keeps only the prompt's last few tokens."""
 
-    def __init__(self, tokenizer: Any, prompt_token_ids: list[int]) -> None:
-        self.tokenizer = tokenizer
+    def __init__(self, decode: TextDecoder, prompt_token_ids: list[int]) -> None:
+        self.decode = decode
         context = prompt_token_ids[-_CONTEXT_TOKENS:]
         self.token_ids: list[int] = list(context)
         self.prefix_offset = 0
@@ -27,11 +51,9 @@ class IncrementalDetokenizer:
         """Add one token; returns the text it completes (may be "" until a character is whole)."""
         self.token_ids.append(token_id)
         end = len(self.token_ids)
-        decode = self.tokenizer.decode
-        prefix_text = decode(
-            self.token_ids[self.prefix_offset : self.read_offset], skip_special_tokens=True
-        )
-        full_text = decode(self.token_ids[self.prefix_offset : end], skip_special_tokens=True)
+        decode = self.decode
+        prefix_text = decode(self.token_ids[self.prefix_offset : self.read_offset])
+        full_text = decode(self.token_ids[self.prefix_offset : end])
         if len(full_text) <= len(prefix_text) or full_text.endswith("\ufffd"):
             return ""
         self.prefix_offset = self.read_offset

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvpilot.engine.core.messages import SeqUpdate, StepOutputs
-from kvpilot.engine.detokenizer import IncrementalDetokenizer, find_stop_string
+from kvpilot.engine.detokenizer import IncrementalDetokenizer, find_stop_string, text_decoder
 from kvpilot.engine.outputs import (
     CompletionOutput,
     Logprob,
@@ -63,6 +63,7 @@ class OutputProcessor:
 
     def __init__(self, tokenizer: Any) -> None:
         self.tokenizer = tokenizer
+        self._decode = None if tokenizer is None else text_decoder(tokenizer)
         self.requests: dict[str, _RequestState] = {}
         self._token_texts: dict[int, str] = {}
 
@@ -84,8 +85,8 @@ class OutputProcessor:
             _SeqState(
                 index,
                 None
-                if self.tokenizer is None
-                else IncrementalDetokenizer(self.tokenizer, prompt_token_ids),
+                if self._decode is None
+                else IncrementalDetokenizer(self._decode, prompt_token_ids),
             )
             for index in range(params.n)
         ]

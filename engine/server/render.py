@@ -9,21 +9,27 @@ through a cursor.
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass
 from typing import Any
 
+import msgspec
+
 from kvpilot.engine.outputs import CompletionOutput, Logprob, TokenLogprobs
 
-DONE = "data: [DONE]\n\n"
+DONE = b"data: [DONE]\n\n"
 # JSON has no -inf; OpenAI and vLLM report impossible tokens as -9999.0.
 MIN_LOGPROB = -9999.0
 
 
-def sse(payload: dict[str, Any]) -> str:
+# Compact UTF-8 JSON, as json.dumps(ensure_ascii=False, separators=(",", ":")) writes it, in a
+# tenth of the time: one event per token per stream is most of the API process's work.
+_JSON = msgspec.json.Encoder()
+
+
+def sse(payload: dict[str, Any]) -> bytes:
     """One Server-Sent Event as OpenAI frames it: a single `data:` line and a blank line."""
-    return f"data: {json.dumps(payload, ensure_ascii=False, separators=(',', ':'))}\n\n"
+    return b"data: " + _JSON.encode(payload) + b"\n\n"
 
 
 def clamp_logprob(value: float) -> float:

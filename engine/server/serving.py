@@ -231,12 +231,12 @@ async def _completion_events(
     request: CompletionRequest,
     prompts: list[Prompt],
     header: render.ResponseHeader,
-) -> AsyncIterator[str]:
+) -> AsyncIterator[bytes]:
     n, num_top, with_usage = request.n, request.logprobs, request.include_usage
     cursors = {(i, k): render.ChoiceCursor() for i in range(len(prompts)) for k in range(n)}
     latest: list[RequestOutput | None] = [None] * len(prompts)
 
-    def chunk(index: int, text: str, **fields: Any) -> str:
+    def chunk(index: int, text: str, **fields: Any) -> bytes:
         choice = {"index": index, "text": text, "logprobs": None, "finish_reason": None, **fields}
         return render.sse(render.completion_chunk(header, [choice], with_usage_field=with_usage))
 
@@ -334,13 +334,13 @@ async def _chat_events(
     prompts: list[Prompt],
     header: render.ResponseHeader,
     tools: ToolReading | None = None,
-) -> AsyncIterator[str]:
+) -> AsyncIterator[bytes]:
     num_top, with_usage = num_logprobs(request), request.include_usage
     cursors = [render.ChoiceCursor() for _ in range(request.n)]
     tool_cursors = [tool_render.ToolStreamCursor() for _ in range(request.n)]
     latest: list[RequestOutput | None] = [None]
 
-    def chunk(choice: dict[str, Any]) -> str:
+    def chunk(choice: dict[str, Any]) -> bytes:
         return render.sse(render.chat_chunk(header, [choice], with_usage_field=with_usage))
 
     # OpenAI opens every choice with a role delta before any content.

@@ -56,7 +56,7 @@ class SSEResponse(Response):
 
     def __init__(
         self,
-        events: AsyncIterator[str],
+        events: AsyncIterator[bytes],
         on_close: Callable[[], None],
         headers: dict[str, str] | None = None,
     ) -> None:
@@ -71,7 +71,7 @@ class SSEResponse(Response):
 
     async def _pump(self, send: Send) -> None:
         async for event in self.events:
-            await send({"type": "http.response.body", "body": event.encode(), "more_body": True})
+            await send({"type": "http.response.body", "body": event, "more_body": True})
         await send({"type": "http.response.body", "body": b"", "more_body": False})
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:

@@ -115,6 +115,8 @@ def _run(system: str, rnd: int, tok_s: float, ttft: float) -> dict:
         "health_ms": {"p50": 1.0, "p99": 4.0 * rnd, "max": 9.0},
         "failed": 0,
         "total_input_tokens": 1000 + rnd,
+        "total_output_tokens": 2000,
+        "api_cpu_s": (0.2 if system == "kvpilot" else 0.5) * rnd,
     }
     return {"dtype": "float32", "concurrency": 16, "round": rnd, "system": system,
             "summary": summary}  # fmt: skip
@@ -145,10 +147,15 @@ def test_the_peer_summary_takes_medians_and_pairs_rounds(bench: ModuleType) -> N
     assert goals["TTFT p50"]["value"] == 0.5 and goals["TTFT p50"]["met"]
     assert goals["kvpilot /health p99 (ms)"]["value"] == 12.0
     assert goals["offline tok/s"]["value"] == 1.25
+    assert config["serving"]["kvpilot"]["rounds"]["api_cpu_us_per_tok"] == pytest.approx(
+        [100, 200, 300]
+    )
+    assert config["serving"]["vllm"]["median"]["api_cpu_us_per_tok"] == pytest.approx(500)
     assert config["prompt_tokens"]["vllm"] == [1001, 1002, 1003]
     assert config["prompt_tokens"]["offline"] == [1001] * 3  # the fake offline rounds differ
     text = bench.format_peer_config(config)
     assert "MISSED" not in text and "prompt tokens per round (DIFFERENT)" in text
+    assert "API process CPU per output token (us), median: kvpilot 200 / vLLM 500" in text
 
 
 async def test_the_health_probe_runs_beside_the_workload(

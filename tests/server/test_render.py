@@ -69,8 +69,13 @@ def test_usage_has_cached_tokens_details() -> None:
 
 
 def test_sse_frames_one_data_line_and_keeps_unicode() -> None:
-    event = render.sse({"text": "héllo\nworld"})
-    assert event.startswith("data: ") and event.endswith("\n\n")
-    assert event.count("\n") == 2  # the newline inside the text is escaped by JSON
-    assert json.loads(event[len("data: ") :]) == {"text": "héllo\nworld"}
-    assert render.DONE == "data: [DONE]\n\n"
+    payload = {"text": "héllo\nworld", "n": [1, -2.5, None, True], "nested": {"k": '\u2028\t"\\'}}
+    event = render.sse(payload)
+    assert event.startswith(b"data: ") and event.endswith(b"\n\n")
+    assert event.count(b"\n") == 2  # the newline inside the text is escaped by JSON
+    assert "héllo".encode() in event  # UTF-8, not \u escapes (ensure_ascii=False)
+    assert json.loads(event[len(b"data: ") :]) == payload
+    # Byte for byte what json.dumps writes compactly, so clients see the same stream as before.
+    compact = json.dumps(payload, ensure_ascii=False, separators=(",", ":")).encode()
+    assert event == b"data: " + compact + b"\n\n"
+    assert render.DONE == b"data: [DONE]\n\n"
