@@ -21,20 +21,25 @@ def text_decoder(tokenizer: Any) -> TextDecoder:
 
     A transformers fast tokenizer's decode is its Rust tokenizer's decode plus optional space
     clean-up; the Python around that call costs three times the decode itself, and the API
-    process decodes twice per token per stream. When the tokenizer is one whose `_decode` adds
-    nothing (transformers' own, clean-up off), its Rust tokenizer decodes directly; any other
-    tokenizer keeps its own decode."""
-    backend = getattr(tokenizer, "backend_tokenizer", None)
-    if backend is None or getattr(tokenizer, "clean_up_tokenization_spaces", True):
-        return lambda ids: tokenizer.decode(ids, skip_special_tokens=True)
+    process decodes twice per token per stream. So a tokenizer whose decode adds nothing to its
+    Rust tokenizer's is decoded by that directly; any other keeps its own decode."""
+    if _decode_adds_nothing(tokenizer):
+        decode = tokenizer.backend_tokenizer.decode
+        return lambda ids: decode(ids, skip_special_tokens=True)
+    return lambda ids: tokenizer.decode(ids, skip_special_tokens=True)
+
+
+def _decode_adds_nothing(tokenizer: Any) -> bool:
+    """A transformers fast tokenizer with the library's own `_decode` and space clean-up off."""
+    if getattr(tokenizer, "backend_tokenizer", None) is None:
+        return False
+    if getattr(tokenizer, "clean_up_tokenization_spaces", True):
+        return False
     try:
         from transformers import PreTrainedTokenizerFast
     except ImportError:
-        return lambda ids: tokenizer.decode(ids, skip_special_tokens=True)
-    if type(tokenizer)._decode is not PreTrainedTokenizerFast._decode:
-        return lambda ids: tokenizer.decode(ids, skip_special_tokens=True)
-    decode = backend.decode
-    return lambda ids: decode(ids, skip_special_tokens=True)
+        return False
+    return type(tokenizer)._decode is PreTrainedTokenizerFast._decode
 
 
 class IncrementalDetokenizer:
