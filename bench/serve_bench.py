@@ -2,9 +2,11 @@
 
 Sends a synthetic workload over HTTP (streaming), measures on the client side, and reports request
 and output-token throughput and TTFT / ITL / TPOT / end-to-end latency (mean, p50, p99); writes a
-JSON file (configuration, summary, every request) and a PNG. The load generator streams with
-aiohttp, as `vllm bench serve` does (its C line splitter costs the machine less than httpx's: on the
-2-core VM the client shares the CPUs with the server), and reports its own CPU seconds per run.
+JSON file (configuration, summary, every request) and a PNG. The load generator streams over
+bench/stream_client.py (an asyncio protocol per keep-alive connection parsed by httptools, each
+chunk decoded by msgspec): on the 2-core VM the client shares the CPUs with the server, and it
+costs less than aiohttp's streamed reads (what `vllm bench serve` uses). It reports its own CPU
+seconds per run.
 
 Synthetic dataset (seeded, `--seed`): request i gets an input length drawn uniformly from
 [input_len * (1 - range_ratio), input_len * (1 + range_ratio)] and an output length drawn the same
@@ -75,7 +77,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import http.client
 import json
 import math
 import os
@@ -98,11 +99,18 @@ from typing import Any
 
 import aiohttp
 import httpx
+import msgspec
 from tqdm import tqdm
+
+try:
+    import uvloop
+except ImportError:  # not on Windows
+    uvloop = None
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import peer_offline
 from peer_offline import SYSTEMS
+from stream_client import StreamClient, StreamError
 
 _WORDS_TEXT = (
     "time year people way day man thing woman life child world school state family student "
@@ -251,56 +259,92 @@ def request_body(
     return {**common, "messages" if endpoint == "chat" else "prompt": prompt}
 
 
+class _Delta(msgspec.Struct):
+    content: str | None = None
+
+
+class _Choice(msgspec.Struct):
+    text: str | None = None
+    delta: _Delta | None = None
+
+
+class _PromptDetails(msgspec.Struct):
+    cached_tokens: int | None = None
+
+
+class _Usage(msgspec.Struct):
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    prompt_tokens_details: _PromptDetails | None = None
+
+
+class _Chunk(msgspec.Struct):
+    """The fields of a streamed completion or chat chunk the benchmark reads (others skipped)."""
+
+    choices: list[_Choice] | None = None
+    usage: _Usage | None = None
+    error: Any = None
+
+
+_CHUNK_DECODER = msgspec.json.Decoder(_Chunk)
+
+
 async def send(
-    http: aiohttp.ClientSession, url: str, body: dict[str, Any], result: RequestResult, t0: float
+    client: StreamClient, path: str, body: dict[str, Any], result: RequestResult, t0: float
 ) -> None:
+    """One streamed request, recorded in `result`: each text chunk's arrival time (TTFT, then
+    the inter-token gaps), the usage of the last chunk, or the error."""
     start = time.perf_counter()
     result.start = start - t0
     last = start
+
+    def on_event(data: bytes, now: float) -> None:
+        nonlocal last
+        if result.error or data == b"[DONE]":
+            return
+        try:
+            chunk = _CHUNK_DECODER.decode(data)
+        except msgspec.DecodeError as exc:
+            result.error = f"bad chunk {data[:200]!r}: {exc}"
+            return
+        if chunk.error is not None:
+            result.error = str(chunk.error)
+            return
+        if chunk.usage is not None:
+            result.prompt_tokens = chunk.usage.prompt_tokens
+            result.output_tokens = chunk.usage.completion_tokens
+            details = chunk.usage.prompt_tokens_details
+            result.cached_tokens = (details.cached_tokens or 0) if details else 0
+        for choice in chunk.choices or ():
+            text = choice.text or (choice.delta.content if choice.delta else None)
+            if not text:
+                continue
+            if result.ttft == 0.0:
+                result.ttft = now - start
+            else:
+                result.itls.append(now - last)
+            last = now
+
     try:
-        async with http.post(url, json=body) as response:
-            if response.status != 200:
-                result.error = f"HTTP {response.status}: {(await response.read())[:200]!r}"
-                return
-            # aiohttp splits the stream into lines in C (what `vllm bench serve` uses too): on a
-            # 2-core machine the load generator's own CPU time is taken from the servers.
-            async for raw in response.content:
-                line = raw.strip()
-                if not line.startswith(b"data: ") or line == b"data: [DONE]":
-                    continue
-                chunk = json.loads(line[len(b"data: ") :])
-                if "error" in chunk:
-                    result.error = str(chunk["error"])
-                    return
-                if chunk.get("usage"):
-                    usage = chunk["usage"]
-                    result.prompt_tokens = usage["prompt_tokens"]
-                    result.output_tokens = usage["completion_tokens"]
-                    details = usage.get("prompt_tokens_details") or {}
-                    result.cached_tokens = details.get("cached_tokens") or 0
-                for choice in chunk.get("choices", []):
-                    text = choice.get("text") or (choice.get("delta") or {}).get("content")
-                    if not text:
-                        continue
-                    now = time.perf_counter()
-                    if result.ttft == 0.0:
-                        result.ttft = now - start
-                    else:
-                        result.itls.append(now - last)
-                    last = now
-        result.e2e = time.perf_counter() - start
-        result.ok = result.ttft > 0
-    except (aiohttp.ClientError, json.JSONDecodeError) as exc:
+        status, error_body = await client.post(path, json.dumps(body).encode(), on_event)
+    except (OSError, StreamError, TimeoutError) as exc:
         result.error = repr(exc)
+        return
+    if status != 200:
+        result.error = f"HTTP {status}: {error_body[:200]!r}"
+        return
+    result.e2e = time.perf_counter() - start
+    result.ok = result.ttft > 0 and not result.error
 
 
 class HealthProbe:
     """GETs `url` every `interval` s (a new probe right away when one took longer) until stopped,
     recording each latency and counting non-200 answers. It runs on its own thread with its own
-    connection: on the load generator's event loop each probe would also wait behind the queue of
-    stream chunks, which is the client's delay, not the server's. The standard library's
-    http.client, not httpx: ten probes a second through httpx took ~0.4 CPU s of a 27 s run from
-    the two cores the server shares with the load generator."""
+    keep-alive connection: on the load generator's event loop each probe would also wait behind
+    the queue of stream chunks, which is the client's delay, not the server's. A prebuilt request
+    on a plain socket, the answer read up to its length: ten probes a second cost the 2-core
+    machine ~0.4 CPU s per 27 s run through httpx and ~0.09 per 10 s run through http.client
+    (its header parsing), taken from the server they measure."""
 
     def __init__(self, url: str, interval: float) -> None:
         self.url = url
@@ -312,25 +356,32 @@ class HealthProbe:
 
     def _loop(self) -> None:
         url = urllib.parse.urlsplit(self.url)
-        connection = http.client.HTTPConnection(url.hostname or "127.0.0.1", url.port, timeout=30)
+        address = (url.hostname or "127.0.0.1", url.port or 80)
+        request = f"GET {url.path or '/'} HTTP/1.1\r\nHost: {url.netloc}\r\n\r\n".encode()
+        sock: socket.socket | None = None
         try:
             next_at = time.perf_counter()
             while not self._stop.is_set():
                 start = time.perf_counter()
                 try:
-                    connection.request("GET", url.path or "/")
-                    response = connection.getresponse()
-                    response.read()
-                    ok = response.status == 200
-                except (OSError, http.client.HTTPException):
-                    ok = False
-                    connection.close()  # the next probe connects afresh
+                    if sock is None:
+                        sock = socket.create_connection(address, timeout=30)
+                        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                    sock.sendall(request)
+                    status, keep_alive = read_response(sock)
+                    ok = status == 200
+                except (OSError, ValueError):
+                    ok, keep_alive = False, False
+                if not keep_alive and sock is not None:
+                    sock.close()  # the next probe connects afresh
+                    sock = None
                 self.latencies.append(time.perf_counter() - start)
                 self.failures += not ok
                 next_at = max(next_at + self.interval, time.perf_counter())
                 self._stop.wait(next_at - time.perf_counter())
         finally:
-            connection.close()
+            if sock is not None:
+                sock.close()
 
     def __enter__(self) -> HealthProbe:
         self._thread.start()
@@ -339,6 +390,34 @@ class HealthProbe:
     def __exit__(self, *exc: object) -> None:
         self._stop.set()
         self._thread.join()
+
+
+_CONTENT_LENGTH = re.compile(rb"\r\ncontent-length:[ \t]*(\d+)", re.IGNORECASE)
+_CONNECTION_CLOSE = re.compile(rb"\r\nconnection:[^\r]*\bclose\b", re.IGNORECASE)
+
+
+def read_response(sock: socket.socket) -> tuple[int, bool]:
+    """Read one HTTP/1.1 answer with a Content-Length (what /health answers carry) from `sock`:
+    its status and whether the connection stays open. ValueError for anything else."""
+    data = b""
+    while (head_end := data.find(b"\r\n\r\n")) < 0:
+        data += recv_some(sock)
+    head = data[:head_end]
+    if not head.startswith(b"HTTP/1.") or len(head) < 12:
+        raise ValueError(f"not an HTTP answer: {head[:40]!r}")
+    length = _CONTENT_LENGTH.search(head)
+    if length is None:
+        raise ValueError("an answer without Content-Length")
+    while len(data) - head_end - 4 < int(length.group(1)):
+        data += recv_some(sock)
+    return int(head[9:12]), _CONNECTION_CLOSE.search(head) is None
+
+
+def recv_some(sock: socket.socket) -> bytes:
+    chunk = sock.recv(65536)
+    if not chunk:
+        raise ConnectionError("the server closed the connection")
+    return chunk
 
 
 @dataclass
@@ -402,16 +481,15 @@ async def run_workload(
     temperature: float = 0.0,
 ) -> Run:
     path = "/v1/chat/completions" if endpoint == "chat" else "/v1/completions"
-    # No connection limit (the semaphore is the concurrency), no total timeout per request.
-    connector = aiohttp.TCPConnector(limit=0)
-    timeout = aiohttp.ClientTimeout(total=None, sock_read=600.0)
-    async with aiohttp.ClientSession(connector=connector, timeout=timeout) as http:
+    # aiohttp for the model list and the metrics; the streamed requests go through `client`.
+    client = StreamClient(base_url)
+    async with aiohttp.ClientSession() as http:
         async with http.get(f"{base_url}/v1/models") as response:
             model = (await response.json())["data"][0]["id"]
         if warmup:  # one request, not measured (first-call overheads)
             warm = RequestResult(-1)
             body = request_body(requests[0], endpoint, model, temperature)
-            await send(http, base_url + path, body, warm, 0.0)
+            await send(client, path, body, warm, 0.0)
             if not warm.ok:
                 raise RuntimeError(f"the warm-up request failed: {warm.error}")
         before = await scrape(http, base_url)
@@ -427,10 +505,10 @@ async def run_workload(
             await asyncio.sleep(max(0.0, t0 + offset - time.perf_counter()))
             body = request_body(req, endpoint, model, temperature)
             if gate is None:
-                await send(http, base_url + path, body, result, t0)
+                await send(client, path, body, result, t0)
             else:
                 async with gate:
-                    await send(http, base_url + path, body, result, t0)
+                    await send(client, path, body, result, t0)
             bar.update(1)
 
         with probe or nullcontext():
@@ -441,6 +519,7 @@ async def run_workload(
             client_cpu = time.process_time() - cpu0
         bar.close()
         after = await scrape(http, base_url)
+        client.close()
     delta = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after}
     health = (probe.latencies, probe.failures) if probe else ([], 0)
     return Run(model, results, duration, delta, *health, client_cpu)
@@ -644,7 +723,8 @@ def run_once(
         health_interval,
         args.temperature,
     )
-    return asyncio.run(workload)
+    # uvloop where it installs (as the server runs): the load generator's callbacks cost less.
+    return uvloop.run(workload) if uvloop is not None else asyncio.run(workload)
 
 
 # ---------------------------------------------------------------------------------------------

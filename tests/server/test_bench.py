@@ -9,6 +9,7 @@ import statistics
 import sys
 import time
 import types
+from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
 
@@ -75,13 +76,35 @@ async def test_a_refused_request_is_recorded_not_raised(
 ) -> None:
     """An HTTP error answer (here a 400 for a prompt of the wrong type) becomes the request's
     error, with the status, and the run goes on."""
-    import aiohttp
+    result = bench.RequestResult(0)
+    client = bench.StreamClient(server.url)
+    body = {"model": "x", "prompt": {"not": "a prompt"}, "max_tokens": 2, "stream": True}
+    await bench.send(client, "/v1/completions", body, result, 0.0)
+    client.close()
+    assert not result.ok and result.error.startswith("HTTP 400") and result.ttft == 0.0
+    assert "prompt" in result.error  # the answer's body, kept
+
+
+async def test_an_error_event_mid_stream_is_recorded(bench: ModuleType) -> None:
+    """A stream that ends in an error event (replayed: what a server writes when its engine dies
+    mid-request) is a failed request with that error, not a success with fewer tokens."""
+    events = [
+        b'{"choices":[{"index":0,"text":"a"}]}',
+        b'{"error":{"message":"engine died","type":"server_error"}}',
+        b"[DONE]",
+    ]
+
+    class Replay:
+        async def post(
+            self, path: str, body: bytes, on_event: Callable[[bytes, float], None]
+        ) -> tuple[int, bytes]:
+            for event in events:
+                on_event(event, time.perf_counter())
+            return 200, b""
 
     result = bench.RequestResult(0)
-    async with aiohttp.ClientSession() as http:
-        body = {"model": "x", "prompt": {"not": "a prompt"}, "max_tokens": 2, "stream": True}
-        await bench.send(http, server.url + "/v1/completions", body, result, 0.0)
-    assert not result.ok and result.error.startswith("HTTP 400") and result.ttft == 0.0
+    await bench.send(Replay(), "/v1/completions", {}, result, 0.0)
+    assert not result.ok and "engine died" in result.error and result.ttft > 0
 
 
 def test_the_prompt_is_what_the_request_body_sends(bench: ModuleType) -> None:
