@@ -56,6 +56,9 @@ class ProcessedOutputs:
     outputs: list[RequestOutput]
     # (request id, sequence index) finished here by a stop string: abort them in the core.
     stop_hits: list[tuple[str, int]]
+    # Per request that got tokens in this step and in an earlier one: the time since that one
+    # (inter-token latency), whether or not the request gets an output now (final_only).
+    token_gaps: list[float] = field(default_factory=list)
 
 
 class OutputProcessor:
@@ -120,6 +123,7 @@ class OutputProcessor:
                 request.metrics.first_scheduled_time = step.scheduled_time
         touched: dict[str, _RequestState] = {}
         stop_hits: list[tuple[str, int]] = []
+        token_gaps: list[float] = []
         for update in step.updates:
             request = self.requests.get(update.request_id)
             if request is None:  # aborted here while the core was stepping
@@ -132,6 +136,8 @@ class OutputProcessor:
             metrics = request.metrics
             if metrics.first_token_time is None:
                 metrics.first_token_time = step.token_time
+            elif request.request_id not in touched and metrics.last_token_time is not None:
+                token_gaps.append(step.token_time - metrics.last_token_time)
             metrics.last_token_time = step.token_time
             if update.index == 0:
                 request.num_cached_tokens = update.num_cached_tokens
@@ -144,7 +150,7 @@ class OutputProcessor:
             elif request.final_only:
                 continue
             outputs.append(self._output(request))
-        return ProcessedOutputs(outputs, stop_hits)
+        return ProcessedOutputs(outputs, stop_hits, token_gaps)
 
     def _apply(self, request: _RequestState, seq: _SeqState, update: SeqUpdate) -> bool:
         """Add the update's token to the sequence; True when a stop string ended it here."""

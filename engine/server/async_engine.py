@@ -131,8 +131,6 @@ class _Live:
 
     stream: RequestStream
     params: SamplingParams | None = None  # for the request_params_* metrics
-    num_tokens: int = 0
-    last_token_time: float | None = None
 
 
 # Threads of the API process that parse and tokenize requests (state.py runs them).
@@ -298,8 +296,11 @@ class AsyncEngine:
         prompt_text: str | None = None,
         cache_salt: str | None = None,
         arrival_time: float | None = None,
+        final_only: bool = False,
     ) -> RequestStream:
-        """Hand a request to the core; ValueError when it cannot run (a client error)."""
+        """Hand a request to the core; ValueError when it cannot run (a client error).
+        final_only: the stream gets one output, when the request finishes, instead of one per
+        step (a non-streamed response reads nothing before the end)."""
         info = self.info
         if not self.is_alive or info is None or self._processor is None:
             raise EngineDeadError("the engine is not running")
@@ -312,7 +313,9 @@ class AsyncEngine:
         with self._lock:
             if self.error is not None:
                 raise EngineDeadError(f"the engine is not running: {self.error}")
-            self._processor.add_request(request_id, prompt_text, prompt_ids, params, arrival)
+            self._processor.add_request(
+                request_id, prompt_text, prompt_ids, params, arrival, final_only=final_only
+            )
             self._live[request_id] = _Live(stream, params)
             # Numbered and sent under the lock, so numbers follow the order the core sees.
             self._num_commands_sent += 1
@@ -457,11 +460,13 @@ class AsyncEngine:
             processed = self._processor.process(step)
             for request_id, index in processed.stop_hits:
                 self._send(Abort(request_id, index))
+            if metrics is not None:
+                for gap in processed.token_gaps:
+                    metrics.inter_token_latency.observe(gap)
             for output in processed.outputs:
                 entry = self._live.get(output.request_id)
                 if entry is None:
                     continue
-                self._observe_tokens(entry, output, step.token_time)
                 if output.finished:
                     del self._live[output.request_id]
                     if metrics is not None:
@@ -476,15 +481,6 @@ class AsyncEngine:
             except RuntimeError:  # that event loop is closed: its requests have no reader
                 for stream, _ in items:
                     self.abort(stream.request_id)
-
-    def _observe_tokens(self, entry: _Live, output: RequestOutput, now: float) -> None:
-        num_tokens = sum(len(o.token_ids) for o in output.outputs)
-        if num_tokens <= entry.num_tokens:
-            return
-        if entry.last_token_time is not None and self.metrics is not None:
-            self.metrics.inter_token_latency.observe(now - entry.last_token_time)
-        entry.num_tokens = num_tokens
-        entry.last_token_time = now
 
     def _die(self, exc: BaseException) -> None:
         self.error = exc

@@ -177,6 +177,7 @@ async def start_generation(
                     prompt_text=prompt.text,
                     cache_salt=request.cache_salt,
                     arrival_time=arrival_time,
+                    final_only=not request.stream,
                 )
             )
     except BaseException as exc:
