@@ -10,14 +10,15 @@ See engine/server/README.md for the meaning of every metric.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 
 from kvpilot.engine.outputs import RequestOutput
 from kvpilot.engine.sampling_params import SamplingParams
+from kvpilot.engine.server.histograms import Histogram, HistogramSet
 
 KVPILOT = "kvpilot"
 VLLM = "vllm"
@@ -89,10 +90,6 @@ class _Fanout:
         for child in self.children:
             child.set(value)
 
-    def observe(self, value: float) -> None:
-        for child in self.children:
-            child.observe(value)
-
     def set_function(self, fn: Callable[[], float]) -> None:
         for child in self.children:
             child.set_function(fn)
@@ -115,6 +112,10 @@ class ServerMetrics:
         self.model_name = model_name
         self._prefixes = (KVPILOT, VLLM) if vllm_names else (KVPILOT,)
         self._last = EngineCounters()
+        # Counters and gauges (prometheus_client's, registered one by one); the histograms are
+        # one collector, registered last, once all of them are in it (see histograms.py).
+        self._simple: list[Any] = []
+        self._histograms = HistogramSet()
 
         # Engine state, read at scrape time.
         self.num_requests_waiting = self._gauge(
@@ -248,26 +249,29 @@ class ServerMetrics:
 
         # kvpilot's own server-level metrics (no vLLM equivalent).
         own = {"registry": registry}
-        Gauge(
+        parallel = Gauge(
             f"{KVPILOT}:parallel_config_info",
             "How the model is split; the value is always 1. KV-cache blocks and usage count the "
             "whole model (one block is one block on every rank).",
             ["model_name", "tensor_parallel_size"],
             **own,
-        ).labels(model_name, str(tensor_parallel_size)).set(1)
-        self.engine_step_duration = Histogram(
+        )
+        parallel.labels(model_name, str(tensor_parallel_size)).set(1)
+        self.engine_step_duration = Histogram(STEP_BUCKETS)
+        self._histograms.add(
+            self.engine_step_duration,
             f"{KVPILOT}:engine_step_duration_seconds",
             "Wall time of one engine-core step (scheduling, forward, sampling).",
             ["model_name"],
-            buckets=STEP_BUCKETS,
-            **own,
-        ).labels(model_name)
-        self.num_requests_in_flight = Gauge(
+            [model_name],
+        )
+        in_flight = Gauge(
             f"{KVPILOT}:num_requests_in_flight",
             "HTTP generation requests admitted and not yet answered (what a drain waits for).",
             ["model_name"],
             **own,
-        ).labels(model_name)
+        )
+        self.num_requests_in_flight = in_flight.labels(model_name)
         rejected = Counter(
             f"{KVPILOT}:requests_rejected",
             "Requests refused before reaching the engine, by reason.",
@@ -275,12 +279,20 @@ class ServerMetrics:
             **own,
         )
         self.requests_rejected = {r: rejected.labels(model_name, r) for r in REJECT_REASONS}
-        self.draining = Gauge(
+        draining = Gauge(
             f"{KVPILOT}:draining",
             "1 while the server drains after SIGTERM, else 0.",
             ["model_name"],
             **own,
-        ).labels(model_name)
+        )
+        self.draining = draining.labels(model_name)
+        self._simple += [parallel, in_flight, rejected, draining]
+        registry.register(self._histograms)
+
+    def exposition(self) -> bytes:
+        """Every metric in the Prometheus text format: what generate_latest(registry) writes,
+        with the histograms written in one pass (a few times faster; see histograms.py)."""
+        return generate_latest(_Metrics(self._simple)) + self._histograms.render().encode()
 
     def _family(
         self, kind: type, prefix: str, name: str, doc: str, labels: list[str], **kwargs: Any
@@ -290,6 +302,7 @@ class ServerMetrics:
         fixed = [self.model_name, *([VLLM_ENGINE_INDEX] if prefix == VLLM else [])]
         names = ["model_name", *(["engine"] if prefix == VLLM else []), *labels]
         metric = kind(f"{prefix}:{name}", doc, names, registry=self.registry, **kwargs)
+        self._simple.append(metric)
         return lambda *values: metric.labels(*fixed, *values)
 
     def _labelled(
@@ -305,9 +318,19 @@ class ServerMetrics:
     def _counter(self, name: str, doc: str) -> _Fanout:
         return _Fanout([bind() for bind in self._labelled(Counter, name, doc, [])])
 
-    def _histogram(self, name: str, doc: str, buckets: Sequence[float]) -> _Fanout:
-        hists = self._labelled(Histogram, name, doc, [], buckets=buckets)
-        return _Fanout([bind() for bind in hists])
+    def _histogram(self, name: str, doc: str, buckets: Sequence[float]) -> Histogram:
+        """One set of counts, shown under every name set."""
+        histogram = Histogram(buckets)
+        for prefix in self._prefixes:
+            vllm = prefix == VLLM
+            self._histograms.add(
+                histogram,
+                f"{prefix}:{name}",
+                doc,
+                ["model_name", *(["engine"] if vllm else [])],
+                [self.model_name, *([VLLM_ENGINE_INDEX] if vllm else [])],
+            )
+        return histogram
 
     def bind_engine_state(
         self,
@@ -378,6 +401,17 @@ class ServerMetrics:
         if num_generated > 1 and m.first_token_time is not None and m.last_token_time is not None:
             decode = max(0.0, m.last_token_time - m.first_token_time)
             self.time_per_output_token.observe(decode / (num_generated - 1))
+
+
+class _Metrics:
+    """prometheus_client metrics as one collectable (what generate_latest takes)."""
+
+    def __init__(self, metrics: list[Any]) -> None:
+        self.metrics = metrics
+
+    def collect(self) -> Iterator[Any]:
+        for metric in self.metrics:
+            yield from metric.collect()
 
 
 def finished_reason(output: RequestOutput) -> str:

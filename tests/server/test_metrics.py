@@ -2,13 +2,23 @@
 
 from __future__ import annotations
 
+import random
+
+import pytest
 from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client import Histogram as ClientHistogram
 from prometheus_client.metrics_core import Metric
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvpilot.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from kvpilot.engine.sampling_params import SamplingParams
-from kvpilot.engine.server.metrics import EngineCounters, ServerMetrics, finished_reason
+from kvpilot.engine.server.histograms import Histogram, HistogramSet
+from kvpilot.engine.server.metrics import (
+    TOKEN_LATENCY_BUCKETS,
+    EngineCounters,
+    ServerMetrics,
+    finished_reason,
+)
 
 # What KEDA recipes, the Gateway API Inference Extension and vLLM's Grafana dashboard read.
 VLLM_NAMES = {
@@ -238,3 +248,83 @@ def test_finished_reason_of_n_choices() -> None:
     assert finished_reason(out("stop", "stop")) == "stop"
     assert finished_reason(out("stop", "length")) == "length"
     assert finished_reason(out("length", "abort")) == "abort"
+
+
+def parsed(text: str) -> list[tuple[str, str, str, tuple[tuple[str, str], ...], float]]:
+    return sorted(
+        (f.name, f.type, f.documentation, tuple(sorted(s.labels.items())), s.value)
+        for f in text_string_to_metric_families(text)
+        for s in f.samples
+    )
+
+
+def filled(
+    vllm_names: bool = True, model_name: str = "m"
+) -> tuple[ServerMetrics, CollectorRegistry]:
+    registry = CollectorRegistry()
+    metrics = ServerMetrics(
+        registry,
+        model_name,
+        block_size=16,
+        num_gpu_blocks=100,
+        enable_prefix_caching=True,
+        max_model_len=2048,
+        vllm_names=vllm_names,
+    )
+    metrics.bind_engine_state(lambda: 3, lambda: 2, lambda: 0.25)
+    metrics.record_counters(EngineCounters(10, 4, 1, 30, 12))
+    # On a bound (upper bounds are inclusive), between bounds, above every bound.
+    for gap in (0.01, 0.02, 0.3, 123.0):
+        metrics.inter_token_latency.observe(gap)
+    metrics.engine_step_duration.observe(0.004)
+    output = RequestOutput(
+        "r", None, [1, 2, 3], [CompletionOutput(0, "a", [4, 5], finish_reason="stop")], True,
+        metrics=RequestMetrics(1.0, 1.5, 2.0, 2.5, 2.5),
+    )  # fmt: skip
+    metrics.record_finished(output, "stop", SamplingParams(max_tokens=7))
+    return metrics, registry
+
+
+def test_the_fast_exposition_writes_what_generate_latest_writes() -> None:
+    """/metrics' fast path and prometheus_client's exposition of the same registry parse to the
+    same families, types, help texts and samples (values, labels, _created timestamps)."""
+    for vllm_names in (True, False):
+        metrics, registry = filled(vllm_names)
+        fast, reference = (
+            parsed(metrics.exposition().decode()),
+            parsed(generate_latest(registry).decode()),
+        )
+        assert fast == reference
+        assert len(fast) > 600 if vllm_names else len(fast) > 300
+    # A model name that needs escaping in a label value comes back whole.
+    metrics, registry = filled(model_name='a"b\\c\nd')
+    fast = parsed(metrics.exposition().decode())
+    assert fast == parsed(generate_latest(registry).decode())
+    assert {dict(labels)["model_name"] for _, _, _, labels, _ in fast} == {'a"b\\c\nd'}
+
+
+def test_histograms_bucket_as_prometheus_clients_own() -> None:
+    """The same observations (random, and exactly on every bound) land in the same cumulative
+    buckets, count and sum as in prometheus_client's Histogram."""
+
+    from kvpilot.engine.server.histograms import Histogram
+
+    registry = CollectorRegistry()
+    theirs = ClientHistogram("x", "d", buckets=TOKEN_LATENCY_BUCKETS, registry=registry)
+    ours, shown = Histogram(TOKEN_LATENCY_BUCKETS), HistogramSet()
+    shown.add(ours, "x", "d", [], [])
+    rng = random.Random(7)
+    values = [rng.uniform(0, 100) for _ in range(500)] + list(TOKEN_LATENCY_BUCKETS) + [0.0]
+    for value in values:
+        theirs.observe(value)
+        ours.observe(value)
+    want = [s for s in parsed(generate_latest(registry).decode()) if not s[0].endswith("created")]
+    got = [s for s in parsed(shown.render()) if not s[0].endswith("created")]
+    assert got == want and len(got) == 1 + len(TOKEN_LATENCY_BUCKETS) + 2
+
+
+def test_bucket_bounds_must_increase() -> None:
+    with pytest.raises(ValueError, match="must increase"):
+        Histogram([1.0, 0.5])
+    with pytest.raises(ValueError, match="must increase"):
+        Histogram([1.0, 1.0])
