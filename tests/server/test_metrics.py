@@ -99,11 +99,13 @@ VLLM_BUCKETS = {
 }
 
 
-def build(vllm_names: bool = True) -> tuple[ServerMetrics, CollectorRegistry]:
+def build(
+    vllm_names: bool = True, model_name: str = "m"
+) -> tuple[ServerMetrics, CollectorRegistry]:
     registry = CollectorRegistry()
     metrics = ServerMetrics(
         registry,
-        "m",
+        model_name,
         block_size=16,
         num_gpu_blocks=100,
         enable_prefix_caching=True,
@@ -261,17 +263,7 @@ def parsed(text: str) -> list[tuple[str, str, str, tuple[tuple[str, str], ...], 
 def filled(
     vllm_names: bool = True, model_name: str = "m"
 ) -> tuple[ServerMetrics, CollectorRegistry]:
-    registry = CollectorRegistry()
-    metrics = ServerMetrics(
-        registry,
-        model_name,
-        block_size=16,
-        num_gpu_blocks=100,
-        enable_prefix_caching=True,
-        max_model_len=2048,
-        vllm_names=vllm_names,
-    )
-    metrics.bind_engine_state(lambda: 3, lambda: 2, lambda: 0.25)
+    metrics, registry = build(vllm_names, model_name)
     metrics.record_counters(EngineCounters(10, 4, 1, 30, 12))
     # On a bound (upper bounds are inclusive), between bounds, above every bound.
     for gap in (0.01, 0.02, 0.3, 123.0):
