@@ -138,6 +138,7 @@ class StreamClient:
                     if time.monotonic() - conn.last_read >= self.read_timeout_s:
                         raise
         except BaseException:
+            done.cancel()  # (a no-op once it failed) so closing the connection fails nothing more
             self._discard(conn)
             raise
         if conn.keep_alive and not conn.closed:

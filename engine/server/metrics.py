@@ -2,7 +2,8 @@
 
 Every metric is registered on the CollectorRegistry passed in (never the global one), so tests and
 several servers in one process do not collide. Each logical metric fans out to one child per prefix,
-so the two name sets can never disagree. The output thread records through `record_counters` and
+so the two name sets can never disagree (a histogram is one set of counts shown under both names,
+written out by histograms.py). The output thread records through `record_counters` and
 `record_finished`; gauges of engine state are read at scrape time from callables (no lag between a
 scheduler change and what KEDA or the Gateway API Inference Extension sees, beyond one engine step).
 See engine/server/README.md for the meaning of every metric.
@@ -297,10 +298,10 @@ class ServerMetrics:
     def _family(
         self, kind: type, prefix: str, name: str, doc: str, labels: list[str], **kwargs: Any
     ) -> Callable[..., Any]:
-        """One metric `prefix:name`; returns (label values) -> its child, with model_name (and,
-        under vllm:, vLLM's `engine` label: one engine core, index 0) filled in."""
-        fixed = [self.model_name, *([VLLM_ENGINE_INDEX] if prefix == VLLM else [])]
-        names = ["model_name", *(["engine"] if prefix == VLLM else []), *labels]
+        """One metric `prefix:name`; returns (label values) -> its child, with the prefix's
+        fixed labels filled in."""
+        fixed_names, fixed = self._fixed_labels(prefix)
+        names = [*fixed_names, *labels]
         metric = kind(f"{prefix}:{name}", doc, names, registry=self.registry, **kwargs)
         self._simple.append(metric)
         return lambda *values: metric.labels(*fixed, *values)
@@ -322,15 +323,15 @@ class ServerMetrics:
         """One set of counts, shown under every name set."""
         histogram = Histogram(buckets)
         for prefix in self._prefixes:
-            vllm = prefix == VLLM
-            self._histograms.add(
-                histogram,
-                f"{prefix}:{name}",
-                doc,
-                ["model_name", *(["engine"] if vllm else [])],
-                [self.model_name, *([VLLM_ENGINE_INDEX] if vllm else [])],
-            )
+            self._histograms.add(histogram, f"{prefix}:{name}", doc, *self._fixed_labels(prefix))
         return histogram
+
+    def _fixed_labels(self, prefix: str) -> tuple[list[str], list[str]]:
+        """The labels every metric under `prefix` carries: model_name and, under vllm:, vLLM's
+        `engine` (one engine core, index 0)."""
+        if prefix == VLLM:
+            return ["model_name", "engine"], [self.model_name, VLLM_ENGINE_INDEX]
+        return ["model_name"], [self.model_name]
 
     def bind_engine_state(
         self,
