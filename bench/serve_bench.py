@@ -1094,6 +1094,22 @@ def peer_summary(
             config.setdefault("prompt_tokens", {})["offline"] = [
                 r["prompt_tokens"] for r in found[0]["rounds"]
             ]
+            if runs:
+                # Reported beside the goal (median serving over median offline, which may come
+                # from different rounds): each round's serving over its own offline run, the
+                # same requests back to back.
+                by_round = {r["round"]: r for r in found[0]["rounds"] if "round" in r}
+                config["serve_vs_offline"] = {
+                    name: [
+                        ratio(
+                            runs[(rnd, name)]["output_throughput"],
+                            by_round[rnd][name]["tokens_per_s"],
+                        )
+                        for rnd in rounds
+                        if (rnd, name) in runs and rnd in by_round
+                    ]
+                    for name in SYSTEMS
+                }
         config["goals"] = peer_goals(config)
         configs.append(config)
     return configs
@@ -1176,6 +1192,14 @@ def format_peer_config(config: dict[str, Any]) -> str:
     if off:
         values = ", ".join(fmt(v) for v in off["ratios"])
         lines.append(f"kvpilot/vLLM per round, offline tok/s: {values}")
+    paired = config.get("serve_vs_offline") or {}
+    if any(paired.values()):
+        each = "; ".join(
+            f"{NAMES[name]} {', '.join(fmt(v) for v in values)} "
+            f"(median {fmt(median_or_none(values))})"
+            for name, values in paired.items()
+        )
+        lines.append(f"serving / own offline per round (same requests): {each}")
     tokens = config.get("prompt_tokens", {})
     if tokens:
         counts = "; ".join(f"{k} {v}" for k, v in tokens.items())

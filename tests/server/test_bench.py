@@ -154,12 +154,17 @@ def test_the_peer_summary_takes_medians_and_pairs_rounds(bench: ModuleType) -> N
         _run("kvpilot", 3, 130.0, 50.0),
         _run("vllm", 3, 100.0, 100.0),
     ]
-    offline_round = {
-        "kvpilot": {"tokens_per_s": 100.0},
-        "vllm": {"tokens_per_s": 80.0},
-        "prompt_tokens": 1001,
-    }
-    offline = [{"dtype": "float32", "batch": 16, "rounds": [{**offline_round, "ratio": 1.25}] * 3}]
+    offline_rounds = [
+        {
+            "round": rnd,
+            "kvpilot": {"tokens_per_s": kvp},
+            "vllm": {"tokens_per_s": 80.0},
+            "prompt_tokens": 1001,
+            "ratio": 1.25,
+        }
+        for rnd, kvp in ((1, 100.0), (2, 50.0), (3, 130.0))
+    ]
+    offline = [{"dtype": "float32", "batch": 16, "rounds": offline_rounds}]
     (config,) = bench.peer_summary(serving, offline)
     assert config["serving"]["kvpilot"]["median"]["out_tok_s"] == 110.0
     assert config["serving"]["vllm"]["median"]["out_tok_s"] == 100.0
@@ -179,6 +184,10 @@ def test_the_peer_summary_takes_medians_and_pairs_rounds(bench: ModuleType) -> N
     text = bench.format_peer_config(config)
     assert "MISSED" not in text and "prompt tokens per round (DIFFERENT)" in text
     assert "API process CPU per output token (us), median: kvpilot 200 / vLLM 500" in text
+    # Each round's serving over its own round's offline run (not the medians'), both systems.
+    assert config["serve_vs_offline"]["kvpilot"] == pytest.approx([1.1, 1.2, 1.0])
+    assert config["serve_vs_offline"]["vllm"] == pytest.approx([1.25, 0.625, 1.25])
+    assert "serving / own offline per round (same requests): kvpilot 1.10, 1.20, 1.00" in text
 
 
 async def test_the_health_probe_runs_beside_the_workload(
