@@ -1102,7 +1102,7 @@ def peer_summary(
                 config["serve_vs_offline"] = {
                     name: [
                         ratio(
-                            runs[(rnd, name)]["output_throughput"],
+                            SERVE_METRICS["out_tok_s"](runs[(rnd, name)]),
                             by_round[rnd][name]["tokens_per_s"],
                         )
                         for rnd in rounds

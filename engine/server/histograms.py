@@ -56,6 +56,7 @@ class _Shown:
     doc: str
     label_names: tuple[str, ...]
     label_values: tuple[str, ...]
+    les: tuple[str, ...]  # each bucket's `le` label, +Inf last
     # Written once: the family's header lines and each line's start up to its value.
     header: str
     bucket_starts: tuple[str, ...]
@@ -102,6 +103,7 @@ class HistogramSet:
                 doc,
                 tuple(label_names),
                 tuple(label_values),
+                tuple(les),
                 header,
                 tuple(f"{name}_bucket{_labels([*pairs, ('le', le)])} " for le in les),
                 f"{name}_count{_labels(pairs)} ",
@@ -131,11 +133,10 @@ class HistogramSet:
         for shown in self._shown:
             hist = shown.histogram
             counts, total = list(hist.counts), hist.sum
-            les = [floatToGoString(b) for b in hist.bounds] + ["+Inf"]
             family = HistogramMetricFamily(shown.name, shown.doc, labels=list(shown.label_names))
             family.add_metric(
                 list(shown.label_values),
-                list(zip(les, itertools.accumulate(counts), strict=True)),
+                list(zip(shown.les, itertools.accumulate(counts), strict=True)),
                 total,
             )
             labels = dict(zip(shown.label_names, shown.label_values, strict=True))
