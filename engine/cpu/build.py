@@ -76,6 +76,8 @@ UNTYPED: dict[str, Signature] = {
     "kvpilot_openmp_threads": ([], _INT),
     "kvpilot_set_openmp_threads": ([_INT], _INT),
     "kvpilot_linear_available": ([], _INT),
+    # the output size (bytes) from which linear.c writes y with streaming stores
+    "kvpilot_linear_stream_bytes": ([], _I64),
     # x, out; rows, n, lanes
     "torch_order_sums": ([_PTR] * 2 + [_I64] * 3, None),
     # x, out; rows, n, stride

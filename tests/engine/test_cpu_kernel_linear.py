@@ -194,3 +194,33 @@ def test_runner_uses_the_kernel_with_the_cpu_backend_and_onednn_with_torch(dtype
     if packing_available(getattr(torch, dtype)):
         reference = LLM(attention_backend="torch", **kwargs).engine.runner.model
         assert isinstance(reference.model.layers[0].mlp.down_proj, PackedLinear)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_outputs_over_the_streaming_threshold_equal_small_calls_bit_for_bit(
+    dtype: torch.dtype,
+) -> None:
+    """An output of at least kvpilot_linear_stream_bytes() is written with streaming stores (an
+    aligned one) or ordinary ones (one 16 bytes off): every row equals the same row computed in a
+    call of 8 rows, under the threshold, bit for bit, and nothing is left unwritten (NaN)."""
+    needs_kernel(dtype)
+    assert LIB is not None
+    torch.manual_seed(0)
+    out_features, in_features = 960, 576
+    elem = torch.empty((), dtype=dtype).element_size()
+    threshold = LIB.kvpilot_linear_stream_bytes()
+    rows = threshold // (out_features * elem) + 9  # over it, and not a whole number of chunks
+    kernel = KernelLinear(LIB, nn.Linear(in_features, out_features).to(dtype))
+    x = torch.randn(rows, in_features).to(dtype)
+    expected = torch.cat([kernel(x[start : start + 8]) for start in range(0, rows, 8)])
+    assert 8 * out_features * elem < threshold <= rows * out_features * elem
+    fn = getattr(LIB, f"linear_{SUFFIXES[dtype]}")
+    pad = 16 // elem  # elements in 16 bytes: misaligns every row for a 32- or 64-byte store
+    aligned = torch.full((rows, out_features), float("nan"), dtype=dtype)
+    assert aligned.data_ptr() % 64 == 0 and out_features * elem % 64 == 0
+    off_by_16 = torch.full((rows, out_features + pad), float("nan"), dtype=dtype)[:, pad:]
+    for out in (aligned, off_by_16):
+        pointers = (x, kernel.packed_weight, kernel.bias, out)
+        sizes = (rows, out_features, in_features, in_features, out.stride(0))
+        assert fn(*(t.data_ptr() for t in pointers), *sizes) == 0
+        assert torch.equal(out, expected), f"row stride {out.stride(0)}"

@@ -76,9 +76,12 @@ static inline __m512i xload_f32(const float *x) {
 static inline __m512 madd_f32(__m512 acc, __m512i xv, __m512i w) {
     return _mm512_fmadd_ps(_mm512_castsi512_ps(xv), _mm512_castsi512_ps(w), acc);
 }
-static inline void store16_f32(float *y, const float *bias, __m512 acc) {
+static inline void store16_f32(float *y, const float *bias, __m512 acc, const int stream) {
     if (bias) acc = _mm512_add_ps(acc, _mm512_loadu_ps(bias));
-    _mm512_storeu_ps(y, acc);
+    if (stream)
+        _mm512_stream_ps(y, acc);
+    else
+        _mm512_storeu_ps(y, acc);
 }
 #endif
 
@@ -95,12 +98,15 @@ static inline __m512i xload_bf16(const uint16_t *x) {
 static inline __m512 madd_bf16(__m512 acc, __m512i xv, __m512i w) {
     return _mm512_dpbf16_ps(acc, (__m512bh)xv, (__m512bh)w);
 }
-static inline void store16_bf16(uint16_t *y, const uint16_t *bias, __m512 acc) {
+static inline void store16_bf16(uint16_t *y, const uint16_t *bias, __m512 acc, const int stream) {
     if (bias) {
         const __m256i b = _mm256_loadu_si256((const __m256i *)bias);
         acc = _mm512_add_ps(acc, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(b), 16)));
     }
-    _mm256_storeu_si256((__m256i *)y, (__m256i)_mm512_cvtneps_pbh(acc));
+    if (stream)
+        _mm256_stream_si256((__m256i *)y, (__m256i)_mm512_cvtneps_pbh(acc));
+    else
+        _mm256_storeu_si256((__m256i *)y, (__m256i)_mm512_cvtneps_pbh(acc));
 }
 #endif
 
@@ -109,7 +115,7 @@ static inline void store16_bf16(uint16_t *y, const uint16_t *bias, __m512 acc) {
 #define DEFINE_TILE(S, T)                                                                      \
     static inline __attribute__((always_inline)) void tile_##S(                                \
         const T *x, int64_t x_stride, const T *wp, const T *bias, T *y, int64_t y_stride,      \
-        int64_t K, const int rows, const int panels) {                                         \
+        int64_t K, const int rows, const int panels, const int stream) {                       \
         __m512 acc[LIN_MR][LIN_NR];                                                            \
         for (int r = 0; r < rows; r++)                                                         \
             for (int c = 0; c < panels; c++) acc[r][c] = _mm512_setzero_ps();                  \
@@ -125,45 +131,54 @@ static inline void store16_bf16(uint16_t *y, const uint16_t *bias, __m512 acc) {
         for (int r = 0; r < rows; r++)                                                         \
             for (int c = 0; c < panels; c++)                                                   \
                 store16_##S(y + r * y_stride + c * LIN_PANEL, bias ? bias + c * LIN_PANEL : NULL, \
-                            acc[r][c]);                                                        \
+                            acc[r][c], stream);                                                \
     }
 
-#define TILE_CASE(S, R, P)                                                                     \
+#define TILE_CASE(S, R, P, STREAM)                                                             \
     case R:                                                                                    \
-        tile_##S(x, x_stride, wp, bias, y, y_stride, K, R, P);                                 \
+        tile_##S(x, x_stride, wp, bias, y, y_stride, K, R, P, STREAM);                         \
         break;
-#define TILE_ROWS(S, P)                                                                        \
+#define TILE_ROWS(S, P, STREAM)                                                                \
     switch (rows) {                                                                            \
-        TILE_CASE(S, 1, P)                                                                     \
-        TILE_CASE(S, 2, P)                                                                     \
-        TILE_CASE(S, 3, P)                                                                     \
-        TILE_CASE(S, 4, P)                                                                     \
-        TILE_CASE(S, 5, P)                                                                     \
-        TILE_CASE(S, 6, P)                                                                     \
-        TILE_CASE(S, 7, P)                                                                     \
-        TILE_CASE(S, 8, P)                                                                     \
+        TILE_CASE(S, 1, P, STREAM)                                                             \
+        TILE_CASE(S, 2, P, STREAM)                                                             \
+        TILE_CASE(S, 3, P, STREAM)                                                             \
+        TILE_CASE(S, 4, P, STREAM)                                                             \
+        TILE_CASE(S, 5, P, STREAM)                                                             \
+        TILE_CASE(S, 6, P, STREAM)                                                             \
+        TILE_CASE(S, 7, P, STREAM)                                                             \
+        TILE_CASE(S, 8, P, STREAM)                                                             \
+    }
+#define TILE_PANELS(S, STREAM)                                                                 \
+    if (panels == 3) {                                                                         \
+        TILE_ROWS(S, 3, STREAM)                                                                \
+    } else if (panels == 2) {                                                                  \
+        TILE_ROWS(S, 2, STREAM)                                                                \
+    } else {                                                                                   \
+        TILE_ROWS(S, 1, STREAM)                                                                \
     }
 
 /* One work item: `rows_total` (at most LIN_MC) rows of x and y against the group at wp. */
 #define DEFINE_WORK(S, T)                                                                      \
     DEFINE_TILE(S, T)                                                                          \
     static void tile_any_##S(const T *x, int64_t x_stride, const T *wp, const T *bias, T *y,   \
-                             int64_t y_stride, int64_t K, int rows, int panels) {              \
-        if (panels == 3) {                                                                     \
-            TILE_ROWS(S, 3)                                                                    \
-        } else if (panels == 2) {                                                              \
-            TILE_ROWS(S, 2)                                                                    \
+                             int64_t y_stride, int64_t K, int rows, int panels, int stream) {  \
+        if (stream) {                                                                          \
+            TILE_PANELS(S, 1)                                                                  \
         } else {                                                                               \
-            TILE_ROWS(S, 1)                                                                    \
+            TILE_PANELS(S, 0)                                                                  \
         }                                                                                      \
     }                                                                                          \
     static void work_##S(const T *x, int64_t x_stride, const T *wp, const T *bias, T *y,       \
-                         int64_t y_stride, int64_t rows_total, int64_t K, int panels) {        \
+                         int64_t y_stride, int64_t rows_total, int64_t K, int panels,          \
+                         int stream) {                                                         \
         for (int64_t m0 = 0; m0 < rows_total; m0 += LIN_MR) {                                  \
             const int rows = (int)(rows_total - m0 < LIN_MR ? rows_total - m0 : LIN_MR);       \
             tile_any_##S(x + m0 * x_stride, x_stride, wp, bias, y + m0 * y_stride, y_stride, K, \
-                         rows, panels);                                                        \
+                         rows, panels, stream);                                                \
         }                                                                                      \
+        /* Streaming stores are weakly ordered: visible before the region's end says "done". */ \
+        if (stream) _mm_sfence();                                                              \
     }
 
 /* Items [lo, hi) still unclaimed in one thread's run, lo in the low 32 bits: the owner claims lo
@@ -220,6 +235,25 @@ static inline int64_t claim_item(item_run *run, int own) {
     for (int64_t item = 0; item < (items); item++) __VA_ARGS__
 #endif
 
+/* Whether to write y with streaming (non-temporal) stores. An ordinary store that misses reads its
+ * line first; a prefill step's outputs (megabytes: 2048 rows x 3072 columns is 25 MB in float32)
+ * are then read in only to be overwritten, and evicted before the next op gets to them. Streaming
+ * them made a 2048-token prefill step 4-6 % faster in both dtypes (bench/prefill_step_split.py,
+ * bench/RESULTS.md); a decode step's outputs stay under the threshold, except the lm_head's logits,
+ * where sampling after either kind of store took the same time. Each 16-column store must be
+ * aligned to its width (64 B float32, 32 B bfloat16); an output that is not keeps ordinary ones. */
+#ifndef LIN_STREAM_BYTES
+#define LIN_STREAM_BYTES (4 << 20)
+#endif
+int64_t kvpilot_linear_stream_bytes(void) { return LIN_STREAM_BYTES; }
+
+static inline int streams_output(const void *y, int64_t M, int64_t N, int64_t y_stride,
+                                 int64_t elem) {
+    const int64_t align = LIN_PANEL * elem;
+    return M * N * elem >= LIN_STREAM_BYTES && (uintptr_t)y % align == 0 &&
+           (y_stride * elem) % align == 0;
+}
+
 #define DEFINE_LINEAR(S, T)                                                                    \
     DEFINE_WORK(S, T)                                                                          \
     int linear_##S(const T *x, const T *packed, const T *bias, T *y, int64_t M, int64_t N,     \
@@ -227,6 +261,7 @@ static inline int64_t claim_item(item_run *run, int own) {
         const int64_t panels_total = N / LIN_PANEL;                                            \
         const int64_t groups = (panels_total + LIN_NR - 1) / LIN_NR;                           \
         const int64_t chunks = (M + LIN_MC - 1) / LIN_MC;                                      \
+        const int stream = streams_output(y, M, N, y_stride, sizeof(T));                        \
         FOR_EACH_ITEM(chunks * groups, {                                                       \
             const int64_t chunk = item / groups, g = item % groups;                            \
             const int64_t p0 = g * LIN_NR, m0 = chunk * LIN_MC;                                \
@@ -234,7 +269,7 @@ static inline int64_t claim_item(item_run *run, int own) {
             const int64_t rows = M - m0 < LIN_MC ? M - m0 : LIN_MC;                            \
             work_##S(x + m0 * x_stride, x_stride, packed + p0 * K * LIN_PANEL,                 \
                      bias ? bias + p0 * LIN_PANEL : NULL, y + m0 * y_stride + p0 * LIN_PANEL,  \
-                     y_stride, rows, K, panels);                                               \
+                     y_stride, rows, K, panels, stream);                                       \
         })                                                                                     \
         return 0;                                                                              \
     }
