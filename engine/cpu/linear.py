@@ -2,9 +2,9 @@
 
 The kernel streams each 16-column weight panel once per 8 rows, every accumulator in a register:
 against oneDNN's packed linear on SmolLM2's 30 layers (bench/cpu_small_m_linears.py), 1.2-1.6x at
-decode batches of 1-32 rows, 1.1-1.2x at 64, level (0.98-1.01x) at prefill's 512-2048 rows. So it
-replaces oneDNN for every batch size, with one copy of each weight (the original is released, as
-PackedLinear releases its own).
+decode batches of 1-32 rows, 1.1-1.2x at 64, level at 512 rows, and 1.03-1.05x at a prefill
+step's 2048, whose outputs it writes with streaming stores. So it replaces oneDNN for every batch
+size, with one copy of each weight (the original is released, as PackedLinear releases its own).
 
 Numerics: float32 sums in k order per output (oneDNN in another order: the last bits differ);
 bfloat16 multiplies pairs exactly and accumulates in float32 (vdpbf16ps), one rounding at the end,

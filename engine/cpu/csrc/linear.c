@@ -27,7 +27,13 @@
  * - a chunk's tiles over blocks of 64 k, partial sums parked in L1, so that each block of weights
  *   comes from memory once: 10-25 % slower at 16-64 rows;
  * - for 9-16 rows, tiles of 16 rows x 1 panel (the group read once): 2x slower, bound by 16
- *   broadcasts per 16 FMAs where the 8 x 3 tile has 8 per 24.
+ *   broadcasts per 16 FMAs where the 8 x 3 tile has 8 per 24;
+ * - the MLP's gate_up projection fused with SiLU-and-multiply (8 rows x a gate panel and its up
+ *   panel per tile, only silu(gate) * up stored; bit for bit the unfused results): in a 2048-token
+ *   prefill step 2 % faster than projection + silu_and_mul in float32, 1 % slower in bfloat16,
+ *   the whole step level or 2 % slower;
+ * - work items in group-major order (each group's weights kept in L2 across row chunks): 10 %
+ *   faster at 128 rows, 2 % slower at 512-2048; 128 or 256 rows per item: level.
  *
  * Numerics: float32 accumulation in k order per row (fused multiply-adds; bfloat16 pairs summed by
  * vdpbf16ps), bias added in float32, one rounding to the storage dtype at the end (to nearest even).
