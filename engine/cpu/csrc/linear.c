@@ -183,7 +183,7 @@ static inline void store16_bf16(uint16_t *y, const uint16_t *bias, __m512 acc, c
             tile_any_##S(x + m0 * x_stride, x_stride, wp, bias, y + m0 * y_stride, y_stride, K, \
                          rows, panels, stream);                                                \
         }                                                                                      \
-        /* Streaming stores are weakly ordered: visible before the region's end says "done". */ \
+        /* Streaming stores are weakly ordered: fenced before the next op may read y. */      \
         if (stream) _mm_sfence();                                                              \
     }
 
@@ -248,7 +248,7 @@ static inline int64_t claim_item(item_run *run, int own) {
  * bench/RESULTS.md); a decode step's outputs stay under the threshold, except the lm_head's logits,
  * where sampling after either kind of store took the same time. Each 16-column store must be
  * aligned to its width (64 B float32, 32 B bfloat16); an output that is not keeps ordinary ones. */
-#ifndef LIN_STREAM_BYTES
+#ifndef LIN_STREAM_BYTES /* -DLIN_STREAM_BYTES=... builds a variant for A/B runs */
 #define LIN_STREAM_BYTES (4 << 20)
 #endif
 int64_t kvpilot_linear_stream_bytes(void) { return LIN_STREAM_BYTES; }
