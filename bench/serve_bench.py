@@ -1270,14 +1270,17 @@ def plot_peer(configs: list[dict[str, Any]], path: Path, title: str) -> None:
                 ax.scatter([pos] * len(values), values, s=12, color="black", zorder=3)
         if "health" in ylabel:
             ax.axhline(HEALTH_P99_GOAL_MS, color="red", linestyle="--", linewidth=1)
-        if "tokens/s" in ylabel:  # the two ratios the goals are about, over each group
+        # The ratios the goals read (medians of the paired rounds' ratios), over each group: a
+        # bar is each server's own median over the rounds, which can rank them the other way.
+        latency = next((k for k in ("ttft_p50_ms", "itl_p50_ms") if k[:3] in ylabel.lower()), None)
+        if "tokens/s" in ylabel or latency:
             ax.set_ylim(top=ax.get_ylim()[1] * 1.2)
             for x, config in enumerate(configs):
                 notes = []
                 if config.get("serving"):
-                    serve = median_or_none(config["serving_ratios"]["out_tok_s"])
-                    notes.append(f"serve {fmt(serve)}x")
-                if config.get("offline"):
+                    ratio = median_or_none(config["serving_ratios"][latency or "out_tok_s"])
+                    notes.append(f"{'paired' if latency else 'serve'} {fmt(ratio)}x")
+                if config.get("offline") and not latency:
                     notes.append(f"offline {fmt(config['offline']['ratio_median'])}x")
                 ax.text(
                     x, 0.98, "\n".join(notes), transform=ax.get_xaxis_transform(),
