@@ -38,12 +38,8 @@ class _Connection(asyncio.Protocol):
         self.last_read = time.monotonic()
         self._parser = httptools.HttpResponseParser(self)
         self._done: asyncio.Future[None] | None = None
-        self._on_event: EventHandler | None = None
-        self._pending = b""
         self._now = 0.0
-        self.status = 0
-        self.error_body = b""
-        self.keep_alive = False
+        self._begin_response(None)
 
     # -- asyncio.Protocol --------------------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -93,14 +89,18 @@ class _Connection(asyncio.Protocol):
         if self._done is not None and not self._done.done():
             self._done.set_exception(exc)
 
-    def start(self, request: bytes, on_event: EventHandler) -> asyncio.Future[None]:
-        assert self.transport is not None
-        self._done = asyncio.get_running_loop().create_future()
+    def _begin_response(self, on_event: EventHandler | None) -> None:
+        """The state of one response, fresh for each request on the connection."""
         self._on_event = on_event
         self._pending = b""
         self.status = 0
         self.error_body = b""
         self.keep_alive = False
+
+    def start(self, request: bytes, on_event: EventHandler) -> asyncio.Future[None]:
+        assert self.transport is not None
+        self._done = asyncio.get_running_loop().create_future()
+        self._begin_response(on_event)
         self.transport.write(request)
         return self._done
 
