@@ -1228,28 +1228,28 @@ def plot_peer(configs: list[dict[str, Any]], path: Path, title: str) -> None:
 
     blue, orange = "#2b6cb0", "#dd6b20"
     panels = [
-        ("output tokens/s (higher is better)", [
+        ("output tokens/s (higher is better)", "out_tok_s", [
             ("kvpilot serve", serving("kvpilot", "out_tok_s"), blue, ""),
             ("vLLM serve", serving("vllm", "out_tok_s"), orange, ""),
             ("kvpilot offline", offline("kvpilot"), blue, "//"),
             ("vLLM offline", offline("vllm"), orange, "//"),
         ]),
-        ("TTFT p50, ms (lower is better)", [
+        ("TTFT p50, ms (lower is better)", "ttft_p50_ms", [
             ("kvpilot", serving("kvpilot", "ttft_p50_ms"), blue, ""),
             ("vLLM", serving("vllm", "ttft_p50_ms"), orange, ""),
         ]),
-        ("ITL p50, ms (lower is better)", [
+        ("ITL p50, ms (lower is better)", "itl_p50_ms", [
             ("kvpilot", serving("kvpilot", "itl_p50_ms"), blue, ""),
             ("vLLM", serving("vllm", "itl_p50_ms"), orange, ""),
         ]),
-        ("/health p99 during the run, ms (goal < 50)", [
+        ("/health p99 during the run, ms (goal < 50)", None, [
             ("kvpilot", serving("kvpilot", "health_p99_ms"), blue, ""),
             ("vLLM", serving("vllm", "health_p99_ms"), orange, ""),
         ]),
     ]  # fmt: skip
     labels = [f"{c['dtype']}\nconcurrency {c['concurrency']}" for c in configs]
     fig, axes = plt.subplots(2, 2, figsize=(14, 8.5))
-    for ax, (ylabel, series) in zip(axes.flat, panels, strict=True):
+    for ax, (ylabel, ratio_key, series) in zip(axes.flat, panels, strict=True):
         width = 0.8 / len(series)
         for i, (label, values_of, color, hatch) in enumerate(series):
             for x, config in enumerate(configs):
@@ -1272,15 +1272,15 @@ def plot_peer(configs: list[dict[str, Any]], path: Path, title: str) -> None:
             ax.axhline(HEALTH_P99_GOAL_MS, color="red", linestyle="--", linewidth=1)
         # The ratios the goals read (medians of the paired rounds' ratios), over each group: a
         # bar is each server's own median over the rounds, which can rank them the other way.
-        latency = next((k for k in ("ttft_p50_ms", "itl_p50_ms") if k[:3] in ylabel.lower()), None)
-        if "tokens/s" in ylabel or latency:
+        if ratio_key is not None:
+            throughput = ratio_key == "out_tok_s"
             ax.set_ylim(top=ax.get_ylim()[1] * 1.2)
             for x, config in enumerate(configs):
                 notes = []
                 if config.get("serving"):
-                    ratio = median_or_none(config["serving_ratios"][latency or "out_tok_s"])
-                    notes.append(f"{'paired' if latency else 'serve'} {fmt(ratio)}x")
-                if config.get("offline") and not latency:
+                    ratio = median_or_none(config["serving_ratios"][ratio_key])
+                    notes.append(f"{'serve' if throughput else 'paired'} {fmt(ratio)}x")
+                if config.get("offline") and throughput:
                     notes.append(f"offline {fmt(config['offline']['ratio_median'])}x")
                 ax.text(
                     x, 0.98, "\n".join(notes), transform=ax.get_xaxis_transform(),
