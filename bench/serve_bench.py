@@ -1285,7 +1285,7 @@ def plot_peer(configs: list[dict[str, Any]], path: Path, title: str) -> None:
         # bar is each server's own median over the rounds, which can rank them the other way.
         if ratio_key is not None:
             throughput = ratio_key == "out_tok_s"
-            ax.set_ylim(top=ax.get_ylim()[1] * 1.2)
+            ax.set_ylim(top=ax.get_ylim()[1] * (1.3 if throughput else 1.2))
             for x, config in enumerate(configs):
                 notes = []
                 if config.get("serving"):
@@ -1293,6 +1293,9 @@ def plot_peer(configs: list[dict[str, Any]], path: Path, title: str) -> None:
                     notes.append(f"{'serve' if throughput else 'paired'} {fmt(ratio)}x")
                 if config.get("offline") and throughput:
                     notes.append(f"offline {fmt(config['offline']['ratio_median'])}x")
+                    own = (config.get("serve_vs_offline") or {}).get("kvpilot")
+                    if own:  # the serving-against-own-offline goal (>= 0.95)
+                        notes.append(f"kvp serve/offline {fmt(median_or_none(own))}")
                 ax.text(
                     x, 0.98, "\n".join(notes), transform=ax.get_xaxis_transform(),
                     ha="center", va="top", fontsize="small",
