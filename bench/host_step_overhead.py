@@ -6,9 +6,10 @@ each 26 ms step (bench/RESULTS.md, "On a GPU: NVIDIA H200"). Here a 2-layer, 64-
 makes the forward cost little, so the step time is mostly that host work, measurable on a CPU.
 
 Steady decode: `batch` requests of 100 prompt tokens decode greedily (ignore_eos); after a warm-up
-the median over --steps steps is reported, for requests added per-step (every step returns a
-snapshot of each request, as the server's streams need) and final-only (as LLM.generate adds
-them), in turns. --profile prints cProfile's top functions of one final-only run.
+the median over --steps steps is reported, for requests whose every step returns a cumulative
+snapshot (OutputKind.CUMULATIVE), only what the step added (DELTA, as the server's streams get
+them), or nothing until they finish (FINAL_ONLY, as LLM.generate adds them), in turns. --profile
+prints cProfile's top functions of one final-only run.
 
     python bench/host_step_overhead.py --batch 64 256 --steps 80 --rounds 5
 """
@@ -27,6 +28,7 @@ from pathlib import Path
 import torch
 
 from kvpilot.engine import LLM, SamplingParams
+from kvpilot.engine.outputs import OutputKind
 
 TINY_LLAMA = {
     "architectures": ["LlamaForCausalLM"],
@@ -46,13 +48,13 @@ TINY_LLAMA = {
 }
 
 
-def step_ms(llm: LLM, batch: int, steps: int, final_only: bool, tag: str) -> list[float]:
+def step_ms(llm: LLM, batch: int, steps: int, kind: OutputKind, tag: str) -> list[float]:
     engine = llm.engine
     gen = torch.Generator().manual_seed(0)
     params = SamplingParams(temperature=0.0, max_tokens=steps + 50, ignore_eos=True)
     for i in range(batch):
         prompt = torch.randint(TINY_LLAMA["vocab_size"], (100,), generator=gen).tolist()
-        engine.add_request(f"{tag}-{i}", prompt, params, final_only=final_only)
+        engine.add_request(f"{tag}-{i}", prompt, params, kind=kind)
     for _ in range(5):  # the prefills, then a few decodes
         engine.step()
     times = []
@@ -85,18 +87,22 @@ def main() -> None:
         kv_cache_gib=1.0,
     )
     print(f"tiny dummy Llama (2 layers, hidden 64), {torch.get_num_threads()} threads, greedy")
-    print(f"{'batch':>6}{'per-step ms':>14}{'final-only ms':>15}  (medians of rounds' medians)")
+    kinds = list(OutputKind)
+    heads = "".join(f"{kind.value + ' ms':>15}" for kind in kinds)
+    print(f"{'batch':>6}{heads}  (medians of rounds' medians)")
     for batch in args.batch:
-        step_ms(llm, batch, 5, True, "warm")
-        every, final = [], []
+        step_ms(llm, batch, 5, OutputKind.FINAL_ONLY, "warm")
+        medians: dict[OutputKind, list[float]] = {kind: [] for kind in kinds}
         for r in range(args.rounds):
-            every.append(statistics.median(step_ms(llm, batch, args.steps, False, f"e{r}")))
-            final.append(statistics.median(step_ms(llm, batch, args.steps, True, f"f{r}")))
-        print(f"{batch:>6}{statistics.median(every):>14.2f}{statistics.median(final):>15.2f}")
+            for kind in kinds:
+                times = step_ms(llm, batch, args.steps, kind, f"{kind.value}-{r}")
+                medians[kind].append(statistics.median(times))
+        cells = "".join(f"{statistics.median(medians[kind]):>15.2f}" for kind in kinds)
+        print(f"{batch:>6}{cells}")
     if args.profile:
         prof = cProfile.Profile()
         prof.enable()
-        step_ms(llm, max(args.batch), args.steps, True, "prof")
+        step_ms(llm, max(args.batch), args.steps, OutputKind.FINAL_ONLY, "prof")
         prof.disable()
         pstats.Stats(prof).sort_stats("tottime").print_stats(20)
 

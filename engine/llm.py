@@ -12,7 +12,7 @@ from tqdm import tqdm
 
 from kvpilot.engine.config import CacheConfig, EngineConfig, SchedulerConfig
 from kvpilot.engine.llm_engine import LLMEngine
-from kvpilot.engine.outputs import RequestOutput
+from kvpilot.engine.outputs import OutputKind, RequestOutput
 from kvpilot.engine.sampling_params import SamplingParams
 
 # Every field of the nested configs, so a new one is a keyword argument too.
@@ -57,7 +57,7 @@ class LLM:
         try:
             for request_id, prompt, p in zip(ids, prompts, all_params, strict=True):
                 self.engine.add_request(
-                    request_id, prompt, p, cache_salt=cache_salt, final_only=True
+                    request_id, prompt, p, cache_salt=cache_salt, kind=OutputKind.FINAL_ONLY
                 )
             return self._run(ids, use_tqdm)
         except BaseException:

@@ -19,7 +19,7 @@ from kvpilot.engine.core.engine_core import EngineCore
 from kvpilot.engine.core.messages import AddRequest, EngineStats
 from kvpilot.engine.model.loader import eos_token_ids, has_tokenizer, load_tokenizer
 from kvpilot.engine.output_processor import OutputProcessor
-from kvpilot.engine.outputs import RequestOutput
+from kvpilot.engine.outputs import OutputKind, RequestOutput
 from kvpilot.engine.sampling_params import SamplingParams
 
 log = logging.getLogger("kvpilot")
@@ -78,9 +78,9 @@ class LLMEngine:
         *,
         cache_salt: str | None = None,
         arrival_time: float | None = None,
-        final_only: bool = False,
+        kind: OutputKind = OutputKind.CUMULATIVE,
     ) -> None:
-        """final_only: step() returns this request's output only once it has finished."""
+        """kind: what step() returns for this request (outputs.py's OutputKind)."""
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ValueError("this model has no tokenizer: pass token ids")
@@ -92,9 +92,7 @@ class LLMEngine:
         self.core.add_request(
             AddRequest(request_id, prompt_ids, params, self.eos_token_ids, cache_salt, arrival)
         )
-        self.processor.add_request(
-            request_id, prompt_text, prompt_ids, params, arrival, final_only=final_only
-        )
+        self.processor.add_request(request_id, prompt_text, prompt_ids, params, arrival, kind=kind)
 
     def abort_request(self, request_id: str) -> None:
         self.core.abort(request_id)

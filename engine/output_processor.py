@@ -16,6 +16,7 @@ from kvpilot.engine.detokenizer import IncrementalDetokenizer, find_stop_string,
 from kvpilot.engine.outputs import (
     CompletionOutput,
     Logprob,
+    OutputKind,
     RequestMetrics,
     RequestOutput,
     TokenLogprobs,
@@ -33,6 +34,9 @@ class _SeqState:
     cumulative_logprob: float = 0.0
     finish_reason: str | None = None
     stop_reason: str | int | None = None
+    # What earlier outputs of a DELTA request held.
+    num_sent_tokens: int = 0
+    num_sent_chars: int = 0
 
 
 @dataclass
@@ -44,7 +48,7 @@ class _RequestState:
     metrics: RequestMetrics
     seqs: list[_SeqState]
     num_cached_tokens: int = 0
-    final_only: bool = False  # no snapshot until it finishes (offline callers want only the end)
+    kind: OutputKind = OutputKind.CUMULATIVE
 
     @property
     def finished(self) -> bool:
@@ -57,8 +61,11 @@ class ProcessedOutputs:
     # (request id, sequence index) finished here by a stop string: abort them in the core.
     stop_hits: list[tuple[str, int]]
     # Per request that got tokens in this step and in an earlier one: the time since that one
-    # (inter-token latency), whether or not the request gets an output now (final_only).
+    # (inter-token latency), whether or not the request gets an output now (FINAL_ONLY).
     token_gaps: list[float] = field(default_factory=list)
+    # Per request finished in this step: its generated tokens per sequence (a DELTA output holds
+    # only the step's).
+    generated: dict[str, list[int]] = field(default_factory=dict)
 
 
 class OutputProcessor:
@@ -77,11 +84,12 @@ class OutputProcessor:
         prompt_token_ids: list[int],
         params: SamplingParams,
         arrival_time: float,
-        final_only: bool = False,
+        kind: OutputKind = OutputKind.CUMULATIVE,
     ) -> None:
-        """final_only: process() returns this request's output once, when it finishes, instead
-        of a snapshot after every step (each snapshot copies its token lists: at 256 requests a
-        step that is ~2 ms of host time the GPU waits for; vLLM's RequestOutputKind.FINAL_ONLY)."""
+        """kind: CUMULATIVE snapshots copy a sequence's token lists every step (O(length) per
+        token); DELTA outputs hold only the step's additions (what a stream sends); FINAL_ONLY
+        returns one output, when the request finishes (at 256 requests a step of snapshots is
+        ~2 ms of host time the GPU waits for)."""
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         seqs = [
@@ -100,7 +108,7 @@ class OutputProcessor:
             params,
             RequestMetrics(arrival_time),
             seqs,
-            final_only=final_only,
+            kind=kind,
         )
 
     def abort(self, request_id: str) -> RequestOutput | None:
@@ -143,14 +151,16 @@ class OutputProcessor:
                 request.num_cached_tokens = update.num_cached_tokens
             touched[request.request_id] = request
         outputs = []
+        generated: dict[str, list[int]] = {}
         for request in touched.values():
             if request.finished:
                 request.metrics.finished_time = step.token_time
                 del self.requests[request.request_id]
-            elif request.final_only:
+                generated[request.request_id] = [len(s.output_token_ids) for s in request.seqs]
+            elif request.kind is OutputKind.FINAL_ONLY:
                 continue
             outputs.append(self._output(request))
-        return ProcessedOutputs(outputs, stop_hits, token_gaps)
+        return ProcessedOutputs(outputs, stop_hits, token_gaps, generated)
 
     def _apply(self, request: _RequestState, seq: _SeqState, update: SeqUpdate) -> bool:
         """Add the update's token to the sequence; True when a stop string ended it here."""
@@ -191,22 +201,28 @@ class OutputProcessor:
         return text
 
     def _output(self, request: _RequestState) -> RequestOutput:
-        """A snapshot: its lists are copies, so a reader on another thread never sees them grow."""
+        """A snapshot, or a DELTA request's additions: its lists are copies, so a reader on
+        another thread never sees them grow."""
         completions = []
         wants_logprobs = request.params.logprobs is not None
+        delta = request.kind is OutputKind.DELTA
         for seq in request.seqs:
-            text = seq.output_text
+            text_end = len(seq.output_text)
             if seq.finish_reason is None and request.params.stop:
-                # Hold back what could still become a stop string.
-                holdback = request.params.stop_holdback_chars
-                text = text[: max(0, len(text) - holdback)]
+                # Hold back what could still become a stop string: sent text never shrinks.
+                text_end = max(0, text_end - request.params.stop_holdback_chars)
+            text_start = tokens_start = 0
+            if delta:
+                text_start, tokens_start = seq.num_sent_chars, seq.num_sent_tokens
+                seq.num_sent_chars = max(text_start, text_end)
+                seq.num_sent_tokens = len(seq.output_token_ids)
             completions.append(
                 CompletionOutput(
                     index=seq.index,
-                    text=text,
-                    token_ids=list(seq.output_token_ids),
+                    text=seq.output_text[text_start:text_end],
+                    token_ids=seq.output_token_ids[tokens_start:],
                     cumulative_logprob=seq.cumulative_logprob if wants_logprobs else None,
-                    logprobs=list(seq.logprobs) if wants_logprobs else None,
+                    logprobs=seq.logprobs[tokens_start:] if wants_logprobs else None,
                     finish_reason=seq.finish_reason,
                     stop_reason=seq.stop_reason,
                 )

@@ -1,8 +1,18 @@
-"""What the engine hands back per request and step. Texts and token lists are cumulative."""
+"""What the engine hands back per request and step: cumulative texts and token lists, or, for an
+OutputKind.DELTA request, only what each step added."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import enum
+from dataclasses import dataclass, field, replace
+
+
+class OutputKind(enum.Enum):
+    """How a request's outputs arrive (vLLM's RequestOutputKind)."""
+
+    CUMULATIVE = "cumulative"  # after every step, everything so far
+    DELTA = "delta"  # after every step, only what it added: O(1) per token at any length
+    FINAL_ONLY = "final_only"  # once, everything, when the request finishes
 
 
 @dataclass(frozen=True)
@@ -50,3 +60,28 @@ class RequestOutput:
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
     metrics: RequestMetrics | None = None
     extra: dict[str, object] = field(default_factory=dict)
+
+
+def merge_deltas(older: RequestOutput, newer: RequestOutput) -> RequestOutput:
+    """One DELTA output holding what two consecutive ones hold (a reader that fell behind)."""
+    by_index = {o.index: o for o in older.outputs}
+    merged = []
+    for new in newer.outputs:
+        old = by_index.pop(new.index, None)
+        if old is None:
+            merged.append(new)
+            continue
+        logprobs = None
+        if old.logprobs is not None or new.logprobs is not None:
+            logprobs = (old.logprobs or []) + (new.logprobs or [])
+        merged.append(
+            replace(
+                new,
+                text=old.text + new.text,
+                token_ids=old.token_ids + new.token_ids,
+                logprobs=logprobs,
+            )
+        )
+    merged.extend(by_index.values())  # nothing new for them in the newer output
+    merged.sort(key=lambda o: o.index)
+    return replace(newer, outputs=merged)

@@ -7,8 +7,9 @@ Event loops hand requests (token ids) to the core directly over the client's soc
 one callback per loop per step. So no event loop ever blocks on the engine, and tokenizing or
 parsing on the HTTP side never delays the step loop, which runs in another process.
 
-A RequestStream keeps only the *latest* cumulative output: outputs are cumulative, so a slow reader
-loses nothing by skipping intermediate ones, and memory per request stays constant.
+A streamed request's outputs are DELTAs (only what each step added: O(1) per token at any output
+length); a RequestStream keeps one pending output, merging what arrives before its reader looks
+(outputs.merge_deltas). A CUMULATIVE or FINAL_ONLY output replaces the pending one.
 
 If the core process dies, every request fails with EngineDeadError, /health turns 503 and the
 server exits non-zero (cli.py): a pod restarts instead of hanging.
@@ -46,7 +47,7 @@ from kvpilot.engine.gc_freeze import freeze_startup_objects
 from kvpilot.engine.llm_engine import eos_token_ids
 from kvpilot.engine.model.loader import has_tokenizer, load_tokenizer
 from kvpilot.engine.output_processor import OutputProcessor
-from kvpilot.engine.outputs import RequestOutput
+from kvpilot.engine.outputs import OutputKind, RequestOutput, merge_deltas
 from kvpilot.engine.sampling_params import SamplingParams
 from kvpilot.engine.server.kv_events import KvEventHub
 from kvpilot.engine.server.limits import RequestLimits
@@ -75,11 +76,16 @@ class RequestStream:
     """The event-loop side of one engine request. All methods run on the owning event loop."""
 
     def __init__(
-        self, request_id: str, loop: asyncio.AbstractEventLoop, engine: AsyncEngine
+        self,
+        request_id: str,
+        loop: asyncio.AbstractEventLoop,
+        engine: AsyncEngine,
+        kind: OutputKind = OutputKind.CUMULATIVE,
     ) -> None:
         self.request_id = request_id
         self.loop = loop
         self._engine = engine
+        self._merge = kind is OutputKind.DELTA
         self._latest: RequestOutput | None = None
         self._error: BaseException | None = None
         self._event = asyncio.Event()
@@ -87,6 +93,8 @@ class RequestStream:
         self.last_output: RequestOutput | None = None
 
     def _put(self, output: RequestOutput) -> None:
+        if self._merge and self._latest is not None:
+            output = merge_deltas(self._latest, output)
         self._latest = output
         self._event.set()
 
@@ -95,7 +103,8 @@ class RequestStream:
         self._event.set()
 
     async def next_output(self) -> RequestOutput:
-        """The newest cumulative output; raises EngineDeadError if the engine stopped."""
+        """The next output (for DELTA, everything since the last one read); raises
+        EngineDeadError if the engine stopped."""
         while self._latest is None:
             if self._error is not None:
                 raise self._error
@@ -107,9 +116,11 @@ class RequestStream:
         return output
 
     async def final_output(self) -> RequestOutput:
+        """The whole output once finished (a DELTA stream's outputs merged)."""
         output = await self.next_output()
         while not output.finished:
-            output = await self.next_output()
+            newer = await self.next_output()
+            output = merge_deltas(output, newer) if self._merge else newer
         return output
 
     def abort(self) -> None:
@@ -296,16 +307,16 @@ class AsyncEngine:
         prompt_text: str | None = None,
         cache_salt: str | None = None,
         arrival_time: float | None = None,
-        final_only: bool = False,
+        kind: OutputKind = OutputKind.CUMULATIVE,
     ) -> RequestStream:
         """Hand a request to the core; ValueError when it cannot run (a client error).
-        final_only: the stream gets one output, when the request finishes, instead of one per
-        step (a non-streamed response reads nothing before the end)."""
+        kind: DELTA for a stream (each output holds what is new), FINAL_ONLY for a response that
+        reads nothing before the end (one output, when the request finishes)."""
         info = self.info
         if not self.is_alive or info is None or self._processor is None:
             raise EngineDeadError("the engine is not running")
         info.check_prompt_fits(len(prompt_ids))
-        stream = RequestStream(request_id, asyncio.get_running_loop(), self)
+        stream = RequestStream(request_id, asyncio.get_running_loop(), self, kind)
         arrival = time.monotonic() if arrival_time is None else arrival_time
         command = AddRequest(
             request_id, prompt_ids, params, info.eos_token_ids, cache_salt, arrival
@@ -314,7 +325,7 @@ class AsyncEngine:
             if self.error is not None:
                 raise EngineDeadError(f"the engine is not running: {self.error}")
             self._processor.add_request(
-                request_id, prompt_text, prompt_ids, params, arrival, final_only=final_only
+                request_id, prompt_text, prompt_ids, params, arrival, kind=kind
             )
             self._live[request_id] = _Live(stream, params)
             # Numbered and sent under the lock, so numbers follow the order the core sees.
@@ -470,7 +481,12 @@ class AsyncEngine:
                 if output.finished:
                     del self._live[output.request_id]
                     if metrics is not None:
-                        metrics.record_finished(output, finished_reason(output), entry.params)
+                        metrics.record_finished(
+                            output,
+                            finished_reason(output),
+                            entry.params,
+                            processed.generated.get(output.request_id),
+                        )
                 by_loop.setdefault(entry.stream.loop, []).append((entry.stream, output))
         for stream, exc in failed:
             with contextlib.suppress(RuntimeError):

@@ -365,12 +365,16 @@ class ServerMetrics:
         output: RequestOutput,
         finished_reason: str,
         params: SamplingParams | None = None,
+        generated: list[int] | None = None,
     ) -> None:
-        """Observe the sizes and latencies of a finished request (output thread only)."""
+        """Observe the sizes and latencies of a finished request (output thread only).
+        generated: tokens per choice, where `output` holds only its last step's (DELTA); by
+        default counted from `output`."""
         self.request_success[
             finished_reason if finished_reason in FINISHED_REASONS else "stop"
         ].inc()
-        generated = [len(o.token_ids) for o in output.outputs]
+        if generated is None:
+            generated = [len(o.token_ids) for o in output.outputs]
         self.request_prompt_tokens.observe(len(output.prompt_token_ids))
         self.request_generation_tokens.observe(sum(generated))
         self.request_max_num_generation_tokens.observe(max(generated, default=0))
@@ -398,7 +402,7 @@ class ServerMetrics:
                 )
         if m.first_token_time is not None and m.last_token_time is not None:
             self.request_decode_time.observe(max(0.0, m.last_token_time - m.first_token_time))
-        num_generated = max((len(o.token_ids) for o in output.outputs), default=0)
+        num_generated = max(generated, default=0)
         if num_generated > 1 and m.first_token_time is not None and m.last_token_time is not None:
             decode = max(0.0, m.last_token_time - m.first_token_time)
             self.time_per_output_token.observe(decode / (num_generated - 1))

@@ -3,8 +3,8 @@
 Completions and chat differ in more than names: completions logprobs are parallel lists
 (`tokens`, `token_logprobs`, `top_logprobs` as {token: logprob} holding the top-N *plus* the sampled
 token, `text_offset`), chat logprobs are a list of objects (`token`, `logprob`, `bytes`,
-`top_logprobs` with exactly the top-N in rank order). Streams diff the engine's cumulative outputs
-through a cursor.
+`top_logprobs` with exactly the top-N in rank order). A stream gets the engine's DELTA outputs and
+counts what it sent in a cursor.
 """
 
 from __future__ import annotations
@@ -104,9 +104,8 @@ def chat_logprobs(token_ids: list[int], steps: list[TokenLogprobs], num_top: int
 
 @dataclass
 class ChoiceCursor:
-    """How much of one choice's cumulative output a stream has already sent."""
+    """How much of one choice's output a stream has already sent."""
 
-    num_chars: int = 0
     num_tokens: int = 0
     text_offset: int = 0  # completions logprobs: character offset of the next token
     finished: bool = False
@@ -122,19 +121,17 @@ class Delta:
 
 
 def next_delta(cursor: ChoiceCursor, output: CompletionOutput) -> Delta | None:
-    """What is new in `output` since the cursor, advancing it; None when nothing is."""
+    """A DELTA output (what is new since the stream's last) counted into the cursor; None when
+    it holds nothing new, or the choice has already finished."""
     if cursor.finished:
         return None
-    # Text only grows: the engine holds back characters that could still become a stop string.
-    text = output.text[cursor.num_chars :]
-    token_ids = output.token_ids[cursor.num_tokens :]
-    logprobs = None if output.logprobs is None else output.logprobs[cursor.num_tokens :]
-    if not text and not token_ids and output.finish_reason is None:
+    if not output.text and not output.token_ids and output.finish_reason is None:
         return None
-    cursor.num_chars = max(cursor.num_chars, len(output.text))
-    cursor.num_tokens = len(output.token_ids)
+    cursor.num_tokens += len(output.token_ids)
     cursor.finished = output.finish_reason is not None
-    return Delta(text, token_ids, logprobs, output.finish_reason, output.stop_reason)
+    return Delta(
+        output.text, output.token_ids, output.logprobs, output.finish_reason, output.stop_reason
+    )
 
 
 @dataclass(frozen=True)

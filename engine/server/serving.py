@@ -10,13 +10,13 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterable
 from typing import Any
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from kvpilot.engine.outputs import RequestOutput
+from kvpilot.engine.outputs import OutputKind, RequestOutput
 from kvpilot.engine.server import errors, render
 from kvpilot.engine.server.async_engine import (
     EngineDeadError,
@@ -98,7 +98,7 @@ class Generation:
             stream.cut(reason)
 
     async def outputs(self) -> AsyncIterator[tuple[int, RequestOutput]]:
-        """(prompt index, newest cumulative output) until every stream has finished."""
+        """(prompt index, the stream's next output: a DELTA) until every stream has finished."""
         if len(self.streams) == 1:
             stream = self.streams[0]
             while True:
@@ -124,12 +124,21 @@ class Generation:
         return list(await asyncio.gather(*(s.final_output() for s in self.streams)))
 
 
-def usage_of(prompts: list[Prompt], outputs: list[RequestOutput | None]) -> dict[str, Any]:
+def usage_of(
+    prompts: list[Prompt],
+    outputs: list[RequestOutput | None],
+    cursors: Iterable[render.ChoiceCursor] | None = None,
+) -> dict[str, Any]:
+    """Usage from whole outputs, or from a stream's cursors (its outputs are deltas)."""
+    if cursors is None:
+        completion_tokens = sum(
+            len(o.token_ids) for out in outputs if out is not None for o in out.outputs
+        )
+    else:
+        completion_tokens = sum(cursor.num_tokens for cursor in cursors)
     return render.usage(
         prompt_tokens=sum(len(p.token_ids) for p in prompts),
-        completion_tokens=sum(
-            len(o.token_ids) for out in outputs if out is not None for o in out.outputs
-        ),
+        completion_tokens=completion_tokens,
         cached_tokens=sum(out.num_cached_tokens for out in outputs if out is not None),
     )
 
@@ -177,7 +186,7 @@ async def start_generation(
                     prompt_text=prompt.text,
                     cache_salt=request.cache_salt,
                     arrival_time=arrival_time,
-                    final_only=not request.stream,
+                    kind=OutputKind.DELTA if request.stream else OutputKind.FINAL_ONLY,
                 )
             )
     except BaseException as exc:
@@ -270,7 +279,8 @@ async def _completion_events(
         yield render.DONE
         return
     if with_usage:
-        yield render.sse(render.usage_chunk(header, "text_completion", usage_of(prompts, latest)))
+        usage = usage_of(prompts, latest, cursors.values())
+        yield render.sse(render.usage_chunk(header, "text_completion", usage))
     yield render.DONE
 
 
@@ -339,6 +349,7 @@ async def _chat_events(
     num_top, with_usage = num_logprobs(request), request.include_usage
     cursors = [render.ChoiceCursor() for _ in range(request.n)]
     tool_cursors = [tool_render.ToolStreamCursor() for _ in range(request.n)]
+    texts = [""] * request.n  # each choice's whole text, for the tool parser
     latest: list[RequestOutput | None] = [None]
 
     def chunk(choice: dict[str, Any]) -> bytes:
@@ -359,10 +370,11 @@ async def _chat_events(
                     logprobs = render.chat_logprobs(delta.token_ids, delta.logprobs, num_top)
                 finish_reason = delta.finish_reason
                 if tools is not None:
+                    texts[o.index] += delta.text
                     deltas, parsed = tool_render.tool_deltas(
                         tool_cursors[o.index],
                         tools.parser,
-                        o.text,
+                        texts[o.index],
                         final=finish_reason is not None,
                         max_calls=tools.max_calls,
                     )
@@ -388,6 +400,6 @@ async def _chat_events(
         return
     if with_usage:
         yield render.sse(
-            render.usage_chunk(header, "chat.completion.chunk", usage_of(prompts, latest))
+            render.usage_chunk(header, "chat.completion.chunk", usage_of(prompts, latest, cursors))
         )
     yield render.DONE

@@ -8,6 +8,7 @@ import pytest
 
 from kvpilot.engine import LLM, SamplingParams
 from kvpilot.engine.detokenizer import find_stop_string
+from kvpilot.engine.outputs import OutputKind
 
 
 @pytest.fixture(scope="module", params=[False, True], ids=["steps-in-turn", "async"])
@@ -182,13 +183,13 @@ def test_find_stop_string_only_looks_at_new_text() -> None:
 
 
 def test_final_only_requests_report_once_when_finished(llm: LLM) -> None:
-    """A final_only request (what LLM.generate adds) yields no snapshot while it runs and one
+    """A FINAL_ONLY request (what LLM.generate adds) yields no snapshot while it runs and one
     finished output, the same one a per-step request ends with."""
     engine = llm.engine
     prompt = chat(llm, "Name a color.")
     params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
     engine.add_request("every-step", prompt, params)
-    engine.add_request("final", prompt, params, final_only=True)
+    engine.add_request("final", prompt, params, kind=OutputKind.FINAL_ONLY)
     seen: dict[str, list] = {"every-step": [], "final": []}
     while engine.has_unfinished_requests():
         for out in engine.step():

@@ -1,4 +1,4 @@
-"""Response builders: logprobs in both OpenAI formats, stream diffing, SSE framing. No server."""
+"""Response builders: logprobs in both OpenAI formats, stream deltas, SSE framing. No server."""
 
 from __future__ import annotations
 
@@ -40,23 +40,23 @@ def test_chat_logprobs_list_exactly_top_n_in_rank_order_with_bytes() -> None:
     assert render.chat_logprobs([7], STEPS[:1], num_top=0)["content"][0]["top_logprobs"] == []
 
 
-def test_next_delta_diffs_cumulative_outputs_and_finishes_once() -> None:
+def test_next_delta_counts_delta_outputs_and_finishes_once() -> None:
     cursor = render.ChoiceCursor()
-    out = CompletionOutput(index=0, text="Hel", token_ids=[1, 2])
-    delta = render.next_delta(cursor, out)
+    delta = render.next_delta(cursor, CompletionOutput(index=0, text="Hel", token_ids=[1, 2]))
     assert delta is not None and delta.text == "Hel" and delta.token_ids == [1, 2]
-    assert render.next_delta(cursor, out) is None  # nothing new
-    # A token arrived but its text is held back (possible stop string): tokens still advance.
-    held = CompletionOutput(index=0, text="Hel", token_ids=[1, 2, 3])
-    delta = render.next_delta(cursor, held)
+    assert render.next_delta(cursor, CompletionOutput(index=0, text="", token_ids=[])) is None
+    # A token arrived but its text is held back (possible stop string): tokens still count.
+    delta = render.next_delta(cursor, CompletionOutput(index=0, text="", token_ids=[3]))
     assert delta is not None and delta.text == "" and delta.token_ids == [3]
     done = CompletionOutput(
-        index=0, text="Hello", token_ids=[1, 2, 3, 4], finish_reason="stop", stop_reason="!"
+        index=0, text="lo", token_ids=[4], finish_reason="stop", stop_reason="!"
     )
     delta = render.next_delta(cursor, done)
     assert delta is not None and delta.text == "lo" and delta.finish_reason == "stop"
-    assert delta.stop_reason == "!"
-    assert render.next_delta(cursor, done) is None
+    assert delta.stop_reason == "!" and cursor.num_tokens == 4
+    # A finished choice repeats in its request's later outputs (n > 1): sent once.
+    repeat = CompletionOutput(index=0, text="", token_ids=[], finish_reason="stop")
+    assert render.next_delta(cursor, repeat) is None and cursor.num_tokens == 4
 
 
 def test_usage_has_cached_tokens_details() -> None:
