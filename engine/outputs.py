@@ -63,14 +63,10 @@ class RequestOutput:
 
 
 def merge_deltas(older: RequestOutput, newer: RequestOutput) -> RequestOutput:
-    """One DELTA output holding what two consecutive ones hold (a reader that fell behind)."""
-    by_index = {o.index: o for o in older.outputs}
+    """One DELTA output holding what two consecutive ones hold (a reader that fell behind). Each
+    output lists every sequence of its request, in order."""
     merged = []
-    for new in newer.outputs:
-        old = by_index.pop(new.index, None)
-        if old is None:
-            merged.append(new)
-            continue
+    for old, new in zip(older.outputs, newer.outputs, strict=True):
         logprobs = None
         if old.logprobs is not None or new.logprobs is not None:
             logprobs = (old.logprobs or []) + (new.logprobs or [])
@@ -82,6 +78,4 @@ def merge_deltas(older: RequestOutput, newer: RequestOutput) -> RequestOutput:
                 logprobs=logprobs,
             )
         )
-    merged.extend(by_index.values())  # nothing new for them in the newer output
-    merged.sort(key=lambda o: o.index)
     return replace(newer, outputs=merged)
