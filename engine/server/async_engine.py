@@ -90,7 +90,6 @@ class RequestStream:
         self._error: BaseException | None = None
         self._event = asyncio.Event()
         self.finished = False
-        self.last_output: RequestOutput | None = None
 
     def _put(self, output: RequestOutput) -> None:
         if self._merge and self._latest is not None:
@@ -111,7 +110,6 @@ class RequestStream:
             await self._event.wait()
             self._event.clear()
         output, self._latest = self._latest, None
-        self.last_output = output
         self.finished = output.finished
         return output
 
