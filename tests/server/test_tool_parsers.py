@@ -9,7 +9,12 @@ from typing import Any
 
 import pytest
 
-from kvpilot.engine.server.tools.json_scan import MalformedJSON, object_members, value_end
+from kvpilot.engine.server.tools.json_scan import (
+    MalformedJSON,
+    ScanMemo,
+    object_members,
+    value_end,
+)
 from kvpilot.engine.server.tools.parsers import (
     HermesParser,
     Llama3JsonParser,
@@ -236,3 +241,84 @@ def test_parser_choice_from_the_template() -> None:
     assert parser_for_template(None) == "hermes"
     with pytest.raises(ValueError, match="tool parser"):
         parser_named("pythonic")
+
+
+# Texts whose scans stop at every awkward place when fed one character at a time: right after a
+# backslash, between an escaped backslash and a quote, inside brackets within strings, in nested
+# objects, in a second call after a complete first one.
+TRICKY_ARGS = {
+    "path": 'a "quoted" \\ path\\',
+    "code": 'if x:\n    print("{[}]", "\\\\\\"")\n',
+    "nested": {"list": [1, {"k": "v}"}, "]"], "empty": {}},
+    "unicode": "caf\u00e9 \u2603",
+}
+MEMO_TEXTS: list[tuple[str, ToolParser, str]] = [
+    (
+        "hermes-two-tricky",
+        HermesParser(),
+        "Writing it.\n<tool_call>\n"
+        + json.dumps({"name": "write", "arguments": TRICKY_ARGS})
+        + "\n</tool_call>\n<tool_call>"
+        + json.dumps({"name": "again", "arguments": {"s": "\\\\"}})
+        + "</tool_call>",
+    ),
+    (
+        "llama3-two",
+        Llama3JsonParser(),
+        json.dumps({"name": "a", "parameters": TRICKY_ARGS})
+        + "; "
+        + json.dumps({"name": "b", "parameters": {}}),
+    ),
+    (
+        "mistral-list",
+        MistralParser(),
+        "[TOOL_CALLS] "
+        + json.dumps(
+            [{"name": "a", "arguments": TRICKY_ARGS}, {"name": "b", "arguments": {"x": 1}}]
+        ),
+    ),
+    ("required", RequiredParser(), json.dumps([{"name": "a", "parameters": TRICKY_ARGS}])),
+    ("named", NamedParser("write"), json.dumps(TRICKY_ARGS)),
+    (
+        "hermes-malformed",
+        HermesParser(),
+        '<tool_call>{"name": "a", "arguments": [1, "\\"]"]}</tool_call>',
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    ("parser", "text"), [c[1:] for c in MEMO_TEXTS], ids=[c[0] for c in MEMO_TEXTS]
+)
+def test_a_stream_memo_parses_every_prefix_as_a_fresh_parse_does(
+    parser: ToolParser, text: str
+) -> None:
+    """The memo resumes each scan where the last, shorter text stopped; every prefix, final or
+    not, must parse exactly as the same text parsed from scratch."""
+    memo = ScanMemo()
+    for end in range(len(text) + 1):
+        final = end == len(text)
+        assert parser.parse(text[:end], final, memo) == parser.parse(text[:end], final), end
+
+
+def test_a_memo_given_a_text_that_does_not_extend_the_last_forgets_its_scans() -> None:
+    parser, memo = HermesParser(), ScanMemo()
+    # first stops right after a backslash inside a string: read on by a stale scan, other's
+    # closing quote would count as escaped.
+    first = '<tool_call>{"name": "a", "arguments": {"s": "x\\'
+    other = '<tool_call>{"name": "a", "arguments": {"s": "y"}, "z": 1}</tool_call>'
+    parser.parse(first, False, memo)
+    assert parser.parse(other, True, memo) == parser.parse(other, True)
+    assert [c.arguments(other) for c in parser.parse(other, True, memo).calls] == ['{"s": "y"}']
+
+
+def test_json_scan_resumes_inside_strings_and_escapes() -> None:
+    text = '{"a": "x\\\\", "b": ["\\"]", {"c": "}"}]} tail'
+    end = text.index(" tail")
+    for cut in range(len(text) + 1):
+        memo = ScanMemo()
+        memo.attach(text[:cut])
+        first = value_end(text[:cut], 0, memo)
+        memo.attach(text)
+        assert value_end(text, 0, memo) == end, cut
+        assert first == (end if cut >= end else None), cut

@@ -3,14 +3,23 @@
 Only boundaries are found here, not values: a call's arguments are sent as the exact characters
 the model wrote, so every streamed fragment is a prefix of the final arguments and the fragments
 reassemble to the non-streamed result. Values are checked with json.loads once complete.
+
+A stream's text only grows, so a `ScanMemo` keeps where each string or container scan stopped
+and the next parse reads only the characters added since: without it, re-reading a call's whole
+arguments at every token made a long call (a file written through a tool) quadratic.
 """
 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+import re
+from dataclasses import dataclass, field
 
 _WS = " \t\n\r"
+# The next character a scan must look at, found in one C call: inside a string a quote or
+# backslash, outside a quote or bracket.
+_IN_STRING_STOP = re.compile(r'["\\]')
+_OUTSIDE_STOP = re.compile(r'["{}\[\]]')
 
 
 class MalformedJSON(ValueError):
@@ -23,46 +32,82 @@ def skip_ws(text: str, i: int) -> int:
     return i
 
 
-def _string_end(text: str, i: int) -> int | None:
-    """text[i] is a quote: the index past its closing quote, None if the text ends first."""
-    j = i + 1
-    while j < len(text):
-        if text[j] == "\\":
-            j += 2
-        elif text[j] == '"':
-            return j + 1
+@dataclass
+class _Scan:
+    """How far the scan of one string or container has read."""
+
+    pos: int  # the next character to read
+    depth: int = 0
+    in_string: bool = False
+    escaped: bool = False  # the character before pos is a backslash inside a string
+    end: int | None = None  # past the value, once read whole
+
+
+@dataclass
+class ScanMemo:
+    """Scans of one growing text, by the index where their value starts. `attach` each new text
+    first: a text that does not extend the last one forgets every scan."""
+
+    text: str = ""
+    scans: dict[int, _Scan] = field(default_factory=dict)
+    checked: set[tuple[int, int]] = field(default_factory=set)  # spans json.loads accepted
+
+    def attach(self, text: str) -> None:
+        if not text.startswith(self.text):
+            self.scans.clear()
+            self.checked.clear()
+        self.text = text
+
+
+def _scan_end(text: str, i: int, memo: ScanMemo | None) -> int | None:
+    """text[i] opens a string or container: the index past its end, None if the text ends first."""
+    scan = None if memo is None else memo.scans.get(i)
+    if scan is None:
+        scan = _Scan(i)
+        if memo is not None:
+            memo.scans[i] = scan
+    elif scan.end is not None:
+        return scan.end
+    pos, depth, in_string, escaped = scan.pos, scan.depth, scan.in_string, scan.escaped
+    n = len(text)
+    while pos < n:
+        if escaped:
+            escaped = False
+            pos += 1
+            continue
+        found = (_IN_STRING_STOP if in_string else _OUTSIDE_STOP).search(text, pos)
+        if found is None:
+            pos = n
+            break
+        c = found.group()
+        pos = found.end()
+        if c == "\\":
+            escaped = True
+        elif c == '"':
+            in_string = not in_string
+            if not in_string and depth == 0:  # a string value's closing quote
+                scan.end = pos
+                return pos
+        elif c in "{[":
+            depth += 1
         else:
-            j += 1
+            depth -= 1
+            if depth == 0:
+                scan.end = pos
+                return pos
+    scan.pos, scan.depth, scan.in_string, scan.escaped = pos, depth, in_string, escaped
     return None
 
 
-def value_end(text: str, i: int) -> int | None:
+def value_end(text: str, i: int, memo: ScanMemo | None = None) -> int | None:
     """The end (exclusive) of the JSON value starting at text[i] (after whitespace), or None when
     the text ends inside it. MalformedJSON when no value can start there."""
     i = skip_ws(text, i)
     if i >= len(text):
         return None
     c = text[i]
-    if c == '"':
-        return _string_end(text, i)
-    if c in "{[":
-        depth, j = 0, i
-        while j < len(text):
-            c = text[j]
-            if c == '"':
-                end = _string_end(text, j)
-                if end is None:
-                    return None
-                j = end
-                continue
-            if c in "{[":
-                depth += 1
-            elif c in "}]":
-                depth -= 1
-                if depth == 0:
-                    return j + 1
-            j += 1
-        return None
+    if c == '"' or c in "{[":
+        return _scan_end(text, i, memo)
     j = i
     while j < len(text) and text[j] not in ",}]" + _WS:
         j += 1
@@ -78,7 +123,9 @@ class Member:
     end: int | None  # past its end; None while incomplete
 
 
-def object_members(text: str, i: int) -> tuple[dict[str, Member], int | None]:
+def object_members(
+    text: str, i: int, memo: ScanMemo | None = None
+) -> tuple[dict[str, Member], int | None]:
     """The members of the object at text[i] (after whitespace) found so far, and the object's end
     (None while incomplete). MalformedJSON when it is not an object."""
     i = skip_ws(text, i)
@@ -96,7 +143,7 @@ def object_members(text: str, i: int) -> tuple[dict[str, Member], int | None]:
             continue
         if text[j] != '"':
             raise MalformedJSON(f"expected a key at {text[j : j + 20]!r}")
-        key_end = _string_end(text, j)
+        key_end = _scan_end(text, j, memo)
         if key_end is None:
             return members, None
         key = json.loads(text[j:key_end])
@@ -108,7 +155,7 @@ def object_members(text: str, i: int) -> tuple[dict[str, Member], int | None]:
         start = skip_ws(text, j + 1)
         if start >= len(text):
             return members, None
-        end = value_end(text, start)
+        end = value_end(text, start, memo)
         members[key] = Member(start, end)
         if end is None:
             return members, None

@@ -21,7 +21,12 @@ import json
 from dataclasses import dataclass
 from typing import Protocol
 
-from kvpilot.engine.server.tools.json_scan import MalformedJSON, object_members, skip_ws
+from kvpilot.engine.server.tools.json_scan import (
+    MalformedJSON,
+    ScanMemo,
+    object_members,
+    skip_ws,
+)
 
 PARSER_NAMES = ("hermes", "llama3_json", "mistral")
 
@@ -49,14 +54,17 @@ class ParsedTools:
 
 
 class ToolParser(Protocol):
-    def parse(self, text: str, final: bool) -> ParsedTools:
-        """final: the text is complete (no marker can still be growing at its end)."""
+    def parse(self, text: str, final: bool, memo: ScanMemo | None = None) -> ParsedTools:
+        """final: the text is complete (no marker can still be growing at its end). memo: a
+        stream's scans of this text's earlier, shorter versions (json_scan.ScanMemo)."""
         ...
 
 
-def _call_at(text: str, i: int, args_keys: tuple[str, ...]) -> tuple[CallSpan, int | None]:
+def _call_at(
+    text: str, i: int, args_keys: tuple[str, ...], memo: ScanMemo | None
+) -> tuple[CallSpan, int | None]:
     """The call object starting at text[i] and its end (None while incomplete)."""
-    members, end = object_members(text, i)
+    members, end = object_members(text, i, memo)
     name = None
     m = members.get("name")
     if m is not None and m.end is not None:
@@ -70,11 +78,20 @@ def _call_at(text: str, i: int, args_keys: tuple[str, ...]) -> tuple[CallSpan, i
             raise MalformedJSON("a tool call without a name")
         if args is None:
             raise MalformedJSON(f"a tool call without {args_keys[0]}")
-        if not isinstance(json.loads(text[args.start : args.end]), dict):
-            raise MalformedJSON("a tool call's arguments must be an object")
+        _check_arguments(text, args.start, args.end, memo)
     return CallSpan(
         name, None if args is None else args.start, None if args is None else args.end
     ), end
+
+
+def _check_arguments(text: str, start: int, end: int, memo: ScanMemo | None) -> None:
+    """MalformedJSON unless text[start:end] is a JSON object (each span decoded once per memo)."""
+    if memo is not None and (start, end) in memo.checked:
+        return
+    if not isinstance(json.loads(text[start:end]), dict):
+        raise MalformedJSON("a tool call's arguments must be an object")
+    if memo is not None:
+        memo.checked.add((start, end))
 
 
 def _held_back(text: str, marker: str) -> int:
@@ -85,7 +102,9 @@ def _held_back(text: str, marker: str) -> int:
     return 0
 
 
-def _calls_in_array(text: str, i: int, args_keys: tuple[str, ...]) -> list[CallSpan]:
+def _calls_in_array(
+    text: str, i: int, args_keys: tuple[str, ...], memo: ScanMemo | None
+) -> list[CallSpan]:
     """Calls in the JSON list at text[i] (after whitespace)."""
     i = skip_ws(text, i)
     if i >= len(text):
@@ -95,7 +114,7 @@ def _calls_in_array(text: str, i: int, args_keys: tuple[str, ...]) -> list[CallS
     calls: list[CallSpan] = []
     j = skip_ws(text, i + 1)
     while j < len(text) and text[j] != "]":
-        call, end = _call_at(text, j, args_keys)
+        call, end = _call_at(text, j, args_keys, memo)
         calls.append(call)
         if end is None:
             break
@@ -107,24 +126,26 @@ def _calls_in_array(text: str, i: int, args_keys: tuple[str, ...]) -> list[CallS
     return calls
 
 
-def _guarded(parse: ToolParserFn, text: str, final: bool) -> ParsedTools:
+def _guarded(parse: ToolParserFn, text: str, final: bool, memo: ScanMemo | None) -> ParsedTools:
+    if memo is not None:
+        memo.attach(text)
     try:
-        return parse(text, final)
+        return parse(text, final, memo)
     except (MalformedJSON, json.JSONDecodeError):
         return ParsedTools(text if final else None, [])
 
 
 class ToolParserFn(Protocol):
-    def __call__(self, text: str, final: bool) -> ParsedTools: ...
+    def __call__(self, text: str, final: bool, memo: ScanMemo | None) -> ParsedTools: ...
 
 
 class HermesParser:
     OPEN, CLOSE = "<tool_call>", "</tool_call>"
 
-    def parse(self, text: str, final: bool) -> ParsedTools:
-        return _guarded(self._parse, text, final)
+    def parse(self, text: str, final: bool, memo: ScanMemo | None = None) -> ParsedTools:
+        return _guarded(self._parse, text, final, memo)
 
-    def _parse(self, text: str, final: bool) -> ParsedTools:
+    def _parse(self, text: str, final: bool, memo: ScanMemo | None) -> ParsedTools:
         first = text.find(self.OPEN)
         if first < 0:
             keep = len(text) if final else len(text) - _held_back(text, self.OPEN)
@@ -132,7 +153,7 @@ class HermesParser:
         calls: list[CallSpan] = []
         at = first
         while at >= 0:
-            call, end = _call_at(text, at + len(self.OPEN), ("arguments", "parameters"))
+            call, end = _call_at(text, at + len(self.OPEN), ("arguments", "parameters"), memo)
             calls.append(call)
             if end is None:
                 break
@@ -143,10 +164,10 @@ class HermesParser:
 class Llama3JsonParser:
     TAG = "<|python_tag|>"
 
-    def parse(self, text: str, final: bool) -> ParsedTools:
-        return _guarded(self._parse, text, final)
+    def parse(self, text: str, final: bool, memo: ScanMemo | None = None) -> ParsedTools:
+        return _guarded(self._parse, text, final, memo)
 
-    def _parse(self, text: str, final: bool) -> ParsedTools:
+    def _parse(self, text: str, final: bool, memo: ScanMemo | None) -> ParsedTools:
         start = skip_ws(text, 0)
         if text.startswith(self.TAG, start):
             start = skip_ws(text, start + len(self.TAG))
@@ -159,7 +180,7 @@ class Llama3JsonParser:
         calls: list[CallSpan] = []
         at: int | None = start
         while at is not None and at < len(text):
-            call, end = _call_at(text, at, ("parameters", "arguments"))
+            call, end = _call_at(text, at, ("parameters", "arguments"), memo)
             calls.append(call)
             if end is None:
                 break
@@ -174,24 +195,27 @@ class Llama3JsonParser:
 class MistralParser:
     MARKER = "[TOOL_CALLS]"
 
-    def parse(self, text: str, final: bool) -> ParsedTools:
-        return _guarded(self._parse, text, final)
+    def parse(self, text: str, final: bool, memo: ScanMemo | None = None) -> ParsedTools:
+        return _guarded(self._parse, text, final, memo)
 
-    def _parse(self, text: str, final: bool) -> ParsedTools:
+    def _parse(self, text: str, final: bool, memo: ScanMemo | None) -> ParsedTools:
         at = text.find(self.MARKER)
         if at < 0:
             keep = len(text) if final else len(text) - _held_back(text, self.MARKER)
             return ParsedTools(text[:keep], [])
-        calls = _calls_in_array(text, at + len(self.MARKER), ("arguments", "parameters"))
+        calls = _calls_in_array(text, at + len(self.MARKER), ("arguments", "parameters"), memo)
         return ParsedTools(text[:at] or None, calls)
 
 
 class RequiredParser:
     """tool_choice "required": the grammar makes the text a JSON list of calls."""
 
-    def parse(self, text: str, final: bool) -> ParsedTools:
+    def parse(self, text: str, final: bool, memo: ScanMemo | None = None) -> ParsedTools:
         return _guarded(
-            lambda t, f: ParsedTools(None, _calls_in_array(t, 0, ("parameters",))), text, final
+            lambda t, f, m: ParsedTools(None, _calls_in_array(t, 0, ("parameters",), m)),
+            text,
+            final,
+            memo,
         )
 
 
@@ -201,12 +225,14 @@ class NamedParser:
     def __init__(self, name: str) -> None:
         self.name = name
 
-    def parse(self, text: str, final: bool) -> ParsedTools:
+    def parse(self, text: str, final: bool, memo: ScanMemo | None = None) -> ParsedTools:
+        if memo is not None:
+            memo.attach(text)
         start = skip_ws(text, 0)
         if start >= len(text):
             return ParsedTools(None, [CallSpan(self.name, None, None)])
         try:
-            members_end = object_members(text, start)[1]
+            members_end = object_members(text, start, memo)[1]
         except MalformedJSON:
             return ParsedTools(text if final else None, [])
         return ParsedTools(None, [CallSpan(self.name, start, members_end)])

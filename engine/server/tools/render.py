@@ -7,6 +7,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvpilot.engine.server.tools.json_scan import ScanMemo
 from kvpilot.engine.server.tools.parsers import ParsedTools, ToolParser
 
 
@@ -19,8 +20,10 @@ def finish_reason(parsed: ParsedTools, engine_reason: str | None) -> str | None:
     return "tool_calls" if parsed.calls and engine_reason == "stop" else engine_reason
 
 
-def parse_final(parser: ToolParser, text: str, max_calls: int | None) -> ParsedTools:
-    parsed = parser.parse(text, final=True)
+def parse_final(
+    parser: ToolParser, text: str, max_calls: int | None, memo: ScanMemo | None = None
+) -> ParsedTools:
+    parsed = parser.parse(text, final=True, memo=memo)
     if max_calls is not None and len(parsed.calls) > max_calls:
         parsed = ParsedTools(parsed.content, parsed.calls[:max_calls])
     return parsed
@@ -44,11 +47,12 @@ def tool_message(parsed: ParsedTools, text: str) -> dict[str, Any]:
 @dataclass
 class ToolStreamCursor:
     """What one choice's stream has sent: content characters, and per call its id and how many
-    argument characters."""
+    argument characters; and where the parser's scans of the text so far stopped."""
 
     num_content_chars: int = 0
     ids: list[str] = field(default_factory=list)
     num_args_chars: list[int] = field(default_factory=list)
+    memo: ScanMemo = field(default_factory=ScanMemo)
 
 
 def tool_deltas(
@@ -60,7 +64,10 @@ def tool_deltas(
     max_calls: int | None,
 ) -> tuple[list[dict[str, Any]], ParsedTools]:
     """The deltas the cumulative text adds since the cursor (advancing it), and the parse."""
-    parsed = parse_final(parser, text, max_calls) if final else parser.parse(text, final=False)
+    if final:
+        parsed = parse_final(parser, text, max_calls, cursor.memo)
+    else:
+        parsed = parser.parse(text, final=False, memo=cursor.memo)
     calls = parsed.calls if max_calls is None else parsed.calls[:max_calls]
     deltas: list[dict[str, Any]] = []
     content = parsed.content or ""
