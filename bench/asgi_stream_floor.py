@@ -26,6 +26,7 @@ import os
 import statistics
 import sys
 import time
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -109,25 +110,27 @@ def uvicorn_cmd(app: str, port: int) -> list[str]:
     ]  # fmt: skip
 
 
-def thread_cpu_s(pid: int) -> tuple[float, float]:
-    """(main thread, whole process) CPU seconds so far."""
-    tick = os.sysconf("SC_CLK_TCK")
-
-    def cpu(stat: Path) -> float:
-        fields = stat.read_text().rsplit(")", 1)[1].split()
-        return (int(fields[11]) + int(fields[12])) / tick
-
-    return cpu(Path(f"/proc/{pid}/task/{pid}/stat")), cpu(Path(f"/proc/{pid}/stat"))
+def main_thread_cpu_s(pid: int) -> float:
+    """CPU seconds so far of the process's main thread (uvicorn's event loop)."""
+    fields = Path(f"/proc/{pid}/task/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-async def stream_all(url: str, args: argparse.Namespace, kvpilot: bool) -> int:
+@dataclass(frozen=True)
+class Workload:
+    requests: int
+    chunks: int  # per request
+    concurrency: int
+
+
+async def stream_all(url: str, workload: Workload, kvpilot: bool) -> int:
     """Every request's stream read to its end; returns the number of data chunks (not [DONE])."""
     prompt = "Tell me about the history of the city and its rivers. " * 11  # ~128 tokens
-    body: dict[str, Any] = {"n": args.chunks}
+    body: dict[str, Any] = {"n": workload.chunks}
     if kvpilot:
-        body = {"model": "SmolLM2-135M-Instruct", "prompt": prompt, "max_tokens": args.chunks,
+        body = {"model": "SmolLM2-135M-Instruct", "prompt": prompt, "max_tokens": workload.chunks,
                 "ignore_eos": True, "stream": True}  # fmt: skip
-    gate = asyncio.Semaphore(args.concurrency)
+    gate = asyncio.Semaphore(workload.concurrency)
     chunks = 0
 
     async def one(session: aiohttp.ClientSession) -> None:
@@ -139,15 +142,18 @@ async def stream_all(url: str, args: argparse.Namespace, kvpilot: bool) -> int:
                     chunks += 1
 
     async with aiohttp.ClientSession() as session:
-        await asyncio.gather(*(one(session) for _ in range(args.requests)))
+        await asyncio.gather(*(one(session) for _ in range(workload.requests)))
     return chunks
 
 
-def measure(url: str, pid: int, args: argparse.Namespace, kvpilot: bool) -> tuple[float, float]:
+def measure(
+    server: ServerProcess, url: str, workload: Workload, kvpilot: bool
+) -> tuple[float, float]:
     """(event loop, whole process) microseconds of server CPU per streamed chunk."""
-    loop0, proc0 = thread_cpu_s(pid)
-    chunks = asyncio.run(stream_all(url, args, kvpilot))
-    loop1, proc1 = thread_cpu_s(pid)
+    pid = server.proc.pid
+    loop0, proc0 = main_thread_cpu_s(pid), server.api_cpu_seconds()
+    chunks = asyncio.run(stream_all(url, workload, kvpilot))
+    loop1, proc1 = main_thread_cpu_s(pid), server.api_cpu_seconds()
     return (loop1 - loop0) / chunks * 1e6, (proc1 - proc0) / chunks * 1e6
 
 
@@ -158,6 +164,8 @@ def main() -> None:
     ap.add_argument("--chunks", type=int, default=64)
     ap.add_argument("--concurrency", type=int, default=16)
     args = ap.parse_args()
+    workload = Workload(args.requests, args.chunks, args.concurrency)
+    warm = replace(workload, requests=workload.concurrency, chunks=8)
     servers = {
         "raw": ServerProcess("raw", uvicorn_cmd("raw_app", p := free_port()), "/ready", p),
         "starlette": ServerProcess(
@@ -172,14 +180,13 @@ def main() -> None:
     try:
         urls = {name: server.wait_ready() for name, server in servers.items()}
         for name, server in servers.items():  # unmeasured: first-call costs
-            measure(urls[name], server.proc.pid, argparse.Namespace(**{**vars(args),
-                    "requests": args.concurrency, "chunks": 8}), name == "kvpilot")  # fmt: skip
+            measure(server, urls[name], warm, name == "kvpilot")
         names = list(servers)
         results: dict[str, list[tuple[float, float]]] = {name: [] for name in names}
         for r in range(args.rounds):
             for name in names if r % 2 == 0 else names[::-1]:
                 time.sleep(2)  # let the last run's stragglers settle
-                got = measure(urls[name], servers[name].proc.pid, args, name == "kvpilot")
+                got = measure(servers[name], urls[name], workload, name == "kvpilot")
                 results[name].append(got)
                 print(f"round {r + 1} {name:>9}: event loop {got[0]:6.1f} us/chunk, "
                       f"process {got[1]:6.1f} us/chunk", flush=True)  # fmt: skip
