@@ -14,6 +14,12 @@ Four parts, each runnable alone (--parts), all on dummy bf16 weights (no downloa
   backends and graphs-on/off compared on identical requests where the slower ones would take long).
 - host: cProfile of the host over steady steps under the whole workload (where the host time of a
   step goes, without the torch profiler's per-op overhead).
+- sweep: the kvpilot part again for each --sweep setting of max_num_seqs:max_num_batched_tokens
+  (each at most the engine's own: the scheduler's limits change between runs, the engine and its
+  graphs stay), to find the best setting in one engine start.
+- timeline: the kvpilot part again with every step timed on the device (CUDA events around each
+  launch; bench/step_timeline.py): where the run's time goes by batch size, the long tail of a few
+  sequences included.
 
 Decode steps replay CUDA graphs unless --enforce-eager (they need the triton backend); the graphs'
 capture time and memory are part of the JSON result.
@@ -237,10 +243,18 @@ def subset(workload: Workload, num_requests: int) -> Workload:
     return Workload(workload.input_lens[:n], workload.output_lens[:n], workload.prompts[:n])
 
 
+def forget_cached_prompts(llm: Any) -> None:
+    """Every part runs the same prompts: without this, a part after another would find their
+    blocks in the prefix cache and skip most of its prefill."""
+    if not llm.reset_prefix_cache():
+        raise RuntimeError("the prefix cache cannot be reset with requests in flight")
+
+
 def run_kvpilot(llm: Any, workload: Workload) -> dict[str, Any]:
     import torch
 
     params = [sampling(n) for n in workload.output_lens]
+    forget_cached_prompts(llm)
     torch.cuda.synchronize()
     start = time.perf_counter()
     outputs = llm.generate(workload.prompts, params)
@@ -264,11 +278,46 @@ def run_kvpilot(llm: Any, workload: Workload) -> dict[str, Any]:
     }
 
 
+def run_timeline(llm: Any, workload: Workload) -> dict[str, Any]:
+    """run_kvpilot under a StepTimeline: the throughput (events cost little; compare with the
+    kvpilot part) and every step's composition and device time, with a summary by batch size."""
+    from step_timeline import StepTimeline, format_summary, summarize, to_json
+
+    with StepTimeline(llm.engine.core.runner) as timeline:
+        run = run_kvpilot(llm, workload)
+    summary = summarize(timeline.records)
+    print(format_summary(summary))
+    return {"run": run, "summary": summary, "steps": to_json(timeline.records)}
+
+
+def run_sweep(llm: Any, workload: Workload, settings: str) -> list[dict[str, Any]]:
+    """The workload once per "seqs:tokens" setting, through the same engine."""
+    from dataclasses import replace
+
+    scheduler = llm.engine.core.scheduler
+    original = scheduler.config
+    results = []
+    try:
+        for setting in settings.split(","):
+            seqs, tokens = map(int, setting.split(":"))
+            if seqs > original.max_num_seqs or tokens > original.max_num_batched_tokens:
+                raise ValueError(f"sweep setting {setting} exceeds the engine's {original}")
+            scheduler.config = replace(original, max_num_seqs=seqs, max_num_batched_tokens=tokens)
+            run = run_kvpilot(llm, workload)
+            tps = run["output_tokens_per_s"]
+            print(f"sweep {seqs} seqs, {tokens} tokens/step: {tps:.0f} output tok/s")
+            results.append({"max_num_seqs": seqs, "max_num_batched_tokens": tokens} | run)
+    finally:
+        scheduler.config = original
+    return results
+
+
 def load_engine(llm: Any, workload: Workload, warm_steps: int, tag: str) -> None:
     """Adds the whole workload (ids tag-i) and runs warm_steps steps, then waits for the device."""
     import torch
 
     engine = llm.engine
+    forget_cached_prompts(llm)
     for i, (prompt, n) in enumerate(zip(workload.prompts, workload.output_lens, strict=True)):
         engine.add_request(f"{tag}-{i}", prompt, sampling(n))
     for _ in range(warm_steps):
@@ -290,11 +339,16 @@ def measure_idle_fraction(
 ) -> dict[str, Any]:
     """Loads the engine with the whole workload, skips warm_steps, profiles profiled_steps."""
     import torch
+    from step_timeline import StepTimeline
     from torch.profiler import ProfilerActivity, profile
 
     engine = llm.engine
     load_engine(llm, workload, warm_steps, tag)
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+    # What the profiled steps computed (device time per token, the GEMMs' achieved FLOP rate).
+    with (
+        profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof,
+        StepTimeline(engine.core.runner, cuda_events=False) as steps,
+    ):
         for _ in range(profiled_steps):
             engine.step()
         torch.cuda.synchronize()
@@ -319,10 +373,14 @@ def measure_idle_fraction(
         "window_ms": window / 1e3,
         "gpu_busy_ms": busy / 1e3,
         "gpu_idle_fraction": 1 - busy / window,
+        "launched_steps": len(steps.records),
+        "decode_tokens": sum(r.decode_rows for r in steps.records),
+        "prefill_tokens": sum(r.prefill_tokens for r in steps.records),
+        "context_tokens": sum(r.context_tokens for r in steps.records),
         # Where the busy time goes: device time per kernel name over the profiled steps.
         "top_kernels": [
             {"name": name, "ms": round(ms, 3), "launches": count}
-            for name, (ms, count) in sorted(by_kernel.items(), key=lambda kv: -kv[1][0])[:20]
+            for name, (ms, count) in sorted(by_kernel.items(), key=lambda kv: -kv[1][0])[:40]
         ],
     }
 
@@ -478,6 +536,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="steps in turn: read each step's tokens before scheduling the next",
     )
     p.add_argument("--subset-requests", type=int, default=200)
+    p.add_argument(
+        "--sweep",
+        default="512:4096,512:2048,384:8192",
+        help="the sweep part's max_num_seqs:max_num_batched_tokens settings, comma-separated",
+    )
     p.add_argument("--idle-decode-batches", default="1,16,64")
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--max-num-batched-tokens", type=int, default=8192)
@@ -515,7 +578,9 @@ def main(argv: list[str] | None = None) -> int:
         )
         return 2
     parts = set(args.parts.split(","))
-    unknown = parts - {"kvpilot", "idle", "idle_decode", "single", "hf", "subset", "host"}
+    known = {"kvpilot", "sweep", "timeline", "idle", "idle_decode", "single", "hf", "subset"}
+    known.add("host")
+    unknown = parts - known
     if unknown:
         print(f"unknown parts: {sorted(unknown)}", file=sys.stderr)
         return 2
@@ -527,7 +592,7 @@ def main(argv: list[str] | None = None) -> int:
 
     command = "python bench/gpu_offline_throughput.py " + " ".join(sys.argv[1:])
     result["command"] = command
-    if parts & {"kvpilot", "idle", "idle_decode", "single", "subset", "host"}:
+    if parts & (known - {"hf"}):
         with tempfile.TemporaryDirectory() as tmp:
             started = time.perf_counter()
             llm = make_llm(write_model_dir(Path(tmp)), args)
@@ -542,6 +607,14 @@ def main(argv: list[str] | None = None) -> int:
             if "kvpilot" in parts:
                 result["kvpilot"] = run_kvpilot(llm, workload)
                 print(f"kvpilot: {result['kvpilot']['output_tokens_per_s']:.0f} output tok/s")
+                save()
+            if "sweep" in parts:
+                result["sweep"] = run_sweep(llm, workload, args.sweep)
+                save()
+            if "timeline" in parts:
+                result["timeline"] = run_timeline(llm, workload)
+                tps = result["timeline"]["run"]["output_tokens_per_s"]
+                print(f"kvpilot under the step timeline: {tps:.0f} output tok/s")
                 save()
             if "idle" in parts:
                 result["idle"] = measure_idle_fraction(

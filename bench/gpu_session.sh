@@ -25,7 +25,7 @@
 #   bash bench/gpu_session.sh 1   # then, on the same machine:   bash bench/gpu_session.sh 2
 #   bash bench/gpu_session.sh 2 smollm2_tests transformers   # only the steps named
 #   (phase 1's steps: kernel_tests graphs graphs512 sync eager kernels_bench attention_tuning gemv
-#   decode1 load;
+#   decode1 load timeline512 timeline256;
 #   phase 2's: smollm2_tests transformers torch_backend)
 set -u
 phase=${1:?phase 1 or 2}
@@ -90,6 +90,12 @@ if [ "$phase" = 1 ]; then
         --out "$OUT/decode1.json"
     # The 1000-request throughput alone (no profiling parts).
     run load 150 python3 $bench --parts kvpilot --out "$OUT/load.json"
+    # Where a whole run's time goes: every step timed on the device (step_timeline.py), at 512
+    # and 256 sequences; at 512 also other scheduler limits in the same engine, the kernel
+    # breakdown and the host's cProfile under load.
+    run timeline512 300 python3 $bench --max-num-seqs 512 --parts kvpilot,sweep,timeline,idle,host \
+        --sweep 512:4096,512:2048,384:8192 --out "$OUT/timeline_512.json"
+    run timeline256 150 python3 $bench --parts kvpilot,timeline,host --out "$OUT/timeline_256.json"
 else
     run smollm2_tests 200 python3 -m pytest -p no:cacheprovider -q -m gpu \
         tests/kernels/test_gpu_kernels.py -k "smollm2 or step_graphs"
