@@ -25,7 +25,7 @@
 #   bash bench/gpu_session.sh 1   # then, on the same machine:   bash bench/gpu_session.sh 2
 #   bash bench/gpu_session.sh 2 smollm2_tests transformers   # only the steps named
 #   (phase 1's steps: kernel_tests graphs graphs512 sync eager kernels_bench attention_tuning gemv
-#   decode1 load timeline512 timeline256;
+#   decode1 load timeline512 device_figures timeline256;
 #   phase 2's: smollm2_tests transformers torch_backend)
 set -u
 phase=${1:?phase 1 or 2}
@@ -95,6 +95,10 @@ if [ "$phase" = 1 ]; then
     # breakdown and the host's cProfile under load.
     run timeline512 300 python3 $bench --max-num-seqs 512 --parts kvpilot,sweep,timeline,idle,host \
         --sweep 512:4096,512:2048,384:8192 --out "$OUT/timeline_512.json"
+    # The issue's figures on whatever device this is (run on an H100 to have them there): the
+    # throughput twice (the second pass timed per step), then the single stream.
+    run device_figures 200 python3 $bench --max-num-seqs 512 --parts kvpilot,timeline,single \
+        --out "$OUT/device_figures.json"
     run timeline256 150 python3 $bench --parts kvpilot,timeline,host --out "$OUT/timeline_256.json"
 else
     run smollm2_tests 200 python3 -m pytest -p no:cacheprovider -q -m gpu \
