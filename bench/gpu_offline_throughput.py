@@ -598,7 +598,17 @@ def main(argv: list[str] | None = None) -> int:
             llm = make_llm(write_model_dir(Path(tmp)), args)
             result["engine_start_s"] = time.perf_counter() - started
             print(f"engine started in {result['engine_start_s']:.1f} s", flush=True)
+            from kvpilot.engine.kernels.runtime import compiled_variants
+
+            # Triton variants compiled so far: unchanged after start-up means no step waited.
+            compiles = result["triton_variants_compiled"] = {}
+
+            def note_compiles(after: str) -> None:
+                compiles[after] = sum(compiled_variants().values())
+
+            note_compiles("start")
             warm_up(llm, LLAMA_31_8B["vocab_size"])
+            note_compiles("warm_up")
             if "subset" in parts:
                 result["kvpilot_subset"] = run_kvpilot(llm, subset(workload, args.subset_requests))
                 tps = result["kvpilot_subset"]["output_tokens_per_s"]
@@ -607,14 +617,17 @@ def main(argv: list[str] | None = None) -> int:
             if "kvpilot" in parts:
                 result["kvpilot"] = run_kvpilot(llm, workload)
                 print(f"kvpilot: {result['kvpilot']['output_tokens_per_s']:.0f} output tok/s")
+                note_compiles("kvpilot")
                 save()
             if "sweep" in parts:
                 result["sweep"] = run_sweep(llm, workload, args.sweep)
+                note_compiles("sweep")
                 save()
             if "timeline" in parts:
                 result["timeline"] = run_timeline(llm, workload)
                 tps = result["timeline"]["run"]["output_tokens_per_s"]
                 print(f"kvpilot under the step timeline: {tps:.0f} output tok/s")
+                note_compiles("timeline")
                 save()
             if "idle" in parts:
                 result["idle"] = measure_idle_fraction(

@@ -41,7 +41,7 @@ import torch
 from kvpilot.engine.attention.base import AttentionMetadata
 from kvpilot.engine.host_copy import to_device
 from kvpilot.engine.model.llama import ForwardContext, LlamaForCausalLM
-from kvpilot.engine.step_input import StepInput
+from kvpilot.engine.step_input import CUDA_TABLE_WIDTH_MULTIPLE, StepInput, round_up
 
 log = logging.getLogger("kvpilot")
 
@@ -109,6 +109,59 @@ def is_plain_decode(step: StepInput) -> bool:
         and len(step.input_ids) == num_seqs
         and step.logits_indices == list(range(num_seqs))
     )
+
+
+def eager_steps_to_compile(
+    num_tokens: int, block_size: int, table_width_multiple: int, decode_seqs: int = 0
+) -> list[StepInput]:
+    """Steps of num_tokens, too many for any graph, in the kinds the scheduler forms: a prompt
+    chunk alone, the same chunk beside one decode (a mixed batch's two attention passes), and
+    (decode_seqs > 0) that many decodes alone. Running each once compiles the kernel variants
+    that eager steps launch, before any request could wait for a compile. They write keys into
+    blocks 0..num_tokens / block_size: call it before the first request, when no block holds
+    anything."""
+    chunk_table = list(range(1, -(-num_tokens // block_size) + 1))  # block 0: the decodes'
+    width = round_up(len(chunk_table), table_width_multiple)
+
+    def row(table: list[int]) -> list[int]:
+        return table + [0] * (width - len(table))
+
+    def chunk_slots(length: int) -> list[int]:
+        return [chunk_table[p // block_size] * block_size + p % block_size for p in range(length)]
+
+    alone = StepInput(
+        input_ids=[0] * num_tokens,
+        positions=list(range(num_tokens)),
+        slot_mapping=chunk_slots(num_tokens),
+        query_start=[0, num_tokens],
+        seq_lens=[num_tokens],
+        block_tables=[row(chunk_table)],
+        logits_indices=[num_tokens - 1],
+    )
+    chunk = num_tokens - 1
+    beside_a_decode = StepInput(
+        input_ids=[0] * num_tokens,
+        positions=[0, *range(chunk)],
+        slot_mapping=[0, *chunk_slots(chunk)],
+        query_start=[0, 1, num_tokens],
+        seq_lens=[1, chunk],
+        block_tables=[row([0]), row(chunk_table)],
+        logits_indices=[0, num_tokens - 1],
+    )
+    steps = [alone, beside_a_decode]
+    if decode_seqs:
+        steps.append(
+            StepInput(
+                input_ids=[0] * decode_seqs,
+                positions=[0] * decode_seqs,
+                slot_mapping=[0] * decode_seqs,
+                query_start=list(range(decode_seqs + 1)),
+                seq_lens=[1] * decode_seqs,
+                block_tables=[row([0])] * decode_seqs,
+                logits_indices=list(range(decode_seqs)),
+            )
+        )
+    return steps
 
 
 @dataclass(frozen=True)
@@ -183,7 +236,10 @@ class StepGraphs:
         self.max_model_len = max_model_len
         self.block_size = block_size
         self.null_block = null_block
-        self.max_blocks_per_seq = -(-max_model_len // block_size)
+        # As wide as the widest table a CUDA step brings (plan_step rounds widths up).
+        self.max_blocks_per_seq = round_up(
+            -(-max_model_len // block_size), CUDA_TABLE_WIDTH_MULTIPLE
+        )
         shapes = [GraphShape(n, n, True) for n in decode_sizes]
         shapes += [GraphShape(n, min(n, max_num_seqs), False) for n in mixed_sizes]
         self.shapes = tuple(shapes)

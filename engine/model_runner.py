@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import time
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -12,8 +13,14 @@ import torch
 
 from kvpilot.engine.attention import AttentionMetadata, get_attention_backend
 from kvpilot.engine.config import EngineConfig, ModelConfig
-from kvpilot.engine.cuda_graphs import StepGraphs, graph_batch_sizes, mixed_token_sizes
+from kvpilot.engine.cuda_graphs import (
+    StepGraphs,
+    eager_steps_to_compile,
+    graph_batch_sizes,
+    mixed_token_sizes,
+)
 from kvpilot.engine.host_copy import to_device
+from kvpilot.engine.kernels.runtime import compiled_variants
 from kvpilot.engine.model.cpu_linear import pack_linears, packing_available
 from kvpilot.engine.model.layer_ops import LayerOps
 from kvpilot.engine.model.llama import ForwardContext, LlamaForCausalLM
@@ -33,7 +40,7 @@ from kvpilot.engine.sampler import (
     resolve_sample,
 )
 from kvpilot.engine.scheduler import ScheduledSequence
-from kvpilot.engine.step_input import StepInput, plan_step
+from kvpilot.engine.step_input import CUDA_TABLE_WIDTH_MULTIPLE, StepInput, plan_step
 from kvpilot.engine.structured.manager import StructuredOutputs
 
 log = logging.getLogger("kvpilot")
@@ -170,6 +177,8 @@ class ModelRunner:
         )
         self.default_generator = torch.Generator(device=self.device).manual_seed(config.seed)
         self._last_draws: torch.Tensor | None = None  # the last launched step's tokens [S]
+        # CUDA block tables' row stride (a kernel argument) stays in one class: see plan_step.
+        self.table_width_multiple = CUDA_TABLE_WIDTH_MULTIPLE if self.device.type == "cuda" else 1
         self.step_graphs: StepGraphs | None = None
         if self.null_block is not None:
             sched = config.scheduler
@@ -183,6 +192,40 @@ class ModelRunner:
                 self.block_size,
                 self.null_block,
             )
+            self._compile_eager_variants()
+
+    def _compile_eager_variants(self) -> None:
+        """Runs once each kind of step no graph holds (more tokens than the largest mixed graph,
+        more decodes than any graph), so the kernel variants they launch are compiled now and not
+        while a request waits: on an H100, the first pass over a 1000-request workload compiled
+        for ~2.5 s of its 22.8 s (bench/RESULTS.md)."""
+        graphs = self.step_graphs
+        assert graphs is not None
+        sched = self.config.scheduler
+        largest = max(graphs.mixed_sizes, default=0)
+        if sched.max_num_batched_tokens <= largest:
+            return  # every step fits a graph
+        num_tokens = largest + 1
+        if -(-num_tokens // self.block_size) + 1 > self.num_blocks:
+            return  # a pool this small never holds a step this large
+        largest_decode = max(largest, max(graphs.decode_sizes, default=0))
+        decode_seqs = num_tokens if sched.max_num_seqs > largest_decode else 0
+        started = time.perf_counter()
+        before = sum(compiled_variants().values())
+        steps = eager_steps_to_compile(
+            num_tokens, self.block_size, self.table_width_multiple, decode_seqs
+        )
+        for step in steps:
+            if graphs.shape_for(step) is not None:
+                raise AssertionError(f"a warm-up step of {num_tokens} tokens fits a graph")
+            self.forward_step(step)
+        torch.cuda.synchronize(self.device)
+        log.info(
+            "eager steps (%d tokens and more): %d kernel variants compiled in %.1f s",
+            num_tokens,
+            sum(compiled_variants().values()) - before,
+            time.perf_counter() - started,
+        )
 
     def _pack_cpu_linears(self, backend_name: str) -> None:
         """The 'cpu' backend's own linear kernel where the library has it for this dtype (faster
@@ -273,7 +316,7 @@ class ModelRunner:
         Constrained sequences' token masks are filled by `structured` while the forward runs.
         Sequences with a pending token (pending_row set) read it from the previous launch's
         draws on the device."""
-        step = plan_step(scheduled, self.block_size)
+        step = plan_step(scheduled, self.block_size, self.table_width_multiple)
         pending = pending_inputs(scheduled)
         sampling = [item for item in scheduled if item.will_sample]
         grammars = [item.seq.grammar for item in sampling]

@@ -11,6 +11,13 @@ import msgspec
 
 from kvpilot.engine.scheduler import ScheduledSequence
 
+# What CUDA steps round their block tables' width up to (plan_step's table_width_multiple).
+CUDA_TABLE_WIDTH_MULTIPLE = 16
+
+
+def round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
 
 class StepInput(msgspec.Struct, array_like=True, gc=False, tag=True):
     input_ids: list[int]  # [T]
@@ -22,7 +29,12 @@ class StepInput(msgspec.Struct, array_like=True, gc=False, tag=True):
     logits_indices: list[int]  # [S_sample]: flat index of each sampling sequence's last token
 
 
-def plan_step(scheduled: list[ScheduledSequence], block_size: int) -> StepInput:
+def plan_step(
+    scheduled: list[ScheduledSequence], block_size: int, table_width_multiple: int = 1
+) -> StepInput:
+    """table_width_multiple: the block tables' width is rounded up to it (CUDA: 16, so that the
+    tables' row stride, a kernel argument, is always a multiple of 16, the class the CUDA graphs'
+    tables have, and an eager step never makes Triton compile another attention variant)."""
     bs = block_size
     step = StepInput([], [], [], [0], [], [], [])
     for item in scheduled:
@@ -42,6 +54,7 @@ def plan_step(scheduled: list[ScheduledSequence], block_size: int) -> StepInput:
         if item.will_sample:
             step.logits_indices.append(step.query_start[-1] - 1)
     max_blocks = max(len(item.seq.block_table) for item in scheduled)
+    max_blocks = round_up(max_blocks, table_width_multiple)
     step.block_tables.extend(
         item.seq.block_table + [0] * (max_blocks - len(item.seq.block_table)) for item in scheduled
     )

@@ -32,7 +32,8 @@ MAX_SPLITS = 32
 LOG2E = 1.4426950408889634
 
 
-@triton_kernel
+# num_seqs changes with every step's batch, and would make eager steps compile new variants.
+@triton_kernel(do_not_specialize=("num_seqs",))
 def _paged_attention_kernel(
     out_ptr,  # [T, H, D], or the fp32 partials [T, H, NUM_SPLITS, HEAD_DIM_PAD] when split
     lse_max_ptr,  # [T, H, NUM_SPLITS] fp32 running max (log2 domain), only when split

@@ -121,12 +121,22 @@ def next_power_of_2(n: int) -> int:
 
 
 class TritonKernel:
-    """One kernel source with two launchers: `kernel.on(device)[grid](*args, **constexprs)`."""
+    """One kernel source with two launchers: `kernel.on(device)[grid](*args, **constexprs)`.
 
-    def __init__(self, fn: Callable[..., None]) -> None:
+    do_not_specialize: integer arguments whose values change from step to step. Triton compiles a
+    variant of a kernel for each class of each integer argument (1, a multiple of 16, any other)
+    when it first meets it: mid-serving, a request would wait for that compile (~1 s)."""
+
+    def __init__(self, fn: Callable[..., None], do_not_specialize: tuple[str, ...] = ()) -> None:
+        params = inspect.signature(fn).parameters
+        unknown = [name for name in do_not_specialize if name not in params]
+        if unknown:
+            raise ValueError(f"{fn.__name__} has no argument {unknown}")
         self.fn = fn
+        self.do_not_specialize = do_not_specialize
         self._compiled: Any = None
         self._interpreted: Any = None
+        _KERNELS.append(self)
 
     @property
     def __name__(self) -> str:
@@ -137,7 +147,9 @@ class TritonKernel:
             if self._compiled is None:
                 from triton import JITFunction
 
-                self._compiled = JITFunction(self.fn)
+                self._compiled = JITFunction(
+                    self.fn, do_not_specialize=list(self.do_not_specialize) or None
+                )
             return self._compiled
         if (problem := interpreter_problem()) is not None:
             raise UnsupportedTritonInterpreter(f"cannot interpret {self.__name__}: {problem}")
@@ -223,9 +235,29 @@ def _interpretable_jit_functions(kernel_globals: dict[str, Any]) -> Iterator[Non
             namespace[name] = value
 
 
-def triton_kernel(fn: Callable[..., None]) -> TritonKernel:
-    """Decorator used instead of @triton.jit, so that the import order never decides the mode."""
+def triton_kernel(
+    fn: Callable[..., None] | None = None, *, do_not_specialize: tuple[str, ...] = ()
+) -> Any:
+    """Decorator used instead of @triton.jit, so that the import order never decides the mode:
+    `@triton_kernel`, or `@triton_kernel(do_not_specialize=(...))` (see TritonKernel)."""
+    if fn is None:
+        return lambda f: TritonKernel(f, do_not_specialize)
     return TritonKernel(fn)
+
+
+_KERNELS: list[TritonKernel] = []
+
+
+def compiled_variants() -> dict[str, int]:
+    """Per kernel, the variants compiled so far in this process (on every device): what a
+    warm-up must leave unchanged while requests run."""
+    counts = {}
+    for kernel in _KERNELS:
+        jit_fn = kernel._compiled
+        caches = getattr(jit_fn, "device_caches", {}) if jit_fn is not None else {}
+        # Each device's entry is a tuple whose first item is its kernel cache (Triton 3.x).
+        counts[kernel.__name__] = sum(len(entry[0]) for entry in caches.values())
+    return counts
 
 
 def triton_helper(fn: Callable[..., Any]) -> Any:

@@ -14,6 +14,7 @@ from kvpilot.engine.cuda_graphs import (
     GraphShape,
     StepGraphs,
     bucket_for,
+    eager_steps_to_compile,
     graph_batch_sizes,
     is_plain_decode,
     mixed_token_sizes,
@@ -23,7 +24,10 @@ from kvpilot.engine.kernels import get_layer_ops
 from kvpilot.engine.kernels.attention_backend import TritonAttentionBackend
 from kvpilot.engine.model.llama import ForwardContext
 from kvpilot.engine.model.loader import build_model, init_dummy_weights
-from kvpilot.engine.step_input import StepInput
+from kvpilot.engine.sampling_params import SamplingParams
+from kvpilot.engine.scheduler import ScheduledSequence
+from kvpilot.engine.sequence import Sequence
+from kvpilot.engine.step_input import StepInput, plan_step
 
 
 @pytest.mark.parametrize(
@@ -239,9 +243,13 @@ def test_shape_for_picks_the_graph_or_none() -> None:
     assert graphs.shape_for(decode_step()) == GraphShape(4, 4, True)
     two_blocks = StepInput([1], [4], [8], [0, 1], [5], [[1, 2]], [0])
     assert graphs.shape_for(two_blocks) == GraphShape(1, 1, True)
-    # Past max_model_len's three blocks per sequence: eager.
-    four_blocks = StepInput([1], [12], [8], [0, 1], [13], [[1, 2, 0, 0]], [0])
-    assert graphs.shape_for(four_blocks) is None
+    # max_model_len's three blocks per sequence, rounded up to the 16 a CUDA table's width is
+    # rounded to (plan_step): 16 fit, 17 run eagerly.
+    assert graphs.max_blocks_per_seq == 16
+    sixteen = StepInput([1], [12], [8], [0, 1], [13], [[1, 2, 3, 4] + [0] * 12], [0])
+    assert graphs.shape_for(sixteen) == GraphShape(1, 1, True)
+    seventeen = StepInput([1], [12], [8], [0, 1], [13], [[1, 2, 3, 4] + [0] * 13], [0])
+    assert graphs.shape_for(seventeen) is None
     # More decode rows than the largest decode graph: a mixed graph (room for max_num_seqs = 6).
     five = StepInput([1] * 5, [0] * 5, [0] * 5, list(range(6)), [1] * 5, [[0]] * 5, list(range(5)))
     assert graphs.shape_for(five) == GraphShape(16, 6, False)
@@ -254,3 +262,58 @@ def test_shape_for_picks_the_graph_or_none() -> None:
     long = StepInput([1] * 33, list(range(33)), [0] * 33, [0, 33], [33], [[0]], [32])
     assert graphs.shape_for(long) is None
     assert graphs.shape_for(StepInput([], [], [], [0], [], [], [])) is None
+
+
+def test_cuda_steps_round_block_table_widths_to_16() -> None:
+    """An attention kernel argument is the tables' row stride: rounded up to 16 it stays in the
+    one class Triton specializes a multiple of 16 to, whatever the step's longest table."""
+
+    def scheduled(num_blocks: int, computed: int, new: int) -> ScheduledSequence:
+        seq = Sequence("r", 0, list(range(computed + new)), computed + new, SamplingParams())
+        seq.block_table = list(range(10, 10 + num_blocks))
+        seq.num_computed_tokens = computed
+        return ScheduledSequence(seq, new)
+
+    batch = [scheduled(3, 40, 1), scheduled(17, 0, 5), scheduled(1, 0, 2)]
+    plain = plan_step(batch, 16)
+    assert [len(row) for row in plain.block_tables] == [17, 17, 17]
+    for multiple, width in ((16, 32), (8, 24), (1, 17)):
+        step = plan_step(batch, 16, multiple)
+        assert [len(row) for row in step.block_tables] == [width] * 3
+        for row, padded in zip(plain.block_tables, step.block_tables, strict=True):
+            assert padded == row + [0] * (width - 17)
+        assert step.slot_mapping == plain.slot_mapping and step.seq_lens == plain.seq_lens
+    assert len(plan_step(batch[:1], 16, 16).block_tables[0]) == 16
+
+
+def test_eager_steps_to_compile_are_steps_no_graph_holds() -> None:
+    """The start-up steps that compile the eager kernel variants: each a consistent step (fresh
+    chunks whose keys go to distinct slots of their own blocks), too big for every graph, and one
+    the eager forward runs."""
+    block_size, largest_mixed = 4, 32
+    steps = eager_steps_to_compile(largest_mixed + 1, block_size, 16, decode_seqs=40)
+    alone, mixed, decodes = steps
+    assert len(alone.input_ids) == len(mixed.input_ids) == 33 and len(decodes.input_ids) == 40
+    for step in steps:
+        lens = [b - a for a, b in zip(step.query_start, step.query_start[1:], strict=False)]
+        assert lens == step.seq_lens  # every sequence is fresh: its query is all of it
+        assert all(len(row) % 16 == 0 for row in step.block_tables)
+        assert step.logits_indices == [end - 1 for end in step.query_start[1:]]
+    chunk_slots = mixed.slot_mapping[1:]
+    assert len(set(chunk_slots)) == 32 and min(chunk_slots) >= block_size  # not the decode's
+    assert sorted(alone.slot_mapping) == list(range(block_size, block_size + 33))
+    assert mixed.seq_lens == [1, 32]
+
+    model = build_model(TINY, TritonAttentionBackend(), 64, torch.device("cpu"), torch.float32)
+    shape = (12, block_size, TINY.num_key_value_heads, TINY.head_dim)
+    caches = [(torch.zeros(shape), torch.zeros(shape)) for _ in range(TINY.num_hidden_layers)]
+    graphs = StepGraphs(model, caches, graph_batch_sizes(32), mixed_token_sizes(largest_mixed),
+                        32, 64, block_size, null_block=11, capture=False)  # fmt: skip
+    assert max(graphs.mixed_sizes) == largest_mixed
+    assert all(graphs.shape_for(step) is None for step in steps)
+    init_dummy_weights(model, seed=1)
+    for step in steps:
+        ctx = ForwardContext(torch.tensor(step.positions), metadata_of(step), caches)
+        hidden = model(torch.tensor(step.input_ids), ctx)
+        assert hidden.shape == (len(step.input_ids), TINY.hidden_size)
+        assert torch.isfinite(hidden).all()

@@ -132,3 +132,20 @@ def test_interpreter_is_chosen_per_launch_not_at_import(monkeypatch: pytest.Monk
 @pytest.mark.parametrize(("n", "expected"), ((0, 1), (1, 1), (2, 2), (3, 4), (64, 64), (65, 128)))
 def test_next_power_of_2(n: int, expected: int) -> None:
     assert runtime.next_power_of_2(n) == expected
+
+
+def test_step_varying_arguments_are_not_specialized() -> None:
+    """The attention kernel's sequence count changes every step: Triton must not compile a
+    variant per class of it (1, multiple of 16, other) as steps bring them."""
+    from kvpilot.engine.kernels.attention import _paged_attention_kernel
+
+    assert _paged_attention_kernel.do_not_specialize == ("num_seqs",)
+    jit_fn = _paged_attention_kernel.on(torch.device("cuda"))  # builds it; compiles nothing
+    assert [p.name for p in jit_fn.params if p.do_not_specialize] == ["num_seqs"]
+    assert runtime.compiled_variants()["_paged_attention_kernel"] == 0
+
+    def kernel(x_ptr: object, n: int) -> None:
+        pass
+
+    with pytest.raises(ValueError, match=r"has no argument \['rows'\]"):
+        runtime.TritonKernel(kernel, ("rows",))
