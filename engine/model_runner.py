@@ -20,7 +20,7 @@ from kvpilot.engine.cuda_graphs import (
     mixed_token_sizes,
 )
 from kvpilot.engine.host_copy import to_device
-from kvpilot.engine.kernels.runtime import compiled_variants
+from kvpilot.engine.kernels.runtime import compiled_variants, num_sms
 from kvpilot.engine.model.cpu_linear import pack_linears, packing_available
 from kvpilot.engine.model.layer_ops import LayerOps
 from kvpilot.engine.model.llama import ForwardContext, LlamaForCausalLM
@@ -199,6 +199,8 @@ class ModelRunner:
         more decodes than any graph), so the kernel variants they launch are compiled now and not
         while a request waits: on an H100, the first pass over a 1000-request workload compiled
         for ~2.5 s of its 22.8 s (bench/RESULTS.md)."""
+        from kvpilot.engine.kernels import attention  # CUDA graphs imply Triton
+
         graphs = self.step_graphs
         assert graphs is not None
         sched = self.config.scheduler
@@ -219,6 +221,20 @@ class ModelRunner:
             if graphs.shape_for(step) is not None:
                 raise AssertionError(f"a warm-up step of {num_tokens} tokens fits a graph")
             self.forward_step(step)
+        # Those steps launch only some of the attention passes an eager step can: a split count
+        # depends on the batch and its longest context. Every one of them, directly.
+        cfg = self.model_config
+        k_cache, v_cache = self.kv_caches[0]
+        passes = attention.eager_passes(
+            num_tokens,
+            sched.max_num_seqs,
+            graphs.max_model_len,
+            cfg.num_key_value_heads,
+            cfg.num_attention_heads // cfg.num_key_value_heads,
+            cfg.head_dim,
+            num_sms(self.device.index or 0),
+        )
+        attention.compile_passes(passes, cfg.num_attention_heads, k_cache, v_cache)
         torch.cuda.synchronize(self.device)
         log.info(
             "eager steps (%d tokens and more): %d kernel variants compiled in %.1f s",

@@ -18,6 +18,7 @@ grid depends only on host-side counts, and sequence lengths are read inside the 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 import triton.language as tl
@@ -337,18 +338,125 @@ def paged_attention(
     # + a 256-token chunk, bench/RESULTS.md). Each pass's grid covers the whole batch and its
     # programs skip the other kind's sequences, so it needs no host count of either: a CUDA graph
     # of a mixed step, whose host lengths are only bounds (0 for its padded sequences), does both.
-    mixed = meta.max_query_len > 1
-    decode_pass = not mixed or (num_seqs > 1 and min(meta.query_lens_cpu) <= 1)
-    if decode_pass:
-        _launch(query, k_cache, v_cache, meta, scale, out, block_q=1, rows=1 if mixed else 0,
+    for block_q, rows in pass_tilings(
+        num_seqs, meta.max_query_len, min(meta.query_lens_cpu), group
+    ):
+        _launch(query, k_cache, v_cache, meta, scale, out, block_q=block_q, rows=rows,
                 num_splits=num_splits, tile_n=tile_n, num_warps=num_warps,
                 num_stages=num_stages)  # fmt: skip
-    if mixed:
-        block_q = min(max(1, 64 // group), next_power_of_2(meta.max_query_len))
-        _launch(query, k_cache, v_cache, meta, scale, out, block_q=block_q,
-                rows=2 if decode_pass else 0, num_splits=num_splits, tile_n=tile_n,
-                num_warps=num_warps, num_stages=num_stages)  # fmt: skip
     return out
+
+
+def pass_tilings(
+    num_seqs: int, max_query_len: int, min_query_len: int, group: int
+) -> list[tuple[int, int]]:
+    """(BLOCK_Q, ROWS) of each launch a batch takes: see paged_attention."""
+    mixed = max_query_len > 1
+    decode_pass = not mixed or (num_seqs > 1 and min_query_len <= 1)
+    passes = []
+    if decode_pass:
+        passes.append((1, 1 if mixed else 0))
+    if mixed:
+        block_q = min(max_block_q(group), next_power_of_2(max_query_len))
+        passes.append((block_q, 2 if decode_pass else 0))
+    return passes
+
+
+def max_block_q(group: int) -> int:
+    """Prefill tiles hold up to 64 rows of (token, head): this many tokens of a GQA group."""
+    return max(1, 64 // group)
+
+
+def default_tile_n(block_q: int, head_dim: int) -> int:
+    """Keys per iteration: decode tiles of 128 keys were 6-9% faster than 64 at 256-512 sequences
+    of ~400 tokens on an H200 (bench/attention_tuning.py)."""
+    if max(16, next_power_of_2(head_dim)) > 128:
+        return 32
+    return 128 if block_q == 1 else 64
+
+
+def split_count(
+    num_tokens: int,
+    num_seqs: int,
+    block_q: int,
+    num_kv_heads: int,
+    max_seq_len: int,
+    tile_n: int,
+    sm_count: int,
+) -> int:
+    """A launch's NUM_SPLITS on CUDA (choose_num_splits over its programs)."""
+    num_q_blocks = num_tokens // block_q + num_seqs * (0 if block_q == 1 else 1)
+    return choose_num_splits(num_q_blocks * num_kv_heads, max_seq_len, tile_n, sm_count)
+
+
+@dataclass(frozen=True)
+class CompiledPass:
+    """What picks one compiled variant of the kernel (with the merge kernel's, when split)."""
+
+    block_q: int
+    rows: int
+    num_splits: int
+
+
+def eager_passes(
+    min_tokens: int,
+    max_num_seqs: int,
+    max_model_len: int,
+    num_kv_heads: int,
+    group: int,
+    head_dim: int,
+    sm_count: int,
+) -> set[CompiledPass]:
+    """Every pass a step of min_tokens or more can launch (a superset: some may never come).
+    Integer arguments that change from step to step are not specialized, so the tiling, the rows
+    and the split count alone pick the variant. A split count is largest at the fewest programs
+    (num_tokens // block_q + one spare per sequence, times the KV heads) and the longest context,
+    and every count below it is reachable with a shorter context."""
+    passes = set()
+    tilings = {(1, 1)} | ({(1, 0)} if max_num_seqs >= min_tokens else set())
+    block_q = 2  # a chunk's pass: min(max_block_q, a power of two >= 2)
+    while True:
+        capped = min(block_q, max_block_q(group))
+        tilings |= {(capped, 0), (capped, 2)}
+        if block_q >= max_block_q(group):
+            break
+        block_q *= 2
+    for block_q, rows in tilings:
+        tile_n = default_tile_n(block_q, head_dim)
+        fewest_programs_seqs = 0 if block_q == 1 else 1
+        most = split_count(
+            min_tokens, fewest_programs_seqs, block_q, num_kv_heads, max_model_len, tile_n, sm_count
+        )
+        passes |= {CompiledPass(block_q, rows, n) for n in range(1, most + 1)}
+    return passes
+
+
+def compile_passes(
+    passes: set[CompiledPass], num_heads: int, k_cache: torch.Tensor, v_cache: torch.Tensor
+) -> None:
+    """Launches each pass once on a two-token batch (a block table 16 wide, as CUDA steps' are),
+    so that its variant is compiled now: see eager_passes."""
+    device, head_dim = k_cache.device, k_cache.shape[3]
+    query = torch.zeros(2, num_heads, head_dim, dtype=k_cache.dtype, device=device)
+
+    def ints(values: list[int] | list[list[int]]) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.int32, device=device)
+
+    meta = AttentionMetadata(
+        query_start_loc=ints([0, 1, 2]),
+        seq_lens=ints([1, 1]),
+        block_tables=ints([[0] * 16, [0] * 16]),
+        slot_mapping=torch.zeros(2, dtype=torch.int64, device=device),
+        max_query_len=1,
+        max_seq_len=1,
+        query_lens_cpu=(1, 1),
+        seq_lens_cpu=(1, 1),
+    )
+    out = torch.empty_like(query)
+    for p in sorted(passes, key=lambda p: (p.block_q, p.rows, p.num_splits)):
+        _launch(query, k_cache, v_cache, meta, 1.0, out, block_q=p.block_q, rows=p.rows,
+                num_splits=p.num_splits, tile_n=None, num_warps=None,
+                num_stages=None)  # fmt: skip
 
 
 def _launch(
@@ -374,10 +482,8 @@ def _launch(
     head_dim_pad = max(16, next_power_of_2(head_dim))
     decode_tiles = block_q == 1
     if tile_n is None:
-        # Decode tiles: 128 keys and 3 stages were 6-9% faster than 64 / 2 at 256-512 sequences
-        # of ~400 tokens on an H200 (bench/attention_tuning.py).
-        tile_n = (128 if decode_tiles else 64) if head_dim_pad <= 128 else 32
-    if num_stages is None:
+        tile_n = default_tile_n(block_q, head_dim)
+    if num_stages is None:  # 3 for decode tiles: with 128 keys, as default_tile_n says
         num_stages = 3 if decode_tiles and head_dim_pad <= 128 else 2
     if tile_n < 16 or tile_n & (tile_n - 1):
         raise ValueError(f"tile_n must be a power of two >= 16, got {tile_n}")
@@ -386,8 +492,11 @@ def _launch(
     if num_splits is None:
         num_splits = 1
         if query.device.type == "cuda":
-            num_splits = choose_num_splits(
-                num_q_blocks * num_kv_heads,
+            num_splits = split_count(
+                num_tokens,
+                num_seqs,
+                block_q,
+                num_kv_heads,
                 meta.max_seq_len,
                 tile_n,
                 num_sms(query.device.index or 0),
@@ -474,4 +583,12 @@ def _launch(
         )
 
 
-__all__ = ["choose_num_splits", "is_supported", "paged_attention"]
+__all__ = [
+    "CompiledPass",
+    "choose_num_splits",
+    "compile_passes",
+    "eager_passes",
+    "is_supported",
+    "paged_attention",
+    "pass_tilings",
+]
