@@ -196,6 +196,53 @@ def format_summary(summary: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def floor_ms(
+    records: Sequence[StepRecord],
+    weight_bytes: float,
+    bandwidth: float,
+    kv_bytes_per_token: float,
+    large_step_tokens: int = 4096,
+) -> dict[str, Any]:
+    """A floor under the run's own steps: each step reads every weight once (weight_bytes at
+    bandwidth, bytes/s), computes its tokens no faster than the run's own largest steps did per
+    token (they are matmul-bound), and reads its attention's keys and values (context tokens x
+    kv_bytes_per_token at bandwidth); per bin of running sequences, measured against the floor."""
+    large = [r for r in records if r.decode_rows + r.prefill_tokens >= large_step_tokens]
+    if not large:
+        raise ValueError(f"no step of {large_step_tokens}+ tokens to take the matmul rate from")
+    s_per_token = (
+        sum(r.span_ms + r.gap_ms for r in large)
+        / 1e3
+        / sum(r.decode_rows + r.prefill_tokens for r in large)
+    )
+
+    def floor_s(r: StepRecord) -> float:
+        tokens = r.decode_rows + r.prefill_tokens
+        weights_or_math = max(weight_bytes / bandwidth, tokens * s_per_token)
+        return weights_or_math + r.context_tokens * kv_bytes_per_token / bandwidth
+
+    rows = []
+    for lo, hi in itertools.pairwise(DEFAULT_BINS):
+        chosen = [r for r in records if lo <= r.seqs < hi]
+        if chosen:
+            rows.append(
+                {
+                    "seqs": f"{lo}-{hi - 1}" if hi < 10**9 else f">={lo}",
+                    "measured_s": sum(r.span_ms + r.gap_ms for r in chosen) / 1e3,
+                    "floor_s": sum(map(floor_s, chosen)),
+                }
+            )
+    measured = sum(r.span_ms + r.gap_ms for r in records) / 1e3
+    floor = sum(map(floor_s, records))
+    return {
+        "us_per_token_of_large_steps": s_per_token * 1e6,
+        "measured_s": measured,
+        "floor_s": floor,
+        "fraction_of_floor": floor / measured,
+        "bins": rows,
+    }
+
+
 def plot(result_path: Path, png_path: Path) -> None:
     """Per step over the run: device time (span + gap) and running sequences, eager steps marked."""
     import matplotlib
@@ -225,18 +272,19 @@ def plot(result_path: Path, png_path: Path) -> None:
     ax_time.set_yscale("log")
     ax_time.set_ylabel("device time per step (ms)")
     ax_time.legend(loc="upper right")
-    ax_seqs.plot(clock, [r.seqs for r in records], lw=1, label="sequences in the step")
-    ax_seqs.plot(clock, [r.prefill_tokens for r in records], lw=0.8, label="prefill tokens")
-    ax_seqs.set_ylabel("per step")
+    ax_seqs.plot(clock, [r.seqs for r in records], lw=1.2, c="tab:blue")
+    ax_seqs.set_ylabel("sequences in the step", color="tab:blue")
     ax_seqs.set_xlabel("device time since the first step (s)")
-    ax_seqs.legend(loc="upper right")
+    ax_prefill = ax_seqs.twinx()
+    ax_prefill.plot(clock, [r.prefill_tokens for r in records], lw=0.6, c="tab:orange")
+    ax_prefill.set_ylabel("prompt tokens in the step", color="tab:orange")
     summary = timeline["summary"]
     device = result.get("device", {}).get("gpu", "GPU")
     tail = sum(row["share_of_device_time"] for row in summary["bins"] if row["seqs"] == "1-15")
     fig.suptitle(
         f"{device}: {summary['steps']} steps of the 1000-request run "
-        f"(max_num_seqs {result['args']['max_num_seqs']}); steps with < 16 sequences: "
-        f"{tail:.0%} of the time"
+        f"(max_num_seqs {result['args']['max_num_seqs']})\nsteps with fewer than 16 sequences: "
+        f"{tail:.0%} of the device time"
     )
     fig.tight_layout()
     fig.savefig(png_path, dpi=110)
@@ -250,10 +298,27 @@ def main(argv: list[str] | None = None) -> int:
     plot_cmd.add_argument("png", type=Path)
     show = sub.add_parser("summary", help="print a gpu_offline_throughput JSON's timeline summary")
     show.add_argument("result", type=Path)
+    bound = sub.add_parser("floor", help="the run's steps against a floor (see floor_ms)")
+    bound.add_argument("result", type=Path)
+    bound.add_argument("--weights-gb", type=float, default=16.06, help="Llama-3.1-8B in bf16")
+    bound.add_argument(
+        "--bandwidth-tb-s",
+        type=float,
+        help="default: the device-to-device copy rate of the JSON's single-stream part",
+    )
+    bound.add_argument("--kv-bytes-per-token", type=float, default=131072, help="8B, bf16")
     args = p.parse_args(argv)
     if args.command == "plot":
         plot(args.result, args.png)
         print(f"wrote {args.png}")
+    elif args.command == "floor":
+        result = json.loads(args.result.read_text())
+        bandwidth = args.bandwidth_tb_s
+        if bandwidth is None:
+            bandwidth = result["single_stream"]["copy_bandwidth_gb_s"] / 1e3
+        records = from_json(result["timeline"]["steps"])
+        found = floor_ms(records, args.weights_gb * 1e9, bandwidth * 1e12, args.kv_bytes_per_token)
+        print(json.dumps(found, indent=2))
     else:
         timeline = json.loads(args.result.read_text())["timeline"]
         print(format_summary(timeline["summary"]))
