@@ -139,3 +139,23 @@ def test_each_benchmark_part_computes_every_prompt(
     assert prefill_tokens(forget=True) == 6 * 48
     assert prefill_tokens(forget=False) < 6 * 48  # what a later part would have measured
     assert prefill_tokens(forget=True) == 6 * 48
+
+
+def test_floor_of_a_schedule(timeline: ModuleType) -> None:
+    """Each step's floor: the weights' read or its tokens at the largest steps' rate per token,
+    whichever is longer, plus its keys and values read."""
+
+    def record(seqs: int, prefill: int, context: int, span: float) -> object:
+        return timeline.StepRecord(seqs, seqs, prefill, context, True, 0.0, 1.0, span, 0.0)
+
+    # Weights: 4 bytes at 2 bytes/s = 2 s a step; KV: 1 byte per context token.
+    big = record(1, 4999, 100, 5000.0)  # 5000 tokens in 5 s: 1 ms per token
+    small = record(2, 0, 20, 3000.0)
+    found = timeline.floor_ms([big, small], 4.0, 2.0, 1.0, large_step_tokens=4096)
+    assert found["us_per_token_of_large_steps"] == pytest.approx(1000.0)
+    assert found["measured_s"] == pytest.approx(8.0)
+    # big: max(2, 5000 * 0.001) + 100 / 2 = 55; small: max(2, 0.002) + 20 / 2 = 12
+    assert found["floor_s"] == pytest.approx(67.0)
+    assert [row["seqs"] for row in found["bins"]] == ["1-15"]
+    with pytest.raises(ValueError, match="no step of 4096"):
+        timeline.floor_ms([small], 4.0, 2.0, 1.0)
