@@ -164,6 +164,25 @@ def eager_steps_to_compile(
     return steps
 
 
+def eager_warmup_plan(
+    graphs: StepGraphs, max_num_batched_tokens: int, max_num_seqs: int, num_blocks: int
+) -> tuple[int, int] | None:
+    """(tokens of the chunk steps, decodes of the decode-only step, 0 for none) for
+    eager_steps_to_compile: the smallest steps of each kind no graph holds that the scheduler
+    can form. None: every step fits a graph, or the pool cannot hold such a chunk."""
+    largest = max(graphs.mixed_sizes, default=0)
+    if max_num_batched_tokens <= largest:
+        return None
+    num_tokens = largest + 1
+    if -(-num_tokens // graphs.block_size) + 1 > num_blocks:
+        return None
+    # Decodes alone run eagerly only past both kinds of graph (a mixed graph takes them too).
+    decode_seqs = max(largest, max(graphs.decode_sizes, default=0)) + 1
+    if decode_seqs > min(max_num_seqs, max_num_batched_tokens):
+        decode_seqs = 0
+    return num_tokens, decode_seqs
+
+
 @dataclass(frozen=True)
 class GraphShape:
     num_tokens: int

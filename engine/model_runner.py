@@ -16,6 +16,7 @@ from kvpilot.engine.config import EngineConfig, ModelConfig
 from kvpilot.engine.cuda_graphs import (
     StepGraphs,
     eager_steps_to_compile,
+    eager_warmup_plan,
     graph_batch_sizes,
     mixed_token_sizes,
 )
@@ -204,14 +205,12 @@ class ModelRunner:
         graphs = self.step_graphs
         assert graphs is not None
         sched = self.config.scheduler
-        largest = max(graphs.mixed_sizes, default=0)
-        if sched.max_num_batched_tokens <= largest:
-            return  # every step fits a graph
-        num_tokens = largest + 1
-        if -(-num_tokens // self.block_size) + 1 > self.num_blocks:
-            return  # a pool this small never holds a step this large
-        largest_decode = max(largest, max(graphs.decode_sizes, default=0))
-        decode_seqs = num_tokens if sched.max_num_seqs > largest_decode else 0
+        plan = eager_warmup_plan(
+            graphs, sched.max_num_batched_tokens, sched.max_num_seqs, self.num_blocks
+        )
+        if plan is None:
+            return
+        num_tokens, decode_seqs = plan
         started = time.perf_counter()
         before = sum(compiled_variants().values())
         steps = eager_steps_to_compile(

@@ -15,6 +15,7 @@ from kvpilot.engine.cuda_graphs import (
     StepGraphs,
     bucket_for,
     eager_steps_to_compile,
+    eager_warmup_plan,
     graph_batch_sizes,
     is_plain_decode,
     mixed_token_sizes,
@@ -317,3 +318,34 @@ def test_eager_steps_to_compile_are_steps_no_graph_holds() -> None:
         hidden = model(torch.tensor(step.input_ids), ctx)
         assert hidden.shape == (len(step.input_ids), TINY.hidden_size)
         assert torch.isfinite(hidden).all()
+
+
+@pytest.mark.parametrize(
+    ("budget", "max_num_seqs", "expected"),
+    (
+        (64, 8, (33, 0)),  # chunks past the largest mixed graph (32); 8 decodes fit a graph
+        (64, 48, (33, 33)),  # 33 decodes: past the decode graphs (8) and the mixed ones (32)
+        (32, 48, None),  # every step fits a mixed graph
+        (40, 40, (33, 33)),
+    ),
+)
+def test_eager_warmup_plan_picks_the_smallest_steps_no_graph_holds(
+    budget: int, max_num_seqs: int, expected: tuple[int, int] | None
+) -> None:
+    model = build_model(TINY, TritonAttentionBackend(), 64, torch.device("cpu"), torch.float32)
+    shape = (12, 4, TINY.num_key_value_heads, TINY.head_dim)
+    caches = [(torch.zeros(shape), torch.zeros(shape)) for _ in range(TINY.num_hidden_layers)]
+    graphs = StepGraphs(model, caches, graph_batch_sizes(8), mixed_token_sizes(32),
+                        max_num_seqs, 64, 4, null_block=11, capture=False)  # fmt: skip
+    plan = eager_warmup_plan(graphs, budget, max_num_seqs, num_blocks=11)
+    assert plan == expected
+    if plan is None:
+        return
+    num_tokens, decode_seqs = plan
+    steps = eager_steps_to_compile(num_tokens, 4, 16, decode_seqs)
+    assert all(graphs.shape_for(step) is None for step in steps)
+    assert len(steps) == 2 + (decode_seqs > 0)
+    # One token fewer, and each would have fit a graph.
+    for smaller in eager_steps_to_compile(num_tokens - 1, 4, 16, max(0, decode_seqs - 1)):
+        assert graphs.shape_for(smaller) is not None
+    assert eager_warmup_plan(graphs, budget, max_num_seqs, num_blocks=8) is None  # 9 blocks

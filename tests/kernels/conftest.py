@@ -8,8 +8,12 @@ run.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import importlib.util
+import sys
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
+from pathlib import Path
+from types import ModuleType
 
 import pytest
 import torch
@@ -31,6 +35,28 @@ def triton_interpreter(request: pytest.FixtureRequest, monkeypatch: pytest.Monke
         monkeypatch.setenv("TRITON_INTERPRET", "1")
     else:
         monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+
+
+BENCH = Path(__file__).resolve().parents[2] / "bench"
+
+
+@pytest.fixture(scope="module")
+def load_bench_module() -> Iterator[Callable[[str], ModuleType]]:
+    """Imports bench/NAME.py by path (bench/ is no package), and forgets it after the module."""
+    loaded: list[str] = []
+
+    def load(name: str) -> ModuleType:
+        spec = importlib.util.spec_from_file_location(name, BENCH / f"{name}.py")
+        assert spec is not None and spec.loader is not None
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module  # dataclasses resolve their module through sys.modules
+        loaded.append(name)
+        spec.loader.exec_module(module)
+        return module
+
+    yield load
+    for name in loaded:
+        sys.modules.pop(name, None)
 
 
 @pytest.fixture

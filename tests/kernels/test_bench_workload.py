@@ -3,26 +3,16 @@ and it is reproducible, so figures measured later on a GPU describe the workload
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from collections.abc import Iterator
+from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
 
 import pytest
 
-BENCH = Path(__file__).resolve().parents[2] / "bench" / "gpu_offline_throughput.py"
-
 
 @pytest.fixture(scope="module")
-def bench() -> Iterator[ModuleType]:
-    spec = importlib.util.spec_from_file_location("gpu_offline_throughput", BENCH)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses resolve their module through sys.modules
-    spec.loader.exec_module(module)
-    yield module
-    del sys.modules[spec.name]
+def bench(load_bench_module: Callable[[str], ModuleType]) -> ModuleType:
+    return load_bench_module("gpu_offline_throughput")
 
 
 def test_sharegpt_like_lengths(bench: ModuleType) -> None:

@@ -5,60 +5,35 @@ and are measured on a GPU; here they are zero, or set by hand for the summary.)"
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
-from collections.abc import Iterator
+from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
 from typing import Any
 
 import pytest
 
-BENCH = Path(__file__).resolve().parents[2] / "bench"
 
-TINY_LLAMA = {
-    "architectures": ["LlamaForCausalLM"],
-    "model_type": "llama",
-    "hidden_size": 64,
-    "intermediate_size": 128,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "head_dim": 16,
-    "vocab_size": 512,
-    "max_position_embeddings": 1024,
-    "rms_norm_eps": 1e-5,
-    "rope_theta": 10000.0,
-    "tie_word_embeddings": False,
-    "torch_dtype": "float32",
-}
-
-
-def load_bench_module(name: str) -> Iterator[ModuleType]:
-    spec = importlib.util.spec_from_file_location(name, BENCH / f"{name}.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses resolve their module through sys.modules
-    spec.loader.exec_module(module)
-    yield module
-    del sys.modules[spec.name]
+@pytest.fixture(scope="module")
+def timeline(load_bench_module: Callable[[str], ModuleType]) -> ModuleType:
+    return load_bench_module("step_timeline")
 
 
 @pytest.fixture(scope="module")
-def timeline() -> Iterator[ModuleType]:
-    yield from load_bench_module("step_timeline")
+def offline(load_bench_module: Callable[[str], ModuleType]) -> ModuleType:
+    return load_bench_module("gpu_offline_throughput")
 
 
 @pytest.fixture(scope="module")
-def offline() -> Iterator[ModuleType]:
-    yield from load_bench_module("gpu_offline_throughput")
+def tiny_llama(load_bench_module: Callable[[str], ModuleType]) -> dict[str, Any]:
+    # host_step_overhead's 2-layer, 64-wide Llama: a model whose forward costs little.
+    return dict(load_bench_module("host_step_overhead").TINY_LLAMA)
 
 
-def tiny_llm(tmp_path: Path) -> Any:
+def tiny_llm(tmp_path: Path, config: dict[str, Any]) -> Any:
     from kvpilot.engine import LLM
 
-    (tmp_path / "config.json").write_text(json.dumps(TINY_LLAMA))
+    (tmp_path / "config.json").write_text(json.dumps(config))
     return LLM(
         model=str(tmp_path),
         load_format="dummy",
@@ -69,10 +44,12 @@ def tiny_llm(tmp_path: Path) -> Any:
     )
 
 
-def test_records_account_for_every_computed_token(timeline: ModuleType, tmp_path: Path) -> None:
+def test_records_account_for_every_computed_token(
+    timeline: ModuleType, tiny_llama: dict[str, Any], tmp_path: Path
+) -> None:
     from kvpilot.engine import SamplingParams
 
-    llm = tiny_llm(tmp_path)
+    llm = tiny_llm(tmp_path, tiny_llama)
     prompt_lens = [5, 40, 100, 7, 63, 16, 30, 90, 12, 45, 3, 70]
     output_lens = [9, 30, 4, 50, 12, 25, 3, 18, 40, 6, 22, 11]
     prompts = [[(7 * i + j) % 500 + 1 for j in range(n)] for i, n in enumerate(prompt_lens)]
@@ -119,13 +96,13 @@ def test_summary_shares_of_device_time(timeline: ModuleType) -> None:
 
 
 def test_each_benchmark_part_computes_every_prompt(
-    timeline: ModuleType, offline: ModuleType, tmp_path: Path
+    timeline: ModuleType, offline: ModuleType, tiny_llama: dict[str, Any], tmp_path: Path
 ) -> None:
     """The GPU benchmark's parts run the same prompts one after another: each must prefill them
     all again, not find them in the prefix cache the part before left."""
     from kvpilot.engine import SamplingParams
 
-    llm = tiny_llm(tmp_path)
+    llm = tiny_llm(tmp_path, tiny_llama)
     prompts = [[(11 * i + j) % 500 + 1 for j in range(48)] for i in range(6)]
     params = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
 
