@@ -60,6 +60,16 @@ def load_bench_module() -> Iterator[Callable[[str], ModuleType]]:
 
 
 @pytest.fixture
+def tiny_gqa_llama_dir(tmp_path: Path) -> Path:
+    import json
+
+    from tests.kernels.workloads import TINY_GQA_LLAMA
+
+    (tmp_path / "config.json").write_text(json.dumps(TINY_GQA_LLAMA))
+    return tmp_path
+
+
+@pytest.fixture
 def cuda_device() -> torch.device:
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU: torch.cuda.is_available() is False on this machine")

@@ -126,3 +126,49 @@ def test_compile_passes_launches_each_pass(monkeypatch: pytest.MonkeyPatch) -> N
     assert {args[stride_bt] for name, _, args in launched if name == "_paged_attention_kernel"} == {
         16
     }
+
+
+def test_the_gpu_tests_schedule_launches_only_compiled_passes(tiny_gqa_llama_dir: Any) -> None:
+    """test_gpu_kernels.py's no-compile test, its schedule replayed on the CPU: every step it
+    forms that no CUDA graph of its engine (64 sequences, 2048 tokens per step) would hold
+    launches attention passes that start-up compiles, on a 132-SM GPU."""
+    from kvpilot.engine import LLM, SamplingParams
+    from kvpilot.engine.cuda_graphs import (
+        StepGraphs,
+        eager_warmup_plan,
+        graph_batch_sizes,
+        mixed_token_sizes,
+    )
+    from kvpilot.engine.step_input import plan_step
+    from tests.kernels.workloads import TINY_GQA_LLAMA, varied_rounds
+
+    llm = LLM(model=str(tiny_gqa_llama_dir), load_format="dummy", dtype="float32",
+              max_num_seqs=64, max_num_batched_tokens=2048, block_size=16)  # fmt: skip
+    runner = llm.engine.core.runner
+    graphs = StepGraphs(runner.model, runner.kv_caches, graph_batch_sizes(64),
+                        mixed_token_sizes(2048), 64, 4096, 16, null_block=0,
+                        capture=False)  # fmt: skip
+    plan = eager_warmup_plan(graphs, 2048, 64, runner.num_blocks)
+    assert plan == (1025, 0)
+    heads, kv_heads = TINY_GQA_LLAMA["num_attention_heads"], TINY_GQA_LLAMA["num_key_value_heads"]
+    compiled = eager_passes(plan[0], 64, 4096, kv_heads, heads // kv_heads, 32, SMS)
+    eager: list[CompiledPass] = []
+    launch = runner.launch
+
+    def check_then_launch(scheduled: Any, *args: Any) -> Any:
+        step = plan_step(scheduled, 16, 16)
+        if graphs.shape_for(step) is None:
+            lens = [b - a for a, b in zip(step.query_start, step.query_start[1:], strict=False)]
+            for block_q, rows in pass_tilings(len(lens), max(lens), min(lens), heads // kv_heads):
+                tile_n = default_tile_n(block_q, 32)
+                splits = split_count(len(step.input_ids), len(lens), block_q, kv_heads,
+                                     max(step.seq_lens), tile_n, SMS)  # fmt: skip
+                eager.append(CompiledPass(block_q, rows, splits))
+        return launch(scheduled, *args)
+
+    runner.launch = check_then_launch
+    for prompts, outs in varied_rounds():
+        llm.generate(prompts, [SamplingParams(max_tokens=n, ignore_eos=True) for n in outs])
+    assert eager, "no step ran eagerly: the test would prove nothing"
+    assert set(eager) <= compiled, set(eager) - compiled
+    assert CompiledPass(16, 0, 1) in eager  # the pass the first GPU run compiled mid-run

@@ -18,6 +18,7 @@ from kvpilot.engine.config import RopeScaling
 from kvpilot.engine.kernels import activation, kv_cache, rms_norm, rotary
 from kvpilot.engine.kernels.attention import paged_attention
 from kvpilot.engine.model import layers
+from tests.kernels.workloads import varied_rounds
 
 pytestmark = pytest.mark.gpu
 
@@ -313,54 +314,26 @@ def test_step_graphs_match_eager_steps(cuda_device: torch.device, dtype: str) ->
         assert same >= len(prompts) - 2, f"{same} of {len(prompts)} outputs identical"
 
 
-TINY_LLAMA_CONFIG = {
-    "architectures": ["LlamaForCausalLM"],
-    "model_type": "llama",
-    "hidden_size": 256,
-    "intermediate_size": 512,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 8,
-    "num_key_value_heads": 2,
-    "head_dim": 32,
-    "vocab_size": 1000,
-    "max_position_embeddings": 4096,
-    "rms_norm_eps": 1e-5,
-    "rope_theta": 10000.0,
-    "tie_word_embeddings": False,
-    "torch_dtype": "bfloat16",
-}
-
-
 def test_no_kernel_compiles_once_the_engine_has_started(
-    cuda_device: torch.device, tmp_path: Path
+    cuda_device: torch.device, tiny_gqa_llama_dir: Path
 ) -> None:
     """Start-up compiles every kernel variant the steps launch, the eager ones (more tokens than
     any graph) included: requests that come after never wait for a Triton compile, whatever
-    their batch, lengths and block tables."""
-    import json
-
-    import numpy as np
-
+    their batch, lengths and block tables. (test_eager_passes.py replays this schedule on CPU.)"""
     from kvpilot.engine import LLM, SamplingParams
     from kvpilot.engine.kernels.runtime import compiled_variants
 
-    (tmp_path / "config.json").write_text(json.dumps(TINY_LLAMA_CONFIG))
-    llm = LLM(model=str(tmp_path), load_format="dummy", dtype="bfloat16", device="cuda",
-              attention_backend="triton", max_num_seqs=64, max_num_batched_tokens=2048,
-              block_size=16, **ONE_GIB_KV)  # fmt: skip
+    llm = LLM(model=str(tiny_gqa_llama_dir), load_format="dummy", dtype="bfloat16",
+              device="cuda", attention_backend="triton", max_num_seqs=64,
+              max_num_batched_tokens=2048, block_size=16, **ONE_GIB_KV)  # fmt: skip
     graphs = llm.engine.runner.step_graphs
     assert graphs is not None and max(graphs.mixed_sizes) == 1024
     started = compiled_variants()
     assert started["_paged_attention_kernel"] > 0
-    rng = np.random.default_rng(5)
-    for round_ in range(3):  # later rounds: other batch sizes, table widths, chunk mixes
-        lens = rng.integers(3, 900, size=int(rng.integers(8, 60)))
-        assert lens.sum() > 2 * 2048  # the first steps hold more tokens than any graph
-        prompts = [rng.integers(1, 999, n).tolist() for n in lens]
-        outs = rng.integers(1, 40, size=len(prompts))
-        params = [SamplingParams(temperature=0.0, max_tokens=int(n), ignore_eos=True) for n in outs]
+    for round_, (prompts, outs) in enumerate(varied_rounds()):
+        params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in outs]
         results = llm.generate(prompts, params)
-        assert [len(r.outputs[0].token_ids) for r in results] == outs.tolist(), round_
+        assert [len(r.outputs[0].token_ids) for r in results] == outs, round_
         assert compiled_variants() == started, f"round {round_} compiled"
     assert graphs.replays > graphs.mixed_replays > 0
     del graphs
