@@ -385,11 +385,17 @@ def split_count(
     sm_count: int,
 ) -> int:
     """A launch's NUM_SPLITS on CUDA (choose_num_splits over its programs)."""
-    num_q_blocks = num_tokens // block_q + num_seqs * (0 if block_q == 1 else 1)
-    return choose_num_splits(num_q_blocks * num_kv_heads, max_seq_len, tile_n, sm_count)
+    programs = num_query_blocks(num_tokens, num_seqs, block_q) * num_kv_heads
+    return choose_num_splits(programs, max_seq_len, tile_n, sm_count)
 
 
-@dataclass(frozen=True)
+def num_query_blocks(num_tokens: int, num_seqs: int, block_q: int) -> int:
+    """The grid's first dimension: BLOCK_Q tokens per program, and with BLOCK_Q > 1 one spare
+    block per sequence (see the kernel)."""
+    return num_tokens // block_q + num_seqs * (0 if block_q == 1 else 1)
+
+
+@dataclass(frozen=True, order=True)
 class CompiledPass:
     """What picks one compiled variant of the kernel (with the merge kernel's, when split)."""
 
@@ -423,10 +429,8 @@ def eager_passes(
         block_q *= 2
     for block_q, rows in tilings:
         tile_n = default_tile_n(block_q, head_dim)
-        fewest_programs_seqs = 0 if block_q == 1 else 1
-        most = split_count(
-            min_tokens, fewest_programs_seqs, block_q, num_kv_heads, max_model_len, tile_n, sm_count
-        )
+        # The fewest programs: one sequence (a decode pass has no spare blocks anyway).
+        most = split_count(min_tokens, 1, block_q, num_kv_heads, max_model_len, tile_n, sm_count)
         passes |= {CompiledPass(block_q, rows, n) for n in range(1, most + 1)}
     return passes
 
@@ -453,7 +457,7 @@ def compile_passes(
         seq_lens_cpu=(1, 1),
     )
     out = torch.empty_like(query)
-    for p in sorted(passes, key=lambda p: (p.block_q, p.rows, p.num_splits)):
+    for p in sorted(passes):
         _launch(query, k_cache, v_cache, meta, 1.0, out, block_q=p.block_q, rows=p.rows,
                 num_splits=p.num_splits, tile_n=None, num_warps=None,
                 num_stages=None)  # fmt: skip
@@ -488,7 +492,7 @@ def _launch(
     if tile_n < 16 or tile_n & (tile_n - 1):
         raise ValueError(f"tile_n must be a power of two >= 16, got {tile_n}")
     spare = 0 if block_q == 1 else 1
-    num_q_blocks = num_tokens // block_q + num_seqs * spare
+    num_q_blocks = num_query_blocks(num_tokens, num_seqs, block_q)
     if num_splits is None:
         num_splits = 1
         if query.device.type == "cuda":
