@@ -150,8 +150,10 @@ async def test_a_16_mib_prompt_does_not_stall_eight_streams(
 ) -> None:
     """While 8 streams run: a 16 MiB prompt (parsed in a worker process, refused on its length
     before tokenizing) and the longest prompts that must really be tokenized (on a tokenizer
-    thread). Once every stream decodes, no stream's gap between two tokens reaches twice its
-    median."""
+    thread). Once every stream decodes, no stream's gap between two tokens while a big request is
+    in flight, or within a second after (freeing it, a collection), reaches twice its median. (Gaps
+    long after the last one are the machine's: two CI runs saw one 80-90 ms gap 1.5 and 5 s after
+    the big requests were done.)"""
     tokenizer = load_tokenizer(gguf_to_hf_dir(bundled_gguf_path()))
     max_chars = max_chars_per_token(tokenizer)
     words = ("time", "year", "people", "way", "day", "man", "thing", "woman", "life", "child")
@@ -190,11 +192,18 @@ async def test_a_16_mib_prompt_does_not_stall_eight_streams(
     assert [tokens for _, tokens in results] == [STREAM_TOKENS] * NUM_STREAMS
     assert window_end < min(ts[-1] for ts in arrivals), [round(t, 2) for _, t in responses]
     origin = windows[0][0]
+    near_big = [(sent, done + 1.0) for sent, done in windows]
     for ts in arrivals:
         steady = [t for t in ts if t >= steady_from]
         gaps = [b - a for a, b in itertools.pairwise(steady)]
         median = statistics.median(gaps)
-        worst = max(range(len(gaps)), key=gaps.__getitem__)
+        near = [
+            i
+            for i in range(len(gaps))
+            if any(steady[i] < end and steady[i + 1] > start for start, end in near_big)
+        ]
+        assert len(near) > 10, "the streams decoded through the big requests"
+        worst = max(near, key=gaps.__getitem__)
         assert gaps[worst] < 2 * median, (
             f"a {gaps[worst]:.3f} s gap (median {median:.3f} s) ending at "
             f"{steady[worst + 1] - origin:.2f} s; big requests in flight at "
