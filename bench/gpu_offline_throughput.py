@@ -75,6 +75,9 @@ LLAMA_31_8B: dict[str, Any] = {
     "eos_token_id": [128001, 128008, 128009],
     "torch_dtype": "bfloat16",
 }
+PARTS = frozenset(
+    ("subset", "kvpilot", "sweep", "timeline", "idle", "host", "idle_decode", "single", "hf")
+)
 PUBLISHED_OUTPUT_TOKENS_PER_S = {"SGLang": 16200, "LMDeploy": 16100, "vLLM": 12600}
 GOAL_OUTPUT_TOKENS_PER_S = 16000
 
@@ -578,9 +581,7 @@ def main(argv: list[str] | None = None) -> int:
         )
         return 2
     parts = set(args.parts.split(","))
-    known = {"kvpilot", "sweep", "timeline", "idle", "idle_decode", "single", "hf", "subset"}
-    known.add("host")
-    unknown = parts - known
+    unknown = parts - PARTS
     if unknown:
         print(f"unknown parts: {sorted(unknown)}", file=sys.stderr)
         return 2
@@ -592,7 +593,7 @@ def main(argv: list[str] | None = None) -> int:
 
     command = "python bench/gpu_offline_throughput.py " + " ".join(sys.argv[1:])
     result["command"] = command
-    if parts & (known - {"hf"}):
+    if parts & (PARTS - {"hf"}):  # all but transformers run kvpilot's engine
         with tempfile.TemporaryDirectory() as tmp:
             started = time.perf_counter()
             llm = make_llm(write_model_dir(Path(tmp)), args)

@@ -338,13 +338,40 @@ def paged_attention(
     # + a 256-token chunk, bench/RESULTS.md). Each pass's grid covers the whole batch and its
     # programs skip the other kind's sequences, so it needs no host count of either: a CUDA graph
     # of a mixed step, whose host lengths are only bounds (0 for its padded sequences), does both.
-    for block_q, rows in pass_tilings(
-        num_seqs, meta.max_query_len, min(meta.query_lens_cpu), group
-    ):
-        _launch(query, k_cache, v_cache, meta, scale, out, block_q=block_q, rows=rows,
-                num_splits=num_splits, tile_n=tile_n, num_warps=num_warps,
-                num_stages=num_stages)  # fmt: skip
+    sm_count = num_sms(query.device.index or 0) if query.device.type == "cuda" else None
+    passes = planned_passes(num_tokens, num_seqs, meta.max_query_len, min(meta.query_lens_cpu),
+                            meta.max_seq_len, k_cache.shape[2], group, query.shape[2], sm_count,
+                            tile_n)  # fmt: skip
+    for p in passes:
+        _launch(query, k_cache, v_cache, meta, scale, out, block_q=p.block_q, rows=p.rows,
+                num_splits=p.num_splits if num_splits is None else num_splits, tile_n=tile_n,
+                num_warps=num_warps, num_stages=num_stages)  # fmt: skip
     return out
+
+
+def planned_passes(
+    num_tokens: int,
+    num_seqs: int,
+    max_query_len: int,
+    min_query_len: int,
+    max_seq_len: int,
+    num_kv_heads: int,
+    group: int,
+    head_dim: int,
+    sm_count: int | None,
+    tile_n: int | None = None,
+) -> list[CompiledPass]:
+    """The launches paged_attention makes for a batch: each pass's tiling, rows and split count
+    (split-K by occupancy on a GPU of sm_count SMs; None: the CPU, never split)."""
+    passes = []
+    for block_q, rows in pass_tilings(num_seqs, max_query_len, min_query_len, group):
+        splits = 1
+        if sm_count is not None:
+            keys_per_tile = default_tile_n(block_q, head_dim) if tile_n is None else tile_n
+            splits = split_count(num_tokens, num_seqs, block_q, num_kv_heads, max_seq_len,
+                                 keys_per_tile, sm_count)  # fmt: skip
+        passes.append(CompiledPass(block_q, rows, splits))
+    return passes
 
 
 def pass_tilings(
@@ -473,7 +500,7 @@ def _launch(
     *,
     block_q: int,
     rows: int,
-    num_splits: int | None,
+    num_splits: int,
     tile_n: int | None,
     num_warps: int | None,
     num_stages: int | None,
@@ -493,18 +520,6 @@ def _launch(
         raise ValueError(f"tile_n must be a power of two >= 16, got {tile_n}")
     spare = 0 if block_q == 1 else 1
     num_q_blocks = num_query_blocks(num_tokens, num_seqs, block_q)
-    if num_splits is None:
-        num_splits = 1
-        if query.device.type == "cuda":
-            num_splits = split_count(
-                num_tokens,
-                num_seqs,
-                block_q,
-                num_kv_heads,
-                meta.max_seq_len,
-                tile_n,
-                num_sms(query.device.index or 0),
-            )
     if not 1 <= num_splits <= MAX_SPLITS:
         raise ValueError(f"num_splits must be in [1, {MAX_SPLITS}], got {num_splits}")
 
@@ -595,4 +610,5 @@ __all__ = [
     "is_supported",
     "paged_attention",
     "pass_tilings",
+    "planned_passes",
 ]

@@ -16,9 +16,9 @@ from kvpilot.engine.kernels import attention
 from kvpilot.engine.kernels.attention import (
     CompiledPass,
     compile_passes,
-    default_tile_n,
     eager_passes,
     pass_tilings,
+    planned_passes,
     split_count,
 )
 from kvpilot.engine.kernels.runtime import TritonKernel
@@ -65,19 +65,11 @@ def test_eager_steps_launch_only_enumerated_passes(
                 sizes = np.diff(np.concatenate(([0], cuts, [chunk_tokens]))).tolist()
             query_lens = [1] * decodes + sizes
         max_seq_len = int(rng.integers(max(query_lens), max_model_len + 1))
-        for block_q, rows in pass_tilings(len(query_lens), max(query_lens), min(query_lens), group):
-            splits = split_count(
-                num_tokens,
-                len(query_lens),
-                block_q,
-                num_kv_heads,
-                max_seq_len,
-                default_tile_n(block_q, head_dim),
-                SMS,
-            )
-            launched = CompiledPass(block_q, rows, splits)
-            assert launched in enumerated, (launched, num_tokens, len(query_lens), max_seq_len)
-            seen.add(launched)
+        launched = planned_passes(num_tokens, len(query_lens), max(query_lens), min(query_lens),
+                                  max_seq_len, num_kv_heads, group, head_dim, SMS)  # fmt: skip
+        for p in launched:
+            assert p in enumerated, (p, num_tokens, len(query_lens), max_seq_len)
+        seen.update(launched)
     assert len(seen) >= 3  # the decode pass and both chunk passes, at least
 
 
@@ -159,11 +151,9 @@ def test_the_gpu_tests_schedule_launches_only_compiled_passes(tiny_gqa_llama_dir
         step = plan_step(scheduled, 16, 16)
         if graphs.shape_for(step) is None:
             lens = [b - a for a, b in zip(step.query_start, step.query_start[1:], strict=False)]
-            for block_q, rows in pass_tilings(len(lens), max(lens), min(lens), heads // kv_heads):
-                tile_n = default_tile_n(block_q, 32)
-                splits = split_count(len(step.input_ids), len(lens), block_q, kv_heads,
-                                     max(step.seq_lens), tile_n, SMS)  # fmt: skip
-                eager.append(CompiledPass(block_q, rows, splits))
+            eager.extend(planned_passes(len(step.input_ids), len(lens), max(lens), min(lens),
+                                        max(step.seq_lens), kv_heads, heads // kv_heads, 32,
+                                        SMS))  # fmt: skip
         return launch(scheduled, *args)
 
     runner.launch = check_then_launch
