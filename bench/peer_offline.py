@@ -66,6 +66,13 @@ Prompt = str | list[dict[str, str]]  # a completions prompt, or chat messages
 
 class KvpilotWorker:
     def __init__(self, config: dict[str, Any]) -> None:
+        if config.get("cpus"):  # the CPUs a server's engine core gets (serve_vs_offline.py)
+            import torch
+
+            from kvpilot.engine.cpu.affinity import bind_this_process
+
+            bind_this_process(config["cpus"])
+            torch.set_num_threads(config["threads"])
         from kvpilot.engine import LLM
 
         self.llm = LLM(

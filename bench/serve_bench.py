@@ -103,6 +103,8 @@ import httpx
 import msgspec
 from tqdm import tqdm
 
+from kvpilot.engine.cpu.affinity import format_cpu_list
+
 try:
     import uvloop
 except ImportError:  # not on Windows
@@ -749,17 +751,6 @@ SERVE_METRICS = {
 NAMES = {"kvpilot": "kvpilot", "vllm": "vLLM"}
 
 
-def cpu_ranges(cpus: set[int]) -> str:
-    """{0, 1, 2, 5} -> "0-2,5", the form VLLM_CPU_OMP_THREADS_BIND takes."""
-    spans: list[list[int]] = []
-    for cpu in sorted(cpus):
-        if spans and cpu == spans[-1][1] + 1:
-            spans[-1][1] = cpu
-        else:
-            spans.append([cpu, cpu])
-    return ",".join(f"{a}-{b}" if a != b else str(a) for a, b in spans)
-
-
 def vllm_env(python: str, extra: list[str]) -> dict[str, str]:
     """The environment of vLLM's processes: its own venv first on PATH and nothing of kvpilot's
     (PYTHONPATH would mix the two venvs' packages), the notes' settings unless already set, then
@@ -772,7 +763,7 @@ def vllm_env(python: str, extra: list[str]) -> dict[str, str]:
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     # Every CPU for the model worker's OpenMP threads, as kvpilot computes with all of them; the
     # default "auto" reserves one core for vLLM's engine-core process (one of two here).
-    env.setdefault("VLLM_CPU_OMP_THREADS_BIND", cpu_ranges(os.sched_getaffinity(0)))
+    env.setdefault("VLLM_CPU_OMP_THREADS_BIND", format_cpu_list(os.sched_getaffinity(0)))
     for item in extra:
         key, sep, value = item.partition("=")
         if not sep:

@@ -9,6 +9,7 @@ check, the API key's Secret) is built from the spec.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 from kvpilot.engine.server.flags import FlagError, engine_config, parse_flags
@@ -69,14 +70,22 @@ SET_BY_THE_OPERATOR: dict[str, tuple[str, str]] = {
     ),
 }
 
+# Options no spec can set right: dest -> (flag, why, and what instead).
+UNKNOWABLE_IN_A_POD: dict[str, tuple[str, str]] = {
+    "engine_cpus": (
+        "--engine-cpus",
+        "a pod's CPU numbers are known only once it runs on a node: use --api-cpus N",
+    ),
+}
+
 
 def check_extra_args(args: Sequence[str]) -> None:
     """ValueError, with the engine parser's own message, for extraArgs that cannot be used."""
     try:
         given = parse_flags(args, only_given=True)
         for dest in vars(given):
-            if dest in SET_BY_THE_OPERATOR:
-                flag, instead = SET_BY_THE_OPERATOR[dest]
+            if dest in SET_BY_THE_OPERATOR or dest in UNKNOWABLE_IN_A_POD:
+                flag, instead = SET_BY_THE_OPERATOR.get(dest) or UNKNOWABLE_IN_A_POD[dest]
                 raise ValueError(f"extraArgs may not set {flag}: {instead}")
         parse_flags(args)
     except FlagError as error:
@@ -97,3 +106,18 @@ def check_placement(
             f"engine.extraArgs: `kvpilot serve` would refuse them in a pod with {gpus} GPU(s) "
             f"(spec.gpus): {error}"
         ) from None
+
+
+def check_api_cpus(args: Sequence[str], cpu_limit: float | None) -> None:
+    """ValueError where --api-cpus N leaves the engine core none of the pod's CPUs: at least N
+    whole CPUs of resources.limits.cpu (the engine's own rule at start, engine/cpu/affinity.py,
+    with or without a cpuset). `args` passed check_extra_args."""
+    api_cpus = parse_flags(args).api_cpus
+    if api_cpus is None or cpu_limit is None:
+        return
+    whole = max(1, math.floor(cpu_limit))
+    if api_cpus >= whole:
+        raise ValueError(
+            f"engine.extraArgs: --api-cpus {api_cpus} leaves the engine core no CPU of "
+            f"resources.limits.cpu ({cpu_limit:g} CPUs): give the pod more, or the API fewer"
+        )

@@ -26,7 +26,7 @@ from kvpilot.operator.constants import (
     LABEL_NAME,
     NVIDIA_GPU,
 )
-from kvpilot.operator.extraargs import check_extra_args, check_placement
+from kvpilot.operator.extraargs import check_api_cpus, check_extra_args, check_placement
 from kvpilot.operator.kubetypes import (
     EnvVar,
     FreeForm,
@@ -457,6 +457,7 @@ class InferenceServiceSpec(KubeModel):
             dtype=self.engine.dtype,
             tensor_parallel_size=self.effective_tensor_parallel_size,
         )
+        check_api_cpus(self.engine.extra_args, self.cpu_limit)
         reserved = sorted(set(self.pod_labels) & set(RESERVED_LABELS))
         if reserved:
             raise ValueError(
@@ -470,6 +471,12 @@ class InferenceServiceSpec(KubeModel):
         """resources.limits.memory in bytes (None when not set)."""
         given = None if self.resources is None else self.resources.limits.get("memory")
         return None if given is None else int(parse_quantity(given))
+
+    @property
+    def cpu_limit(self) -> float | None:
+        """resources.limits.cpu in CPUs (None when not set)."""
+        given = None if self.resources is None else self.resources.limits.get("cpu")
+        return None if given is None else float(parse_quantity(given))
 
     @property
     def memory_request(self) -> int | None:

@@ -39,6 +39,7 @@ class EngineCoreClient:
         config: EngineConfig,
         *,
         num_threads: int | None = None,
+        cpus: tuple[int, ...] | None = None,
         log_level: int = logging.INFO,
     ) -> None:
         self._dir = tempfile.mkdtemp(prefix="kvpilot-core-")
@@ -60,6 +61,7 @@ class EngineCoreClient:
                 os.getpid(),
                 num_threads,
                 log_level,
+                cpus,
             ),
             name="kvpilot-engine-core",
             daemon=True,

@@ -69,8 +69,11 @@ def run_engine_core(
     parent_pid: int,
     num_threads: int | None,
     log_level: int,
+    cpus: tuple[int, ...] | None = None,
 ) -> None:
-    """The child's entry point (multiprocessing spawn target)."""
+    """The child's entry point (multiprocessing spawn target). `cpus`: bind this process to them
+    (--engine-cpus, --api-cpus) before any compute thread starts; torch's threads: `num_threads`,
+    else fitted to the CPU quota."""
     die_with_parent(parent_pid)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
@@ -80,16 +83,25 @@ def run_engine_core(
     import torch
     from tqdm import tqdm
 
+    from kvpilot.engine.cpu.affinity import bind_this_process, format_cpu_list
     from kvpilot.engine.cpu.threads import fit_threads_to_cpu_quota
 
     # tqdm's default lock is a multiprocessing semaphore, which this process's exit would leave to
     # the resource tracker (a "leaked semaphore" warning at every shutdown): one process, one lock.
     tqdm.set_lock(threading.RLock())
 
+    if cpus:
+        bind_this_process(cpus)  # OpenMP's threads start later, from a bound thread
     if num_threads is not None:
         torch.set_num_threads(num_threads)
     else:
         fit_threads_to_cpu_quota()
+    if cpus:
+        log.info(
+            "engine core bound to CPUs %s, %d intra-op threads",
+            format_cpu_list(cpus),
+            torch.get_num_threads(),
+        )
 
     context = zmq.Context()
     events = context.socket(zmq.PUSH)

@@ -218,12 +218,15 @@ class AsyncEngine:
         registry: CollectorRegistry | None = None,
         vllm_metrics: bool = True,
         core_threads: int | None = None,
+        core_cpus: tuple[int, ...] | None = None,
         log_level: int = logging.INFO,
     ) -> None:
         self.config = config
         self.registry = registry
         self._vllm_metrics = vllm_metrics
-        self._client = EngineCoreClient(config, num_threads=core_threads, log_level=log_level)
+        self._client = EngineCoreClient(
+            config, num_threads=core_threads, cpus=core_cpus, log_level=log_level
+        )
         self._thread = threading.Thread(target=self._run, name="kvpilot-output", daemon=True)
         self._loaded = threading.Event()
         # Guards the processor, the live requests and the command count: event loops add and

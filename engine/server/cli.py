@@ -25,6 +25,8 @@ import uvicorn
 from prometheus_client import CollectorRegistry
 
 from kvpilot.engine.config import EngineConfig
+from kvpilot.engine.cpu.affinity import bind_this_process, place
+from kvpilot.engine.cpu.threads import read_cpu_limit
 from kvpilot.engine.server.app import create_app
 from kvpilot.engine.server.async_engine import AsyncEngine
 from kvpilot.engine.server.flags import API_KEY_ENV, build_parser, engine_config, server_settings
@@ -76,9 +78,16 @@ def resolve_api_key(flag: str | None, file: str | None, env: Mapping[str, str]) 
 def startup_settings(args: argparse.Namespace) -> tuple[EngineConfig, ServerSettings]:
     """Everything `kvpilot serve` checks before it starts the engine (ValueError): the flags'
     values (as parse_flags checks them, in engine/server/flags.py), then what only this machine
-    can tell: its GPUs, the model's shape, the files named."""
+    can tell: its GPUs and CPUs, the model's shape, the files named."""
     config = engine_config(args)
     check_placement(config)
+    cpu_placement = place(
+        os.sched_getaffinity(0),
+        read_cpu_limit(),
+        os.environ,
+        engine_cpus=args.engine_cpus,
+        api_cpus=args.api_cpus,
+    )
     check_parallelism(config)
     settings = server_settings(
         args,
@@ -87,6 +96,7 @@ def startup_settings(args: argparse.Namespace) -> tuple[EngineConfig, ServerSett
             chat_template=read_chat_template(args.chat_template),
             tool_call_parser=args.tool_call_parser,
         ),
+        cpu_placement=cpu_placement,
     )
     return config, settings
 
@@ -180,12 +190,15 @@ def main(argv: list[str]) -> int:
         return 2
 
     registry = CollectorRegistry()
+    placement = settings.cpu_placement
     # The engine core (model, KV cache, scheduler) runs in a child process it starts; it fits its
-    # torch threads to the container's CPU quota there.
+    # torch threads to the container's CPU quota there, or to --engine-cpus.
     engine = AsyncEngine(
         config,
         registry=registry,
         vllm_metrics=not args.disable_vllm_metrics,
+        core_threads=placement.engine_threads if placement else None,
+        core_cpus=placement.engine if placement else None,
         log_level=getattr(logging, args.log_level.upper()),
     )
     state = ServerState(engine, settings)
@@ -201,6 +214,11 @@ def main(argv: list[str]) -> int:
     server = DrainingServer(uv_config, state, settings.shutdown_timeout_s)
     logger.info("loading %s", args.model or "the bundled SmolLM2-135M-Instruct")
     engine.start()
+    if placement:
+        # After the core's start: it is spawned with this process's CPUs and binds itself.
+        if placement.api:
+            bind_this_process(placement.api)
+        logger.info("%s", placement.describe())
     try:
         server.run()
     finally:

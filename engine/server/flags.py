@@ -21,6 +21,7 @@ from kvpilot.engine.choices import (
     STRUCTURED_OUTPUTS_BACKENDS,
 )
 from kvpilot.engine.config import CacheConfig, EngineConfig, SchedulerConfig
+from kvpilot.engine.cpu.affinity import CpuPlacement, parse_cpu_list
 from kvpilot.engine.server.limits import RequestLimits
 from kvpilot.engine.server.settings import ChatOptions, ServerSettings
 from kvpilot.engine.server.tools.parsers import PARSER_NAMES
@@ -121,6 +122,23 @@ def build_parser(
         default=120.0,
         help="seconds a tensor-parallel collective waits for the other ranks before failing",
     )
+    cpus = par.add_mutually_exclusive_group()
+    cpus.add_argument(
+        "--engine-cpus",
+        type=cpu_list,
+        default=None,
+        metavar="LIST",
+        help="bind the engine core (and its ranks) to these CPUs, e.g. 0-6, one intra-op thread "
+        "each, and the API process to the others (default: both on every CPU)",
+    )
+    cpus.add_argument(
+        "--api-cpus",
+        type=positive_int,
+        default=None,
+        metavar="N",
+        help="leave N of this process's CPUs to the API process and bind the engine core to the "
+        "rest (under a CPU quota alone: N fewer engine threads than the quota)",
+    )
     sched.add_argument("--max-num-seqs", type=int, default=128)
     sched.add_argument("--max-num-batched-tokens", type=int, default=2048)
     r = p.add_argument_group("request limits")
@@ -201,6 +219,23 @@ def non_empty(value: str) -> str:
     return value
 
 
+def cpu_list(value: str) -> tuple[int, ...]:
+    """An argparse type: a CPU list such as 0-3,6 (whether this machine has them is checked at
+    start)."""
+    try:
+        return parse_cpu_list(value)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def positive_int(value: str) -> int:
+    """An argparse type: an integer >= 1."""
+    number = int(value)
+    if number < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {number}")
+    return number
+
+
 def port_number(value: str) -> int:
     """An argparse type: a TCP port (uvicorn would fail to bind any other number, after the
     model started loading)."""
@@ -241,10 +276,14 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
 
 
 def server_settings(
-    args: argparse.Namespace, api_key: str | None = None, chat: ChatOptions | None = None
+    args: argparse.Namespace,
+    api_key: str | None = None,
+    chat: ChatOptions | None = None,
+    cpu_placement: CpuPlacement | None = None,
 ) -> ServerSettings:
-    """The server's settings from the flags (ValueError for one out of range); the API key and
-    the chat template are read by the caller (from files only the pod has)."""
+    """The server's settings from the flags (ValueError for one out of range); the API key, the
+    chat template and the CPU placement of --engine-cpus are found by the caller (from files and
+    CPUs only the pod has)."""
     return ServerSettings(
         max_queue=args.max_queue,
         retry_after_s=args.retry_after,
@@ -252,6 +291,7 @@ def server_settings(
         limits=request_limits(args),
         chat=chat or ChatOptions(tool_call_parser=args.tool_call_parser),
         shutdown_timeout_s=args.shutdown_timeout,
+        cpu_placement=cpu_placement,
     )
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from kvpilot.engine.cpu.affinity import CpuPlacement
 from kvpilot.engine.server.limits import RequestLimits
 from kvpilot.engine.server.tools.parsers import PARSER_NAMES
 
@@ -35,6 +36,8 @@ class ServerSettings:
     chat: ChatOptions = field(default_factory=ChatOptions)
     # How long in-flight requests may finish after SIGTERM (0: cut them at once).
     shutdown_timeout_s: float = 30.0
+    # --engine-cpus among this machine's CPUs (None: the engine core and the API share them all).
+    cpu_placement: CpuPlacement | None = None
 
     def __post_init__(self) -> None:
         if self.max_queue is not None and self.max_queue < 0:

@@ -188,3 +188,35 @@ def test_every_option_the_builder_sets_is_reserved() -> None:
     flags = {action.dest: action.option_strings for action in build_parser()._actions}
     for dest, (flag, _) in SET_BY_THE_OPERATOR.items():
         assert flag in flags[dest], (dest, flag)
+
+
+def test_engine_cpus_are_refused_in_a_spec_and_api_cpus_are_taken() -> None:
+    """A pod cannot know its CPU numbers before it runs: --engine-cpus would crash-loop it on a
+    node where they differ; --api-cpus N names none."""
+    with pytest.raises(
+        InvalidSpecError, match=r"extraArgs may not set --engine-cpus: .*--api-cpus"
+    ):
+        parse_spec(with_extra(["--engine-cpus", "0-2"]))
+    spec = parse_spec(with_extra(["--api-cpus", "1"]))
+    assert spec.engine.extra_args == ["--api-cpus", "1"]
+
+
+@pytest.mark.parametrize(
+    ("cpu_limit", "api_cpus", "refused"),
+    [("2", 1, False), ("2", 2, True), ("2500m", 2, True), ("3", 2, False), ("500m", 1, True)],
+)
+def test_api_cpus_must_leave_the_engine_a_cpu_of_the_limit(
+    cpu_limit: str, api_cpus: int, refused: bool
+) -> None:
+    spec = {
+        **with_extra(["--api-cpus", str(api_cpus)]),
+        "resources": {"limits": {"cpu": cpu_limit}},
+    }
+    if not refused:
+        assert parse_spec(spec).cpu_limit == float(cpu_limit)
+        return
+    with pytest.raises(InvalidSpecError) as caught:
+        parse_spec(spec)
+    assert f"--api-cpus {api_cpus} leaves the engine core no CPU of resources.limits.cpu" in str(
+        caught.value
+    )

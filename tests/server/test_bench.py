@@ -119,15 +119,16 @@ def test_the_prompt_is_what_the_request_body_sends(bench: ModuleType) -> None:
     ]
 
 
-def test_cpu_ranges_and_the_vllm_env(bench: ModuleType, monkeypatch: pytest.MonkeyPatch) -> None:
-    assert bench.cpu_ranges({0, 1}) == "0-1"
-    assert bench.cpu_ranges({5, 0, 2, 1}) == "0-2,5"
+def test_the_vllm_env(bench: ModuleType, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("PYTHONPATH", "/kvpilot/only")
     monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE", raising=False)
     env = bench.vllm_env("/v/bin/python", ["LD_PRELOAD=/x.so"])
     assert "PYTHONPATH" not in env and env["PATH"].startswith("/v/bin:")
     assert env["VIRTUAL_ENV"] == "/v" and env["LD_PRELOAD"] == "/x.so"
     assert env["VLLM_CPU_KVCACHE_SPACE"] == "1"
+    monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND", raising=False)
+    monkeypatch.setattr(bench.os, "sched_getaffinity", lambda pid: {5, 0, 2, 1})
+    assert bench.vllm_env("/v/bin/python", [])["VLLM_CPU_OMP_THREADS_BIND"] == "0-2,5"
 
 
 def _run(system: str, rnd: int, tok_s: float, ttft: float) -> dict:
@@ -263,3 +264,38 @@ def test_the_peer_mode_pairs_offline_rounds_with_serving_rounds_unless_told(
     with pytest.raises(SystemExit):
         parse(["--peer-vllm", "/bin/true", "--offline-after", "--no-offline"])
     assert bench.main(["--offline-after"]) == 2  # only with --peer-vllm
+
+
+def test_serve_vs_offline_places_and_sums_up_as_kvpilot_serve_would(bench: ModuleType) -> None:
+    """bench/serve_vs_offline.py: `api-cpus=N` puts the offline engine where `kvpilot serve
+    --api-cpus N` puts its engine core, the client on the API's CPUs; medians and the goal count
+    per placement."""
+    import importlib
+
+    svo = importlib.import_module("serve_vs_offline")  # bench/ is on sys.path (serve_bench)
+    try:
+        shared = svo.parse_placement("shared", {0, 1, 2, 3}, None)
+        assert (shared.serve_args, shared.engine_cpus, shared.client_cpus) == ((), None, None)
+        split = svo.parse_placement("api-cpus=1", {12, 13, 14, 15}, None)
+        assert split.serve_args == ("--api-cpus", "1")
+        assert (split.engine_cpus, split.engine_threads, split.client_cpus) == (
+            (12, 13, 14),
+            3,
+            (15,),
+        )
+        config = svo.offline_config(svo.build_parser().parse_args(["--concurrency", "8"]), split)
+        assert (config["cpus"], config["threads"], config["max_num_seqs"]) == ([12, 13, 14], 3, 8)
+        for bad in ("api-cpus", "api-cpus=x", "cores=1"):
+            with pytest.raises(ValueError):
+                svo.parse_placement(bad, {0, 1}, None)
+        records = [
+            {"placement": "shared", "ratio": r, "serve_tok_s": 100 * r, "offline_tok_s": 100.0}
+            for r in (0.93, 0.96, 0.99)
+        ]
+        summary = svo.summarize([shared], records)["shared"]
+        assert summary["median_ratio"] == 0.96 and summary["rounds_meeting_goal"] == 2
+        assert "| shared | all | all | 96.0 | 100.0 | 0.93, 0.96, 0.99 | **0.960** | 2 of 3 |" in (
+            svo.format_summary({"shared": summary})
+        )
+    finally:
+        sys.modules.pop("serve_vs_offline", None)

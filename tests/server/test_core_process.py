@@ -12,10 +12,12 @@ import signal
 import statistics
 import time
 from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import httpx
 import pytest
 
+from kvpilot.engine.cpu.affinity import format_cpu_list
 from kvpilot.engine.model.gguf_convert import gguf_to_hf_dir
 from kvpilot.engine.model.loader import bundled_gguf_path, load_tokenizer
 from kvpilot.engine.server.async_engine import AsyncEngine
@@ -59,6 +61,33 @@ def test_a_killed_server_takes_its_engine_core_along() -> None:
         serve.proc.kill()
         serve.proc.wait(10)
         wait_until(lambda: not is_running(core), 10, "the engine core outlived its server")
+
+
+def task_affinities(pid: int) -> dict[int, set[int]]:
+    """The CPUs each thread of process `pid` may run on."""
+    return {
+        int(t.name): os.sched_getaffinity(int(t.name)) for t in Path(f"/proc/{pid}/task").iterdir()
+    }
+
+
+def test_api_cpus_bind_the_engine_core_and_the_api_process_apart() -> None:
+    """--api-cpus 1: every thread of the engine core on all CPUs but the last, every thread of
+    the API process (the event loop, the output thread, ZMQ's, the tokenizer's) on the last; the
+    server serves, and says where each runs."""
+    allowed = sorted(os.sched_getaffinity(0))
+    if len(allowed) < 2:
+        pytest.skip("--api-cpus 1 needs two CPUs; this process may use one")
+    with launch_serve(*SERVE_ARGS, "--api-cpus", "1") as serve:
+        body = {"prompt": "Once upon a time", "max_tokens": 4, "ignore_eos": True}
+        response = httpx.post(f"{serve.url}/v1/completions", json=body, timeout=60)
+        assert response.status_code == 200 and response.json()["usage"]["completion_tokens"] == 4
+        core_masks = task_affinities(serve.core_pid())
+        api_masks = task_affinities(serve.proc.pid)
+    assert all(mask == set(allowed[:-1]) for mask in core_masks.values()), core_masks
+    assert len(api_masks) > 2 and all(mask == {allowed[-1]} for mask in api_masks.values())
+    said = [line for line in serve.log if "API process on" in line]
+    assert said and f"engine core on CPUs {format_cpu_list(allowed[:-1])}," in said[0], serve.log
+    assert f"API process on {allowed[-1]}" in said[0]
 
 
 def test_a_disconnect_frees_the_blocks_before_the_next_step(

@@ -5,19 +5,25 @@ from __future__ import annotations
 
 import contextlib
 import io
+import math
+import os
 import subprocess
 import sys
 
 import pytest
 
+from kvpilot.engine.cpu.affinity import format_cpu_list
+from kvpilot.engine.cpu.threads import read_cpu_limit
 from kvpilot.engine.server.cli import main, startup_settings
 from kvpilot.engine.server.flags import (
     FlagError,
     build_parser,
+    cpu_list,
     engine_config,
     non_empty,
     parse_flags,
     port_number,
+    positive_int,
 )
 
 
@@ -45,6 +51,10 @@ from kvpilot.engine.server.flags import (
         (["--device", "gpu"], "device must be auto, cpu, cuda or cuda:N, got 'gpu'"),
         (["--port", "65536"], "argument --port: must be in [0, 65535], got 65536"),
         (["--chat-template="], "argument --chat-template: must not be empty"),
+        (["--engine-cpus", "3-1"], "argument --engine-cpus: '3-1': a range goes from low to high"),
+        (["--engine-cpus", "x"], "argument --engine-cpus: 'x' is not a CPU number or range"),
+        (["--api-cpus", "0"], "argument --api-cpus: must be >= 1, got 0"),
+        (["--engine-cpus", "0", "--api-cpus", "1"], "not allowed with argument --engine-cpus"),
         (["--help"], "-h/--help makes `kvpilot serve` print its help and exit"),
         (["stray"], "unrecognized arguments: stray"),
     ],
@@ -113,7 +123,7 @@ def numeric_flags() -> list[tuple[str, list[str]]]:
     """Every option of the parser that takes a number, with the values to probe."""
     flags = []
     for action in build_parser()._actions:
-        if action.type in (int, port_number) and not action.choices:
+        if action.type in (int, port_number, positive_int) and not action.choices:
             flags.append((action.option_strings[0], INT_PROBES))
         elif action.type is float:
             flags.append((action.option_strings[0], FLOAT_PROBES))
@@ -156,7 +166,9 @@ def test_numeric_flags_are_all_probed() -> None:
         for action in build_parser()._actions
         if action.option_strings and action.option_strings[0] not in probed
     }
-    assert all(kind in (None, non_empty) or choices for kind, choices in others.values()), others
+    # --engine-cpus (cpu_list) is probed in tests/engine/test_cpu_affinity.py and below.
+    kinds = (None, non_empty, cpu_list)
+    assert all(kind in kinds or choices for kind, choices in others.values()), others
 
 
 @pytest.mark.parametrize(("flag", "values"), numeric_flags(), ids=[f for f, _ in numeric_flags()])
@@ -170,12 +182,22 @@ def test_a_numeric_flag_is_refused_by_parse_flags_exactly_when_serve_refuses_it(
             assert by_flags is None and by_serve is not None, (argv, by_serve)
             assert "the model's" in by_serve, (argv, by_serve)
             continue
+        if flag == "--api-cpus" and by_flags is None and int(value) >= cpus_for_the_engine():
+            # What the flags cannot tell: this machine's CPUs (or its CPU quota).
+            assert by_serve is not None and "leaves the engine core no CPU" in by_serve, argv
+            continue
         if by_serve is None:
             assert by_flags is None, (argv, by_flags)
         else:
             assert by_flags is not None, (argv, by_serve)
             # The same words: argparse's own (after "kvpilot serve: error: "), or the rule's.
             assert by_serve.endswith(by_flags), (argv, by_serve, by_flags)
+
+
+def cpus_for_the_engine() -> int:
+    """The CPUs --api-cpus shares out here: this process's, or its quota's whole CPUs if fewer."""
+    allowed, quota = len(os.sched_getaffinity(0)), read_cpu_limit()
+    return min(allowed, max(1, math.floor(quota))) if quota is not None else allowed
 
 
 def test_the_command_prints_the_message_parse_flags_gives() -> None:
@@ -242,3 +264,20 @@ def test_startup_settings_carry_the_flags() -> None:
     config, settings = startup_settings(args)
     assert (settings.max_queue, settings.retry_after_s, settings.shutdown_timeout_s) == (4, 3, 0)
     assert settings.limits.max_stop == 2 and config.tensor_parallel_size == 1
+
+
+def test_startup_places_the_engine_among_this_machines_cpus() -> None:
+    """--engine-cpus and --api-cpus are checked against the CPUs this process may use, at start:
+    a CPU it may not use is refused by name (exit 2), a placement it can hold is carried."""
+    allowed = os.sched_getaffinity(0)
+    beyond = max(allowed) + 1
+    assert serve_verdict(["--engine-cpus", str(beyond)]) == (
+        f"--engine-cpus {beyond}: CPU(s) {beyond} are not among this process's CPUs "
+        f"{format_cpu_list(allowed)}"
+    )
+    assert exit_code(["--engine-cpus", str(beyond)]) == 2
+    _, settings = startup_settings(build_parser().parse_args(["--engine-cpus", str(min(allowed))]))
+    placement = settings.cpu_placement
+    assert placement is not None and placement.engine == (min(allowed),)
+    assert placement.api == (tuple(sorted(allowed - {min(allowed)})) or None)
+    assert startup_settings(build_parser().parse_args([]))[1].cpu_placement is None
