@@ -19,8 +19,10 @@ new seed: new requests), per placement (order alternating by round): the serving
 token ids at max_num_seqs = the concurrency, each after every process went quiet. Prints every
 round's tok/s and serving / offline ratio, the medians; writes OUT.json and OUT.png.
 
-    python bench/serve_vs_offline.py --placements shared,api-cpus=1 --rounds 5 \\
+    python bench/serve_vs_offline.py --placements shared,api-cpus=1 --rounds 6 \\
         --dtype bfloat16 --concurrency 16 --num-prompts 64 --out bench/out/serve_vs_offline
+    python bench/serve_vs_offline.py --combine bench/out/serve_vs_offline_*.json \\
+        --out bench/serve_vs_offline   # several runs' JSON in one figure
 """
 
 from __future__ import annotations
@@ -231,6 +233,49 @@ def plot(summary: dict[str, Any], records: list[dict[str, Any]], path: Path, tit
     plt.close(fig)
 
 
+def plot_combined(reports: list[dict[str, Any]], path: Path) -> None:
+    """One panel for several runs (OUT.json files): per configuration, each placement's per-round
+    ratios and median, side by side."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(10, 4.5))
+    colors = ["tab:orange", "tab:blue", "tab:green", "tab:purple"]
+    labels: list[str] = []
+    placements = list(reports[0]["summary"])
+    width = 0.8 / len(placements)
+    for i, report in enumerate(reports):
+        a = report["args"]
+        labels.append(f"{a['dtype']}, c={a['concurrency']}")
+        for j, name in enumerate(placements):
+            s = report["summary"][name]
+            x = i + (j - (len(placements) - 1) / 2) * width
+            ax.scatter([x] * len(s["ratios"]), s["ratios"], color=colors[j], alpha=0.5, s=18)
+            ax.hlines(
+                s["median_ratio"], x - width / 2.5, x + width / 2.5, color=colors[j], lw=3,
+                label=name if i == 0 else None,
+            )  # fmt: skip
+            ax.annotate(
+                f"{s['median_ratio']:.3f}", (x, s["median_ratio"]), textcoords="offset points",
+                xytext=(0, -14), ha="center", fontsize=8,
+            )  # fmt: skip
+    ax.axhline(GOAL, color="tab:red", ls=":", label=f"goal {GOAL}")
+    ax.set_xticks(range(len(labels)), labels)
+    ax.set_ylabel("serving / own offline tok/s\n(dots: rounds; bars: medians)")
+    cpus = len(reports[0]["cpus"])
+    ax.set_title(
+        f"kvpilot serving against its own offline run, {cpus} CPUs: shared CPUs vs the API "
+        "process on a CPU of its own (--api-cpus 1)",
+        fontsize=10,
+    )
+    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.08), ncol=3, fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--placements", default="shared,api-cpus=1")
@@ -242,11 +287,22 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--output-len", type=int, default=64)
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--out", default="bench/out/serve_vs_offline")
+    p.add_argument(
+        "--combine",
+        nargs="+",
+        metavar="JSON",
+        help="no run: plot these earlier runs' OUT.json in one figure, OUT.png",
+    )
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.combine:
+        reports = [json.loads(Path(path).read_text()) for path in args.combine]
+        plot_combined(reports, Path(f"{args.out}.png"))
+        print(f"wrote {args.out}.png")
+        return 0
     if os.environ.get("OMP_NUM_THREADS"):
         print("unset OMP_NUM_THREADS: the placements choose the engine's threads", file=sys.stderr)
         return 2
