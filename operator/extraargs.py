@@ -9,9 +9,9 @@ check, the API key's Secret) is built from the spec.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 
+from kvpilot.engine.cpu.affinity import whole_cpus
 from kvpilot.engine.server.flags import FlagError, engine_config, parse_flags
 from kvpilot.operator.constants import ENGINE_PORT
 
@@ -115,8 +115,7 @@ def check_api_cpus(args: Sequence[str], cpu_limit: float | None) -> None:
     api_cpus = parse_flags(args).api_cpus
     if api_cpus is None or cpu_limit is None:
         return
-    whole = max(1, math.floor(cpu_limit))
-    if api_cpus >= whole:
+    if api_cpus >= whole_cpus(cpu_limit):
         raise ValueError(
             f"engine.extraArgs: --api-cpus {api_cpus} leaves the engine core no CPU of "
             f"resources.limits.cpu ({cpu_limit:g} CPUs): give the pod more, or the API fewer"

@@ -97,7 +97,7 @@ def place(
     the quota's whole CPUs. Threads: one per engine CPU, never more than the quota's whole CPUs;
     OMP_NUM_THREADS in `environ` wins."""
     allowed_set = set(allowed)
-    whole_quota = max(1, math.floor(quota)) if quota is not None else None
+    whole_quota = whole_cpus(quota) if quota is not None else None
     if engine_cpus is not None and api_cpus is not None:
         raise ValueError("give --engine-cpus or --api-cpus, not both")
     if engine_cpus is not None:
@@ -132,6 +132,11 @@ def place(
     rest = tuple(sorted(allowed_set - set(engine)))
     threads = given_threads(environ) or min(len(engine), whole_quota or len(engine))
     return CpuPlacement(engine=engine, api=rest or None, engine_threads=threads)
+
+
+def whole_cpus(quota: float) -> int:
+    """The whole CPUs of a CPU quota (at least one): the threads that fit it."""
+    return max(1, math.floor(quota))
 
 
 def given_threads(environ: Mapping[str, str]) -> int | None:

@@ -9,9 +9,10 @@ therefore caps torch's threads at the quota, unless OMP_NUM_THREADS says otherwi
 from __future__ import annotations
 
 import logging
-import math
 import os
 from pathlib import Path
+
+from kvpilot.engine.cpu.affinity import whole_cpus
 
 log = logging.getLogger(__name__)
 
@@ -55,7 +56,7 @@ def threads_for_limit(current: int, limit: float | None) -> int:
     """At most the whole CPUs of the quota (at least one); never more than `current`."""
     if limit is None:
         return current
-    return max(1, min(current, math.floor(limit)))
+    return min(current, whole_cpus(limit))
 
 
 def fit_threads_to_cpu_quota(root: Path = CGROUP_ROOT) -> int | None:

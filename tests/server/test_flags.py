@@ -5,14 +5,13 @@ from __future__ import annotations
 
 import contextlib
 import io
-import math
 import os
 import subprocess
 import sys
 
 import pytest
 
-from kvpilot.engine.cpu.affinity import format_cpu_list
+from kvpilot.engine.cpu.affinity import format_cpu_list, whole_cpus
 from kvpilot.engine.cpu.threads import read_cpu_limit
 from kvpilot.engine.server.cli import main, startup_settings
 from kvpilot.engine.server.flags import (
@@ -197,7 +196,7 @@ def test_a_numeric_flag_is_refused_by_parse_flags_exactly_when_serve_refuses_it(
 def cpus_for_the_engine() -> int:
     """The CPUs --api-cpus shares out here: this process's, or its quota's whole CPUs if fewer."""
     allowed, quota = len(os.sched_getaffinity(0)), read_cpu_limit()
-    return min(allowed, max(1, math.floor(quota))) if quota is not None else allowed
+    return min(allowed, whole_cpus(quota)) if quota is not None else allowed
 
 
 def test_the_command_prints_the_message_parse_flags_gives() -> None:
