@@ -93,7 +93,9 @@ def median(values: list[float]) -> float:
     return statistics.median(values)
 
 
-def run_rounds(args: argparse.Namespace, placements: list[Placement], logs: Path) -> list[dict]:
+def run_rounds(
+    args: argparse.Namespace, placements: list[Placement], logs: Path
+) -> list[dict[str, Any]]:
     bench_args = workload_args(args)
     allowed = os.sched_getaffinity(0)
     servers: dict[str, serve_bench.ServerProcess] = {}
