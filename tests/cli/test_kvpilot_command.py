@@ -30,11 +30,13 @@ def test_usage_and_unknown_command(capsys: pytest.CaptureFixture[str]) -> None:
 
 # Of the engine, the operator loads only `kvpilot serve`'s argument parser and the settings whose
 # rules check the flags' values (torch-free), which it checks spec.engine.extraArgs with, and what
-# they are built from.
+# they are built from (the CPU-list and CPU-quota rules of --engine-cpus / --api-cpus among them).
 ENGINE_FLAGS = (
     "kvpilot.engine",
     "kvpilot.engine.choices",
     "kvpilot.engine.config",
+    "kvpilot.engine.cpu",
+    "kvpilot.engine.cpu.affinity",
     "kvpilot.engine.server",
     "kvpilot.engine.server.errors",
     "kvpilot.engine.server.flags",
