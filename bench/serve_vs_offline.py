@@ -89,10 +89,6 @@ def workload_args(args: argparse.Namespace) -> argparse.Namespace:
     )  # fmt: skip
 
 
-def median(values: list[float]) -> float:
-    return statistics.median(values)
-
-
 def run_rounds(
     args: argparse.Namespace, placements: list[Placement], logs: Path
 ) -> list[dict[str, Any]]:
@@ -182,10 +178,10 @@ def summarize(placements: list[Placement], records: list[dict[str, Any]]) -> dic
             "client_cpus": format_cpu_list(p.client_cpus) if p.client_cpus else "all",
             "rounds": len(mine),
             "ratios": [round(x, 4) for x in ratios],
-            "median_ratio": median(ratios),
+            "median_ratio": statistics.median(ratios),
             "rounds_meeting_goal": sum(x >= GOAL for x in ratios),
-            "median_serve_tok_s": median([r["serve_tok_s"] for r in mine]),
-            "median_offline_tok_s": median([r["offline_tok_s"] for r in mine]),
+            "median_serve_tok_s": statistics.median([r["serve_tok_s"] for r in mine]),
+            "median_offline_tok_s": statistics.median([r["offline_tok_s"] for r in mine]),
         }
     return out
 

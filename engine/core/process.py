@@ -83,7 +83,7 @@ def run_engine_core(
     import torch
     from tqdm import tqdm
 
-    from kvpilot.engine.cpu.affinity import bind_this_process, format_cpu_list
+    from kvpilot.engine.cpu.affinity import bind_this_process
     from kvpilot.engine.cpu.threads import fit_threads_to_cpu_quota
 
     # tqdm's default lock is a multiprocessing semaphore, which this process's exit would leave to
@@ -96,12 +96,6 @@ def run_engine_core(
         torch.set_num_threads(num_threads)
     else:
         fit_threads_to_cpu_quota()
-    if cpus:
-        log.info(
-            "engine core bound to CPUs %s, %d intra-op threads",
-            format_cpu_list(cpus),
-            torch.get_num_threads(),
-        )
 
     context = zmq.Context()
     events = context.socket(zmq.PUSH)
