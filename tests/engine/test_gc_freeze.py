@@ -25,7 +25,10 @@ def test_startup_objects_frozen_and_later_garbage_still_collected(unfrozen_after
     kept = {"startup": [1, 2, 3]}
     assert tracked(kept)
     frozen = freeze_startup_objects("test")
-    assert frozen.objects == gc.get_freeze_count() > 0
+    # A frozen object still dies when its last reference goes (another test's thread may drop
+    # one at any moment), so the count can only have fallen since the freeze, never risen.
+    assert 0 < gc.get_freeze_count() <= frozen.objects
+    assert frozen.objects > 1000, "startup's imports are frozen, not just this test's dict"
     assert not tracked(kept), "a frozen object is left out of every generation"
 
     class Cycle:
