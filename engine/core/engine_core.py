@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -128,12 +130,21 @@ class StepInFlight:
 
 
 class EngineCore:
-    def __init__(self, config: EngineConfig, log_level: int = logging.INFO) -> None:
+    def __init__(
+        self,
+        config: EngineConfig,
+        log_level: int = logging.INFO,
+        on_model_files: Callable[[Path], None] | None = None,
+    ) -> None:
+        """on_model_files(hf_dir): called once the model's files are found, before the (long)
+        load of its weights."""
         set_offline_defaults()
         self.config = config
         started = time.monotonic()
         log.info("loading model %s", config.model or "(bundled SmolLM2-135M-Instruct)")
         source = resolve_model(config.model, config.load_format)
+        if on_model_files is not None:
+            on_model_files(source.hf_dir)
         self.model_config = ModelConfig.from_hf_config(read_hf_config(source.hf_dir))
         self.max_model_len = config.max_model_len or self.model_config.max_position_embeddings
         if config.resolved_device.type == "cpu":

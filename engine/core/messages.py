@@ -107,6 +107,13 @@ class ModelDescription(msgspec.Struct, frozen=True, array_like=True):
     async_scheduling: bool = False  # steps launched before the previous one's tokens are read
 
 
+class ModelFilesFound(msgspec.Struct, frozen=True, array_like=True, tag=True):
+    """Sent once the model's files are found (a GGUF converted), before its weights load: the API
+    process loads the tokenizer from hf_dir meanwhile, not after CoreReady."""
+
+    hf_dir: str
+
+
 class CoreReady(msgspec.Struct, frozen=True, array_like=True, tag=True):
     model: ModelDescription
 
@@ -116,4 +123,4 @@ class CoreFailed(msgspec.Struct, frozen=True, array_like=True, tag=True):
     during_load: bool
 
 
-CoreEvent = StepOutputs | CoreReady | CoreFailed
+CoreEvent = StepOutputs | ModelFilesFound | CoreReady | CoreFailed

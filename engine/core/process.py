@@ -34,6 +34,7 @@ from kvpilot.engine.core.messages import (
     CoreEvent,
     CoreFailed,
     CoreReady,
+    ModelFilesFound,
     ResetPrefixCache,
     Shutdown,
     StepOutputs,
@@ -111,7 +112,11 @@ def run_engine_core(
     try:
         from kvpilot.engine.core.engine_core import EngineCore
 
-        core = EngineCore(config, log_level)
+        core = EngineCore(
+            config,
+            log_level,
+            on_model_files=lambda hf_dir: outbox.put(ModelFilesFound(str(hf_dir))),
+        )
     except BaseException as exc:
         log.exception("loading the model failed")
         outbox.put(CoreFailed(f"loading the model failed: {exc}", during_load=True))

@@ -41,6 +41,7 @@ from kvpilot.engine.core.messages import (
     CoreFailed,
     CoreReady,
     ModelDescription,
+    ModelFilesFound,
     StepOutputs,
 )
 from kvpilot.engine.gc_freeze import freeze_startup_objects
@@ -196,6 +197,37 @@ class ModelInfo:
             num_blocks=self.num_blocks,
             block_size=self.block_size,
         )
+
+
+@dataclass(frozen=True)
+class Tokenizers:
+    """The API process's copies of the model's tokenizer (all None for a model without tokenizer
+    files), loaded while the core loads the weights."""
+
+    hf_dir: Path
+    detokenizer: Any  # the output thread's
+    http: Any  # the HTTP side's (it tokenizes on its threads while the output thread detokenizes)
+    spares: queue.SimpleQueue[Any]  # see ModelInfo.spare_tokenizers
+    max_chars_per_token: int | None
+
+    @classmethod
+    def load(cls, hf_dir: Path) -> Tokenizers:
+        started = time.perf_counter()
+        spares: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        if not has_tokenizer(hf_dir):
+            return cls(hf_dir, None, None, spares, None)
+        tokenizer = load_tokenizer(hf_dir)
+        http = tokenizer
+        try:
+            # Separate copies keep the Rust tokenizer's interior borrows out of each other's way.
+            http = copy.deepcopy(tokenizer)
+            for _ in range(TOKENIZER_THREADS):
+                spares.put(copy.deepcopy(tokenizer))
+        except Exception:
+            logger.warning("could not copy the tokenizer; sharing one", exc_info=True)
+        loaded = cls(hf_dir, tokenizer, http, spares, max_chars_per_token(tokenizer))
+        logger.debug("tokenizer loaded in %.2f s", time.perf_counter() - started)
+        return loaded
 
 
 def _deliver(items: list[tuple[RequestStream, RequestOutput]]) -> None:
@@ -376,14 +408,20 @@ class AsyncEngine:
 
     def _wait_ready(self) -> bool:
         """Wait for the core to load; False (with self.error set) when it could not."""
+        tokenizers: Tokenizers | None = None
         try:
             while True:
                 try:
                     event = self._client.receive(_POLL_S)
                 except CoreProcessExited as exc:
                     raise RuntimeError(f"{exc} while loading the model") from None
-                if isinstance(event, CoreReady):
-                    self._on_loaded(event.model)
+                if isinstance(event, ModelFilesFound):
+                    # The core loads the weights meanwhile: both are done at about one time.
+                    tokenizers = Tokenizers.load(Path(event.hf_dir))
+                elif isinstance(event, CoreReady):
+                    if tokenizers is None or tokenizers.hf_dir != Path(event.model.hf_dir):
+                        tokenizers = Tokenizers.load(Path(event.model.hf_dir))
+                    self._on_loaded(event.model, tokenizers)
                     return True
                 if isinstance(event, CoreFailed):
                     raise RuntimeError(event.message)
@@ -397,17 +435,8 @@ class AsyncEngine:
         finally:
             self._loaded.set()
 
-    def _on_loaded(self, model: ModelDescription) -> None:
-        hf_dir = Path(model.hf_dir)
-        tokenizer = load_tokenizer(hf_dir) if has_tokenizer(hf_dir) else None
-        http_tokenizer = tokenizer
-        if tokenizer is not None:
-            try:
-                # The HTTP side tokenizes on its threads while this one detokenizes: separate
-                # copies keep the Rust tokenizer's interior borrows out of each other's way.
-                http_tokenizer = copy.deepcopy(tokenizer)
-            except Exception:
-                logger.warning("could not copy the tokenizer; sharing one", exc_info=True)
+    def _on_loaded(self, model: ModelDescription, tokenizers: Tokenizers) -> None:
+        tokenizer = tokenizers.detokenizer
         self._processor = OutputProcessor(tokenizer)
         self.kv_events = KvEventHub(model.model_name, model.block_size)
         if self.registry is not None:
@@ -424,15 +453,11 @@ class AsyncEngine:
             self.metrics.bind_engine_state(
                 lambda: self.num_waiting, lambda: self.num_running, lambda: self.kv_cache_usage
             )
-        spare_tokenizers: queue.SimpleQueue[Any] = queue.SimpleQueue()
-        if http_tokenizer is not None and http_tokenizer is not tokenizer:
-            for _ in range(TOKENIZER_THREADS):
-                spare_tokenizers.put(copy.deepcopy(tokenizer))
         self.info = ModelInfo(
-            spare_tokenizers=spare_tokenizers,
+            spare_tokenizers=tokenizers.spares,
             model_name=model.model_name,
             max_model_len=model.max_model_len,
-            tokenizer=http_tokenizer,
+            tokenizer=tokenizers.http,
             vocab_size=model.vocab_size,
             block_size=model.block_size,
             num_blocks=model.num_blocks,
@@ -441,7 +466,7 @@ class AsyncEngine:
             hf_dir=model.hf_dir,
             grammar_backend=model.grammar_backend,
             async_scheduling=model.async_scheduling,
-            max_chars_per_token=None if tokenizer is None else max_chars_per_token(tokenizer),
+            max_chars_per_token=tokenizers.max_chars_per_token,
         )
         # Everything this process keeps is loaded now: a full collection walking it would stall
         # the event loop (and /health) for 100+ ms under load.

@@ -299,3 +299,32 @@ def test_serve_vs_offline_places_and_sums_up_as_kvpilot_serve_would(bench: Modul
         )
     finally:
         sys.modules.pop("serve_vs_offline", None)
+
+
+def test_serve_startup_splits_a_start_by_the_servers_log_lines(bench: ModuleType) -> None:
+    """bench/serve_startup.py reads the times of `kvpilot serve`'s own log format."""
+    import importlib
+    import logging
+
+    from kvpilot.engine.server.cli import LOG_FORMAT
+
+    startup = importlib.import_module("serve_startup")  # bench/ is on sys.path (serve_bench)
+    formatter = logging.Formatter(LOG_FORMAT)
+    t0 = 1_800_000_000.0  # a whole second: the format keeps milliseconds
+
+    def line(name: str, message: str, at: float) -> str:
+        record = logging.LogRecord(name, logging.INFO, __file__, 1, message, None, None)
+        record.created, record.msecs = at, round((at % 1) * 1000)
+        return formatter.format(record)
+
+    lines = [
+        line("kvpilot.server", "loading the bundled SmolLM2-135M-Instruct", t0 + 1.5),
+        line("uvicorn.error", "Uvicorn running on http://127.0.0.1:1234", t0 + 1.6),
+        line("kvpilot", "loading model (bundled SmolLM2-135M-Instruct)", t0 + 2.75),
+        line("kvpilot", "engine core ready in 2.0 s: SmolLM2-135M-Instruct", t0 + 4.75),
+    ]
+    got = startup.phases(t0, t0 + 5.25, lines)
+    expected = {"imports": 1.5, "core start": 1.25, "core load": 2.0, "after core": 0.5}
+    assert {k: round(v, 3) for k, v in got.items()} == {**expected, "total": 5.25}
+    with pytest.raises(RuntimeError, match="engine core ready"):
+        startup.phases(t0, t0 + 5.25, lines[:-1])

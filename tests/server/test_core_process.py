@@ -17,9 +17,12 @@ from pathlib import Path
 import httpx
 import pytest
 
+from kvpilot.engine.config import CacheConfig, EngineConfig
+from kvpilot.engine.core.client import EngineCoreClient
+from kvpilot.engine.core.messages import CoreEvent, CoreReady, ModelFilesFound
 from kvpilot.engine.cpu.affinity import format_cpu_list
 from kvpilot.engine.model.gguf_convert import gguf_to_hf_dir
-from kvpilot.engine.model.loader import bundled_gguf_path, load_tokenizer
+from kvpilot.engine.model.loader import bundled_gguf_path, has_tokenizer, load_tokenizer
 from kvpilot.engine.server.async_engine import AsyncEngine
 from kvpilot.engine.server.inprocess import InProcessServer
 from kvpilot.engine.server.preprocess import max_chars_per_token
@@ -35,6 +38,29 @@ def wait_until(condition: Callable[[], bool], timeout: float, what: str) -> None
     while not condition():
         assert time.monotonic() < deadline, what
         time.sleep(0.02)
+
+
+def test_the_core_names_the_model_files_before_it_is_ready() -> None:
+    """The API process loads the tokenizer while the core loads the weights: the core's first
+    event says where the files are, its second that it is ready, from the same directory."""
+    config = EngineConfig(max_model_len=MAX_MODEL_LEN, cache=CacheConfig(kv_cache_gib=0.05))
+    client = EngineCoreClient(config, num_threads=1)
+    client.start()
+    events: list[CoreEvent] = []
+    try:
+        deadline = time.monotonic() + 120
+        while not any(isinstance(event, CoreReady) for event in events):
+            assert time.monotonic() < deadline, events
+            event = client.receive(0.5)
+            if event is not None:
+                events.append(event)
+    finally:
+        client.stop()
+        client.close()
+    found, ready = events
+    assert isinstance(found, ModelFilesFound) and isinstance(ready, CoreReady), events
+    assert found.hf_dir == ready.model.hf_dir
+    assert has_tokenizer(Path(found.hf_dir))
 
 
 def test_a_crashed_engine_core_fails_health_and_ends_the_server_non_zero() -> None:
