@@ -3,9 +3,10 @@ recompute.
 
 Each step: running decodes first (a stream never stalls behind a long prompt), then running prefills
 that were cut into chunks, then waiting requests in arrival order, until the token budget
-(max_num_batched_tokens) or max_num_seqs is reached. When the KV pool runs dry, the newest running
-sequence is preempted: its blocks go back (its full blocks stay in the prefix cache) and it waits at
-the front of the queue to be recomputed.
+(max_num_batched_tokens) or max_num_seqs is reached. A waiting request whose grammar is still
+compiling is passed over (it keeps its place) rather than make every step wait for its mask. When
+the KV pool runs dry, the newest running sequence is preempted: its blocks go back (its full blocks
+stay in the prefix cache) and it waits at the front of the queue to be recomputed.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from dataclasses import dataclass, field
 from kvpilot.engine.block_manager import BlockManager
 from kvpilot.engine.config import SchedulerConfig
 from kvpilot.engine.sequence import Sequence, SequenceStatus
+from kvpilot.engine.structured.manager import SequenceGrammar
 
 
 @dataclass(frozen=True)
@@ -109,8 +111,12 @@ class Scheduler:
 
     def _admit_waiting(self, budget: int, by_seq: dict[int, ScheduledSequence]) -> int:
         bm = self.block_manager
+        passed_over: list[Sequence] = []
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
+            if seq.grammar is not None and not seq.grammar.is_ready:
+                passed_over.append(self.waiting.popleft())
+                continue
             cached = bm.find_cached_prefix(seq) if not seq.block_table else []
             num_computed = len(cached) * bm.block_size
             num_new = min(seq.num_tokens - num_computed, budget)
@@ -126,7 +132,17 @@ class Scheduler:
             self.running.append(seq)
             by_seq[seq.seq_id] = ScheduledSequence(seq, num_new)
             budget -= num_new
+        self.waiting.extendleft(reversed(passed_over))
         return budget
+
+    def compiling_grammars(self) -> list[SequenceGrammar]:
+        """The grammars that hold waiting sequences back, when nothing else can run (empty
+        otherwise): what the step loop may wait on instead of spinning."""
+        if self.running:
+            return []
+        grammars = [s.grammar for s in self.waiting if s.grammar is not None]
+        compiling = [g for g in grammars if not g.is_ready]
+        return compiling if len(compiling) == len(self.waiting) else []
 
     def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
         self.running.remove(seq)

@@ -45,6 +45,9 @@ from kvpilot.engine.structured.backend import resolve_backend
 from kvpilot.engine.structured.manager import SequenceGrammar, StructuredOutputs
 
 log = logging.getLogger("kvpilot")
+# How long an idle step waits for a compiling grammar before it returns (and the step loop looks
+# at its commands again).
+GRAMMAR_POLL_S = 0.002
 
 
 def check_prompt(
@@ -274,7 +277,7 @@ class EngineCore:
         if not self.async_scheduling:
             launched = self._launch_next()
             if launched is None:
-                return self.idle_outputs(num_commands_applied)
+                return self._nothing_to_run(num_commands_applied)
             return self._complete(launched, num_commands_applied)
         previous, self.in_flight = self.in_flight, None
         drained = None
@@ -285,6 +288,16 @@ class EngineCore:
             return self._complete(previous, num_commands_applied)
         if drained is not None:
             return drained
+        if self.in_flight is None:
+            return self._nothing_to_run(num_commands_applied)
+        return self.idle_outputs(num_commands_applied)
+
+    def _nothing_to_run(self, num_commands_applied: int) -> StepOutputs:
+        compiling = self.scheduler.compiling_grammars()
+        if compiling:
+            # Every request left waits for its grammar: wait a moment for one rather than have
+            # the caller's loop spin (and take the interpreter lock from the compile thread).
+            StructuredOutputs.wait_for_any(compiling, GRAMMAR_POLL_S)
         return self.idle_outputs(num_commands_applied)
 
     def _launch_next(self) -> StepInFlight | None:

@@ -1,17 +1,20 @@
 """The engine core's side of structured outputs: each constrained sequence's matcher, grammar
 compilation off the step loop, and the token masks of a step computed while its forward runs.
 
-Compiling starts when a request arrives (on the compile thread; the prompt's prefill can run
-meanwhile); the first mask that needs the grammar waits for it. A step's masks are filled on the
-mask thread while the model's forward pass runs on the step thread (torch and xgrammar both release
-the interpreter lock), so a constrained step costs little more than a free one.
+Compiling starts when a request arrives, on the compile thread, after the backend's one load (the
+tokenizer's vocabulary: seconds, done on the same thread at the first constrained request); the
+scheduler leaves a sequence waiting until its grammar is ready (`SequenceGrammar.is_ready`), so
+neither the load nor a slow compile ever holds up the other sequences' steps. A step's masks are
+filled on the mask thread while the model's forward pass runs on the step thread (torch and
+xgrammar both release the interpreter lock), so a constrained step costs little more than a free
+one.
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from pathlib import Path
 from typing import Any
 
@@ -29,16 +32,21 @@ class SequenceGrammar:
     """One sequence's grammar state: its compiled grammar (maybe still compiling) and matcher.
     A request with n > 1 gives each sequence its own."""
 
-    def __init__(self, backend: GrammarBackend, compiled: Future[Any]) -> None:
+    def __init__(self, backend: Future[GrammarBackend], compiled: Future[Any]) -> None:
         self._backend = backend
-        self._compiled = compiled
+        self.compiled = compiled
         self._matcher: GrammarMatcher | None = None
         self.is_broken = False  # a token the grammar refused (never expected: masks forbid it)
 
     @property
+    def is_ready(self) -> bool:
+        """Compiled (or failed to): a step with this sequence will not wait for it."""
+        return self.compiled.done()
+
+    @property
     def matcher(self) -> GrammarMatcher:
         if self._matcher is None:
-            self._matcher = self._backend.matcher(self._compiled.result())
+            self._matcher = self._backend.result().matcher(self.compiled.result())
         return self._matcher
 
     def accept(self, token_id: int) -> None:
@@ -52,7 +60,8 @@ class SequenceGrammar:
 
 
 class StructuredOutputs:
-    """Created once per core; the backend (the tokenizer's vocabulary) loads on first use."""
+    """Created once per core; the backend (the tokenizer's vocabulary) loads on the compile thread
+    at first use."""
 
     def __init__(
         self,
@@ -69,7 +78,7 @@ class StructuredOutputs:
         self._vocab_size = vocab_size
         self._stop_token_ids = stop_token_ids
         self._backend_factory = backend_factory or self._load_backend
-        self._backend: GrammarBackend | None = None
+        self._backend: Future[GrammarBackend] | None = None
         self.overlap = overlap
         self._compile_pool = ThreadPoolExecutor(1, thread_name_prefix="kvpilot-grammar-compile")
         self._mask_pool = ThreadPoolExecutor(1, thread_name_prefix="kvpilot-grammar-mask")
@@ -84,17 +93,30 @@ class StructuredOutputs:
 
     @property
     def backend(self) -> GrammarBackend:
+        """The backend, waiting for its load if it has not finished."""
+        return self._loading().result()
+
+    def _loading(self) -> Future[GrammarBackend]:
         if self._backend is None:
-            self._backend = self._backend_factory()
+            self._backend = self._compile_pool.submit(self._backend_factory)
         return self._backend
 
     def grammars_for(self, spec: StructuredSpec, n: int) -> list[SequenceGrammar]:
-        """Start compiling spec (cached by spec); ValueError for a spec the backend refuses, raised
-        here, before the request is queued."""
+        """Start compiling spec (cached by spec) without waiting for it, nor for the backend's
+        load; ValueError for a spec the backend refuses, raised here, before the request is
+        queued."""
         grammar = to_grammar(spec, self.backend_name)
-        backend = self.backend
-        future = self._compile_pool.submit(backend.compile_spec, spec, grammar)
-        return [SequenceGrammar(backend, future) for _ in range(n)]
+        loading = self._loading()
+        if loading.done() and loading.exception() is not None:
+            raise ValueError(f"structured outputs are unavailable: {loading.exception()}")
+        # The one compile thread runs the load first, so the backend is there when this runs.
+        future = self._compile_pool.submit(lambda: loading.result().compile_spec(spec, grammar))
+        return [SequenceGrammar(loading, future) for _ in range(n)]
+
+    @staticmethod
+    def wait_for_any(grammars: list[SequenceGrammar], timeout_s: float) -> None:
+        """Until one of grammars is ready or timeout_s passes (without the interpreter lock)."""
+        wait([g.compiled for g in grammars], timeout_s, return_when=FIRST_COMPLETED)
 
     def start_masks(self, grammars: list[SequenceGrammar | None]) -> Future[GrammarMask] | None:
         """This step's masks for the rows that have a grammar (grammars[i] is sampling row i);

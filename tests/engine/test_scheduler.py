@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+from concurrent.futures import Future
+
 from kvpilot.engine.block_manager import BlockManager
 from kvpilot.engine.config import SchedulerConfig
 from kvpilot.engine.sampling_params import SamplingParams
 from kvpilot.engine.scheduler import Scheduler, SchedulerOutput
 from kvpilot.engine.sequence import Sequence, SequenceStatus
+from kvpilot.engine.structured.manager import SequenceGrammar
 
 BS = 4
 
@@ -118,3 +121,28 @@ def test_waiting_request_reuses_a_running_requests_prefix() -> None:
     assert plan(out) == [("a", 1), ("b", 2)]  # 8 of b's 10 tokens come from the cache
     assert b.num_cached_tokens == 8 and b.block_table[:2] == a.block_table[:2]
     assert bm.blocks[a.block_table[0]].ref_count == 2
+
+
+def test_a_request_whose_grammar_compiles_is_passed_over_and_keeps_its_place() -> None:
+    """Until its grammar is compiled a constrained request waits, and those behind it go first;
+    nothing else waiting, the scheduler names the grammars a step loop may wait on."""
+    bm = BlockManager(num_blocks=64, block_size=BS)
+    sched = Scheduler(SchedulerConfig(max_num_batched_tokens=100, max_num_seqs=8), bm)
+    backend: Future[object] = Future()
+    backend.set_result(object())
+    compiled: Future[object] = Future()
+    held = make_seq(5, "held")
+    held.grammar = SequenceGrammar(backend, compiled)  # type: ignore[arg-type]
+    sched.add(held)
+    assert plan(run_step(sched)) == []
+    assert sched.compiling_grammars() == [held.grammar]
+    free = [make_seq(5, f"free{i}", start=10 * (i + 1)) for i in range(2)]
+    for seq in free:
+        sched.add(seq)
+    assert plan(run_step(sched)) == [("free0", 5), ("free1", 5)]
+    assert list(sched.waiting) == [held] and sched.compiling_grammars() == []  # others run
+    later = make_seq(5, "later", start=100)
+    sched.add(later)
+    compiled.set_result(object())
+    # Ready now: admitted in its place, before what arrived after it.
+    assert plan(run_step(sched)) == [("free0", 1), ("free1", 1), ("held", 5), ("later", 5)]

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import re
+import threading
 from collections.abc import Iterator
 from typing import Any
 
@@ -16,7 +17,7 @@ import torch
 
 from kvpilot.engine import LLM, SamplingParams
 from kvpilot.engine.config import STRUCTURED_OUTPUTS_BACKENDS, EngineConfig
-from kvpilot.engine.model.loader import load_tokenizer, resolve_model
+from kvpilot.engine.model.loader import eos_token_ids, load_tokenizer, resolve_model
 from kvpilot.engine.structured.backend import (
     BACKEND_NAMES,
     GrammarBackend,
@@ -224,3 +225,55 @@ def test_llguidance_backend_in_the_engine(llm: LLM) -> None:
 def test_the_core_reports_its_backend() -> None:
     assert EngineConfig(structured_outputs_backend="auto").structured_outputs_backend == "auto"
     assert resolve_backend("auto") == "xgrammar"
+
+
+def test_the_backends_load_and_a_compile_never_hold_up_free_requests(llm: LLM) -> None:
+    """The first constrained request loads the backend (the vocabulary: seconds) on the compile
+    thread: while it loads, grammars_for returns at once, the request waits, and a free request
+    decodes to its end; then the constrained one runs, valid."""
+    core = llm.engine.core
+    release = threading.Event()
+    started = threading.Event()
+    hf_dir = resolve_model(None, "auto").hf_dir
+    kept = core.structured
+
+    def slow_load() -> GrammarBackend:
+        started.set()
+        assert release.wait(60), "the test never released the backend's load"
+        tokenizer = load_tokenizer(hf_dir)
+        stops = eos_token_ids(tuple(core.model_config.eos_token_ids), tokenizer)
+        return create_backend("xgrammar", tokenizer, core.model_config.vocab_size, stops)
+
+    core.structured = StructuredOutputs(
+        hf_dir,
+        core.model_config.vocab_size,
+        tuple(core.model_config.eos_token_ids),
+        backend_factory=slow_load,
+    )
+    try:
+        constrained = SamplingParams(
+            temperature=0.0, max_tokens=48, structured=StructuredSpec.json_schema(SCHEMA)
+        )
+        free = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+        llm.engine.add_request("constrained", "A movie rating as JSON.", constrained)
+        assert started.wait(30)
+        llm.engine.add_request("free", "Once upon a time", free)
+        done: dict[str, Any] = {}
+        while "free" not in done:
+            for out in llm.engine.step():
+                if out.finished:
+                    done[out.request_id] = out
+        assert "constrained" not in done and len(done["free"].outputs[0].token_ids) == 8
+        assert [s.request_id for s in core.scheduler.waiting] == ["constrained"]
+        release.set()
+        while llm.engine.has_unfinished_requests():
+            for out in llm.engine.step():
+                if out.finished:
+                    done[out.request_id] = out
+    finally:
+        release.set()
+        core.structured.shutdown()
+        core.structured = kept
+    text = done["constrained"].outputs[0].text
+    assert done["constrained"].outputs[0].finish_reason == "stop", text
+    jsonschema.validate(json.loads(text), SCHEMA)
