@@ -138,11 +138,8 @@ class Scheduler:
     def compiling_grammars(self) -> list[SequenceGrammar]:
         """The grammars that hold waiting sequences back, when nothing else can run (empty
         otherwise): what the step loop may wait on instead of spinning."""
-        if self.running:
-            return []
-        grammars = [s.grammar for s in self.waiting if s.grammar is not None]
-        compiling = [g for g in grammars if not g.is_ready]
-        return compiling if len(compiling) == len(self.waiting) else []
+        held = [s.grammar for s in self.waiting if s.grammar is not None and not s.grammar.is_ready]
+        return held if not self.running and len(held) == len(self.waiting) else []
 
     def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
         self.running.remove(seq)

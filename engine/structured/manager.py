@@ -4,7 +4,7 @@ compilation off the step loop, and the token masks of a step computed while its 
 Compiling starts when a request arrives, on the compile thread, after the backend's one load (the
 tokenizer's vocabulary: seconds, done on the same thread at the first constrained request); the
 scheduler leaves a sequence waiting until its grammar is ready (`SequenceGrammar.is_ready`), so
-neither the load nor a slow compile ever holds up the other sequences' steps. A step's masks are
+the other sequences' steps never wait for the load or a slow compile. A step's masks are
 filled on the mask thread while the model's forward pass runs on the step thread (torch and
 xgrammar both release the interpreter lock), so a constrained step costs little more than a free
 one.

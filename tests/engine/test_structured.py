@@ -277,3 +277,25 @@ def test_the_backends_load_and_a_compile_never_hold_up_free_requests(llm: LLM) -
     text = done["constrained"].outputs[0].text
     assert done["constrained"].outputs[0].finish_reason == "stop", text
     jsonschema.validate(json.loads(text), SCHEMA)
+
+
+def test_a_backend_that_failed_to_load_refuses_later_requests_with_its_reason() -> None:
+    release = threading.Event()
+
+    def broken() -> GrammarBackend:
+        release.wait(30)
+        raise OSError("tokenizer.json: no such file")
+
+    hf_dir = resolve_model(None, "auto").hf_dir
+    outputs = StructuredOutputs(hf_dir, 49152, (2,), backend_factory=broken)
+    try:
+        spec = StructuredSpec.json_schema(SCHEMA)
+        (first,) = outputs.grammars_for(spec, 1)  # the load runs (and fails) on the compile thread
+        release.set()
+        with pytest.raises(OSError, match="no such file"):
+            first.compiled.result(timeout=30)
+        with pytest.raises(ValueError, match=r"unavailable: tokenizer\.json: no such file"):
+            outputs.grammars_for(spec, 1)
+    finally:
+        release.set()
+        outputs.shutdown()
