@@ -21,9 +21,7 @@ import argparse
 import asyncio
 import itertools
 import json
-import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -33,7 +31,7 @@ from typing import Any
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from serve_startup import wait_ready
+from serve_startup import serving
 
 SCHEMA = {
     "type": "object",
@@ -116,20 +114,8 @@ async def one_round(url: str, args: argparse.Namespace) -> dict[str, Any]:
 
 
 def run_variant(extra_path: str | None, log_path: Path, args: argparse.Namespace) -> dict:
-    env = dict(os.environ)
-    if extra_path is not None:
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (extra_path, env.get("PYTHONPATH")) if p)
-    cmd = [sys.executable, "-m", "kvpilot.cli", "serve", "--port", "0"]
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=log, env=env)
-        try:
-            wait_ready(proc, log_path, time.time() + 300)
-            port = log_path.read_text().split("Uvicorn running on http://127.0.0.1:", 1)[1]
-            url = f"http://127.0.0.1:{port.split()[0]}"
-            return asyncio.run(one_round(url, args))
-        finally:
-            proc.terminate()
-            proc.wait(60)
+    with serving(extra_path, log_path, timeout_s=300) as server:
+        return asyncio.run(one_round(server.url, args))
 
 
 def main() -> None:

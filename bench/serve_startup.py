@@ -24,6 +24,7 @@ tar -x -C /tmp/base/kvpilot`); the `base` variant runs with it first on PYTHONPA
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -33,6 +34,8 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Iterator
+from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
 
@@ -70,7 +73,17 @@ def phases(started: float, ready: float, lines: list[str]) -> dict[str, float]:
     }
 
 
-def start_once(extra_path: str | None, log_path: Path, timeout_s: float) -> dict[str, float]:
+@dataclass(frozen=True)
+class Started:
+    url: str  # http://127.0.0.1:PORT
+    started: float  # time.time() at the process's start
+    ready: float  # time.time() when /ready first answered 200
+
+
+@contextlib.contextmanager
+def serving(extra_path: str | None, log_path: Path, timeout_s: float) -> Iterator[Started]:
+    """A fresh `kvpilot serve --port 0` (extra_path first on its PYTHONPATH), its log in log_path,
+    until it answers /ready; terminated on the way out."""
     env = dict(os.environ)
     if extra_path is not None:
         env["PYTHONPATH"] = os.pathsep.join(p for p in (extra_path, env.get("PYTHONPATH")) if p)
@@ -79,15 +92,21 @@ def start_once(extra_path: str | None, log_path: Path, timeout_s: float) -> dict
         started = time.time()
         proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=log, env=env)
         try:
-            ready = wait_ready(proc, log_path, started + timeout_s)
+            url, ready = wait_ready(proc, log_path, started + timeout_s)
+            yield Started(url, started, ready)
         finally:
             proc.terminate()
             proc.wait(60)
-    return phases(started, ready, log_path.read_text().splitlines())
 
 
-def wait_ready(proc: subprocess.Popen[bytes], log_path: Path, deadline: float) -> float:
-    """The time /ready first answered 200 (polled every 20 ms)."""
+def start_once(extra_path: str | None, log_path: Path, timeout_s: float) -> dict[str, float]:
+    with serving(extra_path, log_path, timeout_s) as server:
+        pass
+    return phases(server.started, server.ready, log_path.read_text().splitlines())
+
+
+def wait_ready(proc: subprocess.Popen[bytes], log_path: Path, deadline: float) -> tuple[str, float]:
+    """The server's URL and the time /ready first answered 200 (polled every 20 ms)."""
     url = None
     while time.time() < deadline:
         if proc.poll() is not None:
@@ -95,13 +114,12 @@ def wait_ready(proc: subprocess.Popen[bytes], log_path: Path, deadline: float) -
         if url is None:
             text = log_path.read_text()
             if PORT_LINE in text:
-                port = text.split(PORT_LINE, 1)[1].split()[0]
-                url = f"http://127.0.0.1:{port}/ready"
+                url = "http://127.0.0.1:" + text.split(PORT_LINE, 1)[1].split()[0]
         if url is not None:
             try:
-                with urllib.request.urlopen(url, timeout=1) as answer:
+                with urllib.request.urlopen(f"{url}/ready", timeout=1) as answer:
                     if answer.status == 200:
-                        return time.time()
+                        return url, time.time()
             except (urllib.error.URLError, ConnectionError, TimeoutError):
                 pass
         time.sleep(0.02)
