@@ -18,6 +18,7 @@ ENV PATH=/opt/venv/bin:$PATH
 RUN pip install "torch==${TORCH_VERSION}" --index-url "${TORCH_INDEX_URL}"
 WORKDIR /src
 COPY pyproject.toml setup.py README.md ./
+COPY contract/ contract/
 COPY engine/ engine/
 COPY operator/ operator/
 COPY router/ router/

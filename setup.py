@@ -1,12 +1,13 @@
-"""Maps the engine/, operator/, router/ and cli/ folders to the import packages kvpilot.engine,
-kvpilot.operator, kvpilot.router and kvpilot.cli (the `kvpilot` command, which dispatches to the
-others)."""
+"""Maps the contract/, engine/, operator/, router/ and cli/ folders to the import packages
+kvpilot.contract (what the others agree on), kvpilot.engine, kvpilot.operator, kvpilot.router and
+kvpilot.cli (the `kvpilot` command, which dispatches to the others)."""
 
 from __future__ import annotations
 
 from setuptools import find_namespace_packages, setup
 
 PACKAGE_FOLDERS = {
+    "kvpilot.contract": "contract",
     "kvpilot.engine": "engine",
     "kvpilot.operator": "operator",
     "kvpilot.router": "router",
