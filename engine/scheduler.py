@@ -14,8 +14,8 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from kvpilot.engine.block_manager import BlockManager
 from kvpilot.engine.config import SchedulerConfig
+from kvpilot.engine.kv_cache.block_manager import BlockManager
 from kvpilot.engine.sequence import Sequence, SequenceStatus
 from kvpilot.engine.structured.manager import SequenceGrammar
 

@@ -18,7 +18,6 @@ from pathlib import Path
 
 import torch
 
-from kvpilot.engine.block_manager import BlockManager
 from kvpilot.engine.config import EngineConfig, ModelConfig
 from kvpilot.engine.core.messages import (
     AddRequest,
@@ -28,6 +27,8 @@ from kvpilot.engine.core.messages import (
     StepOutputs,
 )
 from kvpilot.engine.cpu.heap import retain_freed_memory
+from kvpilot.engine.executor.workers import TPWorkers
+from kvpilot.engine.kv_cache.block_manager import BlockManager
 from kvpilot.engine.memory_fit import (
     RUNTIME_BYTES,
     MemoryNeed,
@@ -37,7 +38,6 @@ from kvpilot.engine.memory_fit import (
 )
 from kvpilot.engine.model.loader import read_hf_config, resolve_model, set_offline_defaults
 from kvpilot.engine.model_runner import LaunchedStep, ModelRunner
-from kvpilot.engine.parallel.workers import TPWorkers
 from kvpilot.engine.sampling_params import SamplingParams
 from kvpilot.engine.scheduler import ScheduledSequence, Scheduler
 from kvpilot.engine.sequence import PENDING_TOKEN, Sequence
@@ -159,7 +159,7 @@ class EngineCore:
         if config.tensor_parallel_size == 1:
             self.runner = ModelRunner(config, self.model_config, source, self.max_model_len)
         else:
-            from kvpilot.engine.parallel.launch import start_tensor_parallel
+            from kvpilot.engine.executor.launch import start_tensor_parallel
 
             self.runner, self.workers = start_tensor_parallel(
                 config, self.model_config, source, self.max_model_len, log_level

@@ -12,8 +12,6 @@ the whole process group: the API process drains first, then stops the core with 
 
 from __future__ import annotations
 
-import contextlib
-import ctypes
 import logging
 import os
 import queue
@@ -39,28 +37,15 @@ from kvpilot.engine.core.messages import (
     Shutdown,
     StepOutputs,
 )
+from kvpilot.engine.parent_death import die_with_parent
 
 if TYPE_CHECKING:
     from kvpilot.engine.core.engine_core import EngineCore
 
 log = logging.getLogger("kvpilot.core")
 
-_PR_SET_PDEATHSIG = 1
 _IDLE_POLL_S = 1.0  # how often an idle core checks that its parent still lives
 _FLUSH_S = 5  # how long the last messages may take to leave at exit
-
-
-def die_with_parent(parent_pid: int) -> None:
-    """Have the kernel kill this process when its parent goes (Linux), and exit now if it has
-    already gone."""
-    if sys.platform.startswith("linux"):
-        with contextlib.suppress(OSError, AttributeError):
-            libc = ctypes.CDLL(None, use_errno=True)
-            libc.prctl.argtypes = [ctypes.c_int, ctypes.c_ulong]
-            libc.prctl.restype = ctypes.c_int
-            libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
-    if os.getppid() != parent_pid:
-        os._exit(1)
 
 
 def run_engine_core(

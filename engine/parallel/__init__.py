@@ -1,2 +1,3 @@
-"""Tensor parallelism: how a model splits across ranks (sharding.py), the collectives between
-them (group.py), and the worker processes that hold ranks 1..N-1 (workers.py, worker.py)."""
+"""Tensor parallelism's arithmetic and collectives, which the model is built with: how a model
+splits across ranks (sharding.py) and the collectives between them (group.py). The processes that
+hold the other ranks are the executor's (kvpilot.engine.executor)."""

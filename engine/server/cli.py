@@ -113,8 +113,8 @@ def check_parallelism(config: EngineConfig) -> None:
     take: checked here so that no process starts for it."""
     if config.tensor_parallel_size == 1:
         return
+    from kvpilot.engine.executor.launch import visible_gpus
     from kvpilot.engine.model.loader import peek_model_config
-    from kvpilot.engine.parallel.launch import visible_gpus
     from kvpilot.engine.parallel.sharding import check_tensor_parallel_size
 
     check_tensor_parallel_size(

@@ -248,7 +248,7 @@ _worker: dict[str, Any] = {}
 def init_worker(hf_dir: str | None, limits: PromptLimits, parent_pid: int) -> None:
     """ProcessPoolExecutor initializer: load the tokenizer once."""
     # Imported here: the router reuses this module's preprocessing and must not pay for torch.
-    from kvpilot.engine.core.process import die_with_parent
+    from kvpilot.engine.parent_death import die_with_parent
 
     # The pool's queues hold both ends of their pipes, so a killed server would leave this
     # process waiting forever: the kernel ends it with its parent instead.

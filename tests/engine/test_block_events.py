@@ -15,7 +15,7 @@ import pytest
 
 from kvpilot.engine.block_events import KvDelta, KvHeartbeat, KvSnapshot, KvUpdate, Load
 from kvpilot.engine.block_hash import HASH_SCHEME, chain_block_hashes, hash_block
-from kvpilot.engine.block_manager import BlockManager
+from kvpilot.engine.kv_cache.block_manager import BlockManager
 from kvpilot.engine.sampling_params import SamplingParams
 from kvpilot.engine.sequence import Sequence
 from kvpilot.engine.server.kv_events import KvEventHub

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvpilot.engine.block_manager import BlockManager
+from kvpilot.engine.kv_cache.block_manager import BlockManager
 from kvpilot.engine.sampling_params import SamplingParams
 from kvpilot.engine.sequence import Sequence
 
@@ -72,9 +72,9 @@ def test_last_token_is_never_a_cache_hit() -> None:
 
 
 def test_hit_is_confirmed_by_stored_tokens_not_hash_alone(monkeypatch: pytest.MonkeyPatch) -> None:
-    import kvpilot.engine.block_manager as module
+    import kvpilot.engine.kv_cache.prefix_cache as module
 
-    monkeypatch.setattr(module, "hash_block", lambda key: 7)  # every block collides
+    monkeypatch.setattr(module, "hash_block", lambda *key: 7)  # every block collides
     bm = BlockManager(num_blocks=10, block_size=BS)
     admit(bm, make_seq([1, 2, 3, 4, 5]))
     assert bm.find_cached_prefix(make_seq([9, 9, 9, 9, 5])) == []

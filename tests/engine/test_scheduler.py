@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from concurrent.futures import Future
 
-from kvpilot.engine.block_manager import BlockManager
 from kvpilot.engine.config import SchedulerConfig
+from kvpilot.engine.kv_cache.block_manager import BlockManager
 from kvpilot.engine.sampling_params import SamplingParams
 from kvpilot.engine.scheduler import Scheduler, SchedulerOutput
 from kvpilot.engine.sequence import Sequence, SequenceStatus

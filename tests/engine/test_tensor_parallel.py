@@ -21,10 +21,10 @@ from safetensors import safe_open
 from kvpilot.engine import LLM, SamplingParams
 from kvpilot.engine.attention import get_attention_backend
 from kvpilot.engine.config import ModelConfig
+from kvpilot.engine.executor.workers import WorkerDied
 from kvpilot.engine.model.loader import build_model, load_safetensors_weights, read_hf_config
 from kvpilot.engine.parallel.group import TPGroup
 from kvpilot.engine.parallel.sharding import Shard, check_tensor_parallel_size
-from kvpilot.engine.parallel.workers import WorkerDied
 
 from .reference import save_tiny_hf_model
 from .test_parity_tiny_models import llama_config, qwen2_config

@@ -49,7 +49,7 @@ def worker_pids(core: int) -> list[int]:
     return [
         pid
         for pid in child_pids(core)
-        if b"kvpilot.engine.parallel.worker" in Path(f"/proc/{pid}/cmdline").read_bytes()
+        if b"kvpilot.engine.executor.worker" in Path(f"/proc/{pid}/cmdline").read_bytes()
     ]
 
 

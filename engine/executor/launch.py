@@ -9,12 +9,12 @@ import os
 import torch
 
 from kvpilot.engine.config import EngineConfig, ModelConfig
+from kvpilot.engine.executor.messages import WorkerArgs
+from kvpilot.engine.executor.workers import TPWorkers, WorkerDied
 from kvpilot.engine.model.loader import ResolvedModel
 from kvpilot.engine.model_runner import ModelRunner
 from kvpilot.engine.parallel.group import join_group, leave_group
-from kvpilot.engine.parallel.messages import WorkerArgs
 from kvpilot.engine.parallel.sharding import check_tensor_parallel_size
-from kvpilot.engine.parallel.workers import TPWorkers, WorkerDied
 
 log = logging.getLogger("kvpilot.tp")
 

@@ -1,5 +1,5 @@
 """A tensor-parallel worker: ranks 1..N-1, each in a process of its own that rank 0 starts
-(`python -m kvpilot.engine.parallel.worker STATUS_FD`, arguments on stdin).
+(`python -m kvpilot.engine.executor.worker STATUS_FD`, arguments on stdin).
 
 It joins the process group, loads its shard of the weights and allocates its shard of the KV
 cache, says it is ready, then runs one forward pass per StepInput that rank 0 sends: the same
@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 
 import msgspec
 
-from kvpilot.engine.parallel.messages import (
+from kvpilot.engine.executor.messages import (
     StopWorker,
     ToWorker,
     WorkerArgs,
@@ -42,7 +42,7 @@ def main(argv: list[str]) -> int:
     if head is None:
         return 1
     args: WorkerArgs = pickle.loads(head)  # from our own parent, over a private pipe
-    from kvpilot.engine.core.process import die_with_parent
+    from kvpilot.engine.parent_death import die_with_parent
 
     die_with_parent(args.parent_pid)
     # The terminal or the container runtime signals the whole group: rank 0 stops us instead.

@@ -24,7 +24,7 @@ from dataclasses import replace
 
 import msgspec
 
-from kvpilot.engine.parallel.messages import (
+from kvpilot.engine.executor.messages import (
     FromWorker,
     StopWorker,
     WorkerArgs,
@@ -54,7 +54,7 @@ class TPWorkers:
             for worker_args in args:
                 read_end, write_end = os.pipe()
                 proc = subprocess.Popen(
-                    [sys.executable, "-m", "kvpilot.engine.parallel.worker", str(write_end)],
+                    [sys.executable, "-m", "kvpilot.engine.executor.worker", str(write_end)],
                     stdin=subprocess.PIPE,
                     pass_fds=(write_end,),
                 )
