@@ -125,3 +125,13 @@ def test_prefix_caching_off_never_hits() -> None:
     admit(bm, make_seq([1, 2, 3, 4, 5, 6, 7, 8, 9]))
     assert bm.find_cached_prefix(make_seq([1, 2, 3, 4, 5, 6, 7, 8, 9])) == []
     assert bm.cached == {}
+
+
+def test_with_prefix_caching_off_nothing_is_published_counted_or_reported() -> None:
+    bm = BlockManager(num_blocks=10, block_size=BS, enable_prefix_caching=False)
+    tokens = [1, 2, 3, 4, 5, 6, 7, 8, 9]
+    admit(bm, make_seq(tokens))
+    bm.record_prefix_query(9, 0)
+    assert bm.find_cached_prefix(make_seq(tokens)) == []
+    assert bm.cached == {} and bm.drain_kv_events() is None
+    assert bm.num_queried_tokens == bm.num_hit_tokens == 0
