@@ -6,70 +6,84 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from kvpilot.contract.prometheus import Family
+
 PREFIX_BUCKETS = (0, 16, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768)
 HOLD_BUCKETS = (0.1, 0.5, 1, 2, 5, 10, 20, 30, 60, 120, 300, 600)
 
+DECISIONS = Family(
+    Counter,
+    "kvpilot_router_decisions",
+    "Routing decisions, by why the replica was chosen (prefix, load, affinity, fallback)",
+    ("model", "reason"),
+)
+PREFIX_MATCH_TOKENS = Family(
+    Histogram,
+    "kvpilot_router_prefix_match_tokens",
+    "Prompt tokens the chosen replica already held in its prefix cache",
+    ("model",),
+    buckets=PREFIX_BUCKETS,
+)
+HELD_REQUESTS = Family(
+    Gauge,
+    "kvpilot_router_held_requests",
+    "Requests held for a model with no routable replica (scale from zero)",
+    # The InferenceService's labels: the operator's autoscaler adds these to its queue.
+    ("model", "namespace", "inferenceservice"),
+)
+HOLD_SECONDS = Family(
+    Histogram,
+    "kvpilot_router_hold_seconds",
+    "How long requests were held before a replica took them",
+    ("model",),
+    buckets=HOLD_BUCKETS,
+)
+HOLD_REJECTIONS = Family(
+    Counter,
+    "kvpilot_router_hold_rejections",
+    "Held requests answered 503 (queue full or hold timeout)",
+    ("model", "why"),
+)
+IN_FLIGHT_REQUESTS = Family(
+    Gauge,
+    "kvpilot_router_in_flight_requests",
+    "Requests this router has sent to replicas and not yet seen finish",
+    ("model", "namespace", "inferenceservice"),
+)
+UPSTREAM_ERRORS = Family(
+    Counter,
+    "kvpilot_router_upstream_errors",
+    "Failures talking to replicas (connect, status, broken stream)",
+    ("model", "kind"),
+)
+WAKE_REQUESTS = Family(
+    Counter,
+    "kvpilot_router_wake_requests",
+    "Times this router asked the operator to scale a model up from zero",
+    ("model",),
+)
+REPLICAS = Family(
+    Gauge,
+    "kvpilot_router_replicas",
+    "Replicas known to the router, by whether they are routable",
+    ("model", "state"),
+)
+
 
 class RouterMetrics:
+    """The router's families, registered on `registry` (the caller's, served on /metrics)."""
+
     def __init__(self, registry: CollectorRegistry) -> None:
         self.registry = registry
-        self.decisions = Counter(
-            "kvpilot_router_decisions",
-            "Routing decisions, by why the replica was chosen (prefix, load, affinity, fallback)",
-            ["model", "reason"],
-            registry=registry,
-        )
-        self.prefix_match_tokens = Histogram(
-            "kvpilot_router_prefix_match_tokens",
-            "Prompt tokens the chosen replica already held in its prefix cache",
-            ["model"],
-            buckets=PREFIX_BUCKETS,
-            registry=registry,
-        )
-        self.held = Gauge(
-            "kvpilot_router_held_requests",
-            "Requests held for a model with no routable replica (scale from zero)",
-            # The InferenceService's labels: the operator's autoscaler adds these to its queue.
-            ["model", "namespace", "inferenceservice"],
-            registry=registry,
-        )
-        self.hold_seconds = Histogram(
-            "kvpilot_router_hold_seconds",
-            "How long requests were held before a replica took them",
-            ["model"],
-            buckets=HOLD_BUCKETS,
-            registry=registry,
-        )
-        self.hold_rejections = Counter(
-            "kvpilot_router_hold_rejections",
-            "Held requests answered 503 (queue full or hold timeout)",
-            ["model", "why"],
-            registry=registry,
-        )
-        self.in_flight = Gauge(
-            "kvpilot_router_in_flight_requests",
-            "Requests this router has sent to replicas and not yet seen finish",
-            ["model", "namespace", "inferenceservice"],
-            registry=registry,
-        )
-        self.upstream_errors = Counter(
-            "kvpilot_router_upstream_errors",
-            "Failures talking to replicas (connect, status, broken stream)",
-            ["model", "kind"],
-            registry=registry,
-        )
-        self.wake_requests = Counter(
-            "kvpilot_router_wake_requests",
-            "Times this router asked the operator to scale a model up from zero",
-            ["model"],
-            registry=registry,
-        )
-        self.replicas = Gauge(
-            "kvpilot_router_replicas",
-            "Replicas known to the router, by whether they are routable",
-            ["model", "state"],
-            registry=registry,
-        )
+        self.decisions = DECISIONS.declare(registry)
+        self.prefix_match_tokens = PREFIX_MATCH_TOKENS.declare(registry)
+        self.held = HELD_REQUESTS.declare(registry)
+        self.hold_seconds = HOLD_SECONDS.declare(registry)
+        self.hold_rejections = HOLD_REJECTIONS.declare(registry)
+        self.in_flight = IN_FLIGHT_REQUESTS.declare(registry)
+        self.upstream_errors = UPSTREAM_ERRORS.declare(registry)
+        self.wake_requests = WAKE_REQUESTS.declare(registry)
+        self.replicas = REPLICAS.declare(registry)
         # Every routed request counts its decision: the labelled children are looked up once
         # per (model, reason), not per request (labels() validates and locks each time).
         self._decision_children: dict[tuple[str, str], tuple[Any, Any]] = {}

@@ -1,0 +1,85 @@
+"""RouterMetrics' families: exactly the names, types, help texts and labels scrapers read."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.parser import text_string_to_metric_families
+
+from kvpilot.router.metrics import RouterMetrics
+
+# attribute: (name, type, help, label names). The operator's autoscaler reads held_requests and
+# in_flight_requests by name, with the InferenceService's labels.
+ROUTER_FAMILIES: dict[str, tuple[str, str, str, tuple[str, ...]]] = {
+    "decisions": (
+        "kvpilot_router_decisions",
+        "counter",
+        "Routing decisions, by why the replica was chosen (prefix, load, affinity, fallback)",
+        ("model", "reason"),
+    ),
+    "prefix_match_tokens": (
+        "kvpilot_router_prefix_match_tokens",
+        "histogram",
+        "Prompt tokens the chosen replica already held in its prefix cache",
+        ("model",),
+    ),
+    "held": (
+        "kvpilot_router_held_requests",
+        "gauge",
+        "Requests held for a model with no routable replica (scale from zero)",
+        ("model", "namespace", "inferenceservice"),
+    ),
+    "hold_seconds": (
+        "kvpilot_router_hold_seconds",
+        "histogram",
+        "How long requests were held before a replica took them",
+        ("model",),
+    ),
+    "hold_rejections": (
+        "kvpilot_router_hold_rejections",
+        "counter",
+        "Held requests answered 503 (queue full or hold timeout)",
+        ("model", "why"),
+    ),
+    "in_flight": (
+        "kvpilot_router_in_flight_requests",
+        "gauge",
+        "Requests this router has sent to replicas and not yet seen finish",
+        ("model", "namespace", "inferenceservice"),
+    ),
+    "upstream_errors": (
+        "kvpilot_router_upstream_errors",
+        "counter",
+        "Failures talking to replicas (connect, status, broken stream)",
+        ("model", "kind"),
+    ),
+    "wake_requests": (
+        "kvpilot_router_wake_requests",
+        "counter",
+        "Times this router asked the operator to scale a model up from zero",
+        ("model",),
+    ),
+    "replicas": (
+        "kvpilot_router_replicas",
+        "gauge",
+        "Replicas known to the router, by whether they are routable",
+        ("model", "state"),
+    ),
+}
+
+
+def test_every_family_is_exactly_its_row() -> None:
+    registry = CollectorRegistry()
+    metrics = RouterMetrics(registry)
+    for attribute, (_, _, _, labels) in ROUTER_FAMILIES.items():
+        # One series each, by label name: a renamed label fails here.
+        getattr(metrics, attribute).labels(**dict.fromkeys(labels, "x"))
+    exported = {
+        (f.name, f.type, f.documentation, tuple(sorted({k for s in f.samples for k in s.labels})))
+        for f in text_string_to_metric_families(generate_latest(registry).decode())
+        if not f.name.endswith("_created")
+    }
+    want = {
+        (name, kind, doc, tuple(sorted({*labels, "le"} if kind == "histogram" else labels)))
+        for name, kind, doc, labels in ROUTER_FAMILIES.values()
+    }
+    assert exported == want
