@@ -24,8 +24,8 @@
 #
 #   bash bench/gpu_session.sh 1   # then, on the same machine:   bash bench/gpu_session.sh 2
 #   bash bench/gpu_session.sh 2 smollm2_tests transformers   # only the steps named
-#   (phase 1's steps: kernel_tests graphs graphs512 sync eager kernels_bench attention_tuning gemv
-#   decode1 load timeline512 device_figures timeline256;
+#   (phase 1's steps: kernel_tests graphs graphs512 sync eager kernels_bench decode1
+#   load timeline512 device_figures timeline256;
 #   phase 2's: smollm2_tests transformers torch_backend)
 set -u
 phase=${1:?phase 1 or 2}
@@ -81,11 +81,8 @@ if [ "$phase" = 1 ]; then
     run eager 110 python3 $bench --enforce-eager --parts subset,idle_decode,single \
         --out "$OUT/offline_eager.json"
     run kernels_bench 60 python3 bench/kernels_bench.py --quick --out "$OUT/kernels.json"
-    run attention_tuning 60 python3 bench/attention_tuning.py --out "$OUT/attention_tuning.json"
-    # Batch-1 decode: the matrix-vector products (cuBLAS and a Triton GEMV) against the copy
-    # bandwidth, and where one step's device time goes (kernel breakdown of 30 profiled decode
+    # Batch-1 decode: where one step's device time goes (kernel breakdown of 30 profiled decode
     # steps at batch 1 and 16, then the single stream).
-    run gemv 120 python3 bench/gemv_bandwidth.py --out "$OUT/gemv.json"
     run decode1 150 python3 $bench --parts idle_decode,single --idle-decode-batches 1,16 \
         --out "$OUT/decode1.json"
     # The 1000-request throughput alone (no profiling parts).

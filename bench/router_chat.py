@@ -32,8 +32,8 @@ CPU work for that request in this process (parse, chat template, tokenize, hash,
 over 200 repetitions (the same request each time: the tokenizer's piece cache holds its system
 prompt after the first, as it would a conversation's earlier turns). `--profile FILE` also writes
 the router's CPU by function over the overhead requests (cProfile, process clock; it slows the
-router, so the overhead figures of that run are not comparable): `python bench/router_profile.py
---print FILE`.
+router, so the overhead figures of that run are not comparable): `python
+bench/common/router_profile.py --print FILE`.
 
     python bench/router_chat.py --out bench/router_chat.json
 """
@@ -420,7 +420,7 @@ def main() -> None:
         "--profile",
         type=Path,
         help="profile the router's CPU (cProfile, process clock) over the overhead requests "
-        "into this pstats file (bench/router_profile.py); it inflates router_process_cpu",
+        "into this pstats file (bench/common/router_profile.py); it inflates router_process_cpu",
     )
     parser.add_argument("--out", type=Path, default=Path("bench/router_chat.json"))
     args = parser.parse_args()
@@ -439,7 +439,7 @@ def main() -> None:
         static = "bench=" + ",".join(r.url for r in replicas)
         launch = [sys.executable, "-m", "kvpilot.cli"]
         if args.profile is not None:  # profiled between two signals, around the overhead requests
-            launch = [sys.executable, str(Path(__file__).with_name("router_profile.py"))]
+            launch = [sys.executable, str(Path(__file__).parent / "common" / "router_profile.py")]
             launch += [str(args.profile), "--"]
         router = Proc(
             [*launch, "router", "--static", static, "--host", "127.0.0.1", "--port", "0"],

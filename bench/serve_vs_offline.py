@@ -36,8 +36,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import peer_offline
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 import serve_bench
+from common.client import run_once
+from common.offline_workers import BLOCK_SIZE, MAX_NUM_BATCHED_TOKENS, OfflineWorker
+from common.peer import WARMUP_OUTPUT_LEN, WARMUP_SEED, peer_dataset, prompts_and_lengths
+from common.plotting import pyplot
+from common.processes import ServerProcess, kvpilot_serve_cmd, wait_until_idle
 
 from kvpilot.engine.cpu.affinity import bind_this_process, format_cpu_list, place
 from kvpilot.engine.cpu.threads import read_cpu_limit
@@ -69,9 +74,9 @@ def parse_placement(name: str, allowed: set[int], quota: float | None) -> Placem
 def offline_config(args: argparse.Namespace, placement: Placement) -> dict[str, Any]:
     config: dict[str, Any] = {
         "dtype": args.dtype,
-        "block_size": peer_offline.BLOCK_SIZE,
+        "block_size": BLOCK_SIZE,
         "max_num_seqs": args.concurrency,
-        "max_num_batched_tokens": peer_offline.MAX_NUM_BATCHED_TOKENS,
+        "max_num_batched_tokens": MAX_NUM_BATCHED_TOKENS,
     }
     if placement.engine_cpus is not None:
         config["cpus"] = list(placement.engine_cpus)
@@ -94,19 +99,17 @@ def run_rounds(
 ) -> list[dict[str, Any]]:
     bench_args = workload_args(args)
     allowed = os.sched_getaffinity(0)
-    servers: dict[str, serve_bench.ServerProcess] = {}
-    workers: dict[str, peer_offline.OfflineWorker] = {}
+    servers: dict[str, ServerProcess] = {}
+    workers: dict[str, OfflineWorker] = {}
     records: list[dict[str, Any]] = []
     try:
         for p in placements:
-            cmd = serve_bench.kvpilot_serve_cmd(
-                ["--block-size", str(peer_offline.BLOCK_SIZE), "--dtype", args.dtype,
+            cmd = kvpilot_serve_cmd(
+                ["--block-size", str(BLOCK_SIZE), "--dtype", args.dtype,
                  *p.serve_args]
             )  # fmt: skip
-            servers[p.name] = serve_bench.ServerProcess(
-                p.name, cmd, "/ready", log=logs / f"serve-{p.name}.log"
-            )
-            workers[p.name] = peer_offline.OfflineWorker(
+            servers[p.name] = ServerProcess(p.name, cmd, "/ready", log=logs / f"serve-{p.name}.log")
+            workers[p.name] = OfflineWorker(
                 "kvpilot", sys.executable, offline_config(args, p), dict(os.environ),
                 logs / f"offline-{p.name}.log",
             )  # fmt: skip
@@ -114,32 +117,28 @@ def run_rounds(
         for worker in workers.values():
             worker.wait_ready()
         pgids = [s.proc.pid for s in servers.values()] + [w.proc.pid for w in workers.values()]
-        warm = serve_bench.peer_dataset(
-            bench_args, serve_bench.WARMUP_SEED, serve_bench.WARMUP_OUTPUT_LEN
-        )
-        warm_prompts, warm_lengths = serve_bench.prompts_and_lengths(bench_args, warm)
+        warm = peer_dataset(bench_args, WARMUP_SEED, WARMUP_OUTPUT_LEN)
+        warm_prompts, warm_lengths = prompts_and_lengths(bench_args, warm)
         for p in placements:
             bind_this_process(p.client_cpus or allowed)
-            serve_bench.run_once(bench_args, urls[p.name], warm, args.concurrency, warm[0].index)
+            run_once(bench_args, urls[p.name], warm, args.concurrency, warm[0].index)
             ids = workers[p.name]("tokenize", prompts=warm_prompts)
             workers[p.name]("run", prompts=ids, max_tokens=warm_lengths)
         for r in range(args.rounds):
             seed = args.seed + r
-            requests = serve_bench.peer_dataset(bench_args, seed)
-            prompts, lengths = serve_bench.prompts_and_lengths(bench_args, requests)
+            requests = peer_dataset(bench_args, seed)
+            prompts, lengths = prompts_and_lengths(bench_args, requests)
             order = placements if r % 2 == 0 else placements[::-1]
             for p in order:
-                peer_offline.wait_until_idle(pgids)
+                wait_until_idle(pgids)
                 bind_this_process(p.client_cpus or allowed)
-                run = serve_bench.run_once(
-                    bench_args, urls[p.name], requests, args.concurrency, seed, False
-                )
+                run = run_once(bench_args, urls[p.name], requests, args.concurrency, seed, False)
                 bind_this_process(allowed)
                 summary = run.report()["summary"]
                 if summary["failed"]:
                     raise RuntimeError(f"{summary['failed']} requests failed ({p.name})")
                 ids = workers[p.name]("tokenize", prompts=prompts)
-                peer_offline.wait_until_idle(pgids)
+                wait_until_idle(pgids)
                 offline = workers[p.name]("run", prompts=ids, max_tokens=lengths)
                 offline_tok_s = offline["output_tokens"] / offline["seconds"]
                 record = {
@@ -203,10 +202,7 @@ def format_summary(summary: dict[str, Any]) -> str:
 
 
 def plot(summary: dict[str, Any], records: list[dict[str, Any]], path: Path, title: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     fig, (ax_ratio, ax_tok) = plt.subplots(1, 2, figsize=(11, 4.2))
     names = list(summary)
@@ -234,10 +230,7 @@ def plot(summary: dict[str, Any], records: list[dict[str, Any]], path: Path, tit
 def plot_combined(reports: list[dict[str, Any]], path: Path) -> None:
     """One panel for several runs (OUT.json files): per configuration, each placement's per-round
     ratios and median, side by side."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     fig, ax = plt.subplots(figsize=(10, 4.5))
     colors = ["tab:orange", "tab:blue", "tab:green", "tab:purple"]

@@ -13,6 +13,8 @@ from typing import Any
 
 import pytest
 
+from tests.kernels.workloads import TINY_LLAMA
+
 
 @pytest.fixture(scope="module")
 def timeline(load_bench_module: Callable[[str], ModuleType]) -> ModuleType:
@@ -25,9 +27,8 @@ def offline(load_bench_module: Callable[[str], ModuleType]) -> ModuleType:
 
 
 @pytest.fixture(scope="module")
-def tiny_llama(load_bench_module: Callable[[str], ModuleType]) -> dict[str, Any]:
-    # host_step_overhead's 2-layer, 64-wide Llama: a model whose forward costs little.
-    return dict(load_bench_module("host_step_overhead").TINY_LLAMA)
+def tiny_llama() -> dict[str, Any]:
+    return dict(TINY_LLAMA)
 
 
 def tiny_llm(tmp_path: Path, config: dict[str, Any]) -> Any:

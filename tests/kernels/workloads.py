@@ -26,6 +26,25 @@ TINY_GQA_LLAMA = {
 }
 
 
+# A 2-layer, 64-wide Llama: a forward that costs little, so a step's time is mostly host work.
+TINY_LLAMA = {
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "vocab_size": 1024,
+    "max_position_embeddings": 4096,
+    "rms_norm_eps": 1e-5,
+    "rope_theta": 10000.0,
+    "tie_word_embeddings": False,
+    "torch_dtype": "float32",
+}
+
+
 def varied_rounds(seed: int = 5, rounds: int = 3) -> Iterator[tuple[list[list[int]], list[int]]]:
     """Rounds of 8-59 prompts of 3-899 tokens (more than two 2048-token steps' worth each), 1-39
     outputs: batches, table widths and chunk mixes that differ from round to round."""

@@ -1,7 +1,9 @@
-"""bench/serve_bench.py: dataset, arrivals and statistics, and one tiny run on the real server."""
+"""bench/serve_bench.py and bench/common/: dataset, arrivals and statistics, and one tiny run on
+the real server."""
 
 from __future__ import annotations
 
+import importlib
 import importlib.util
 import math
 import socket
@@ -30,35 +32,62 @@ def bench() -> ModuleType:
     return module
 
 
-def test_dataset_is_seeded_and_within_the_documented_ranges(bench: ModuleType) -> None:
-    a = bench.synthetic_dataset(200, 100, 20, 0.5, 30, seed=7)
-    assert a == bench.synthetic_dataset(200, 100, 20, 0.5, 30, seed=7)
-    assert a != bench.synthetic_dataset(200, 100, 20, 0.5, 30, seed=8)
+@pytest.fixture(scope="module")
+def dataset(bench: ModuleType) -> ModuleType:
+    return importlib.import_module("common.dataset")  # bench/ is on sys.path (serve_bench)
+
+
+@pytest.fixture(scope="module")
+def stats(bench: ModuleType) -> ModuleType:
+    return importlib.import_module("common.stats")
+
+
+@pytest.fixture(scope="module")
+def client(bench: ModuleType) -> ModuleType:
+    return importlib.import_module("common.client")
+
+
+@pytest.fixture(scope="module")
+def peer(bench: ModuleType) -> ModuleType:
+    return importlib.import_module("common.peer")
+
+
+@pytest.fixture(scope="module")
+def offline_workers(bench: ModuleType) -> ModuleType:
+    return importlib.import_module("common.offline_workers")
+
+
+def test_dataset_is_seeded_and_within_the_documented_ranges(dataset: ModuleType) -> None:
+    a = dataset.synthetic_dataset(200, 100, 20, 0.5, 30, seed=7)
+    assert a == dataset.synthetic_dataset(200, 100, 20, 0.5, 30, seed=7)
+    assert a != dataset.synthetic_dataset(200, 100, 20, 0.5, 30, seed=8)
     assert all(50 <= r.input_len <= 150 and 10 <= r.output_len <= 30 for r in a)
     assert all(len(r.text.split()) == r.input_len for r in a)
     assert len({r.prefix for r in a}) == 1 and len(a[0].prefix.split()) == 30
     assert abs(statistics.fmean(r.input_len for r in a) - 100) < 8
 
 
-def test_poisson_arrivals_have_the_requested_rate(bench: ModuleType) -> None:
-    offsets = bench.arrival_offsets(4000, 5.0, seed=0)
+def test_poisson_arrivals_have_the_requested_rate(dataset: ModuleType) -> None:
+    offsets = dataset.arrival_offsets(4000, 5.0, seed=0)
     assert offsets == sorted(offsets) and offsets[0] == 0
     assert abs(len(offsets) / offsets[-1] - 5.0) < 0.3
-    assert bench.arrival_offsets(3, math.inf, seed=0) == [0.0, 0.0, 0.0]
+    assert dataset.arrival_offsets(3, math.inf, seed=0) == [0.0, 0.0, 0.0]
 
 
-def test_percentiles_interpolate_like_numpy(bench: ModuleType) -> None:
-    assert bench.percentile([1.0, 2.0, 3.0, 4.0], 50) == 2.5
-    assert bench.percentile([5.0], 99) == 5.0
-    assert bench.percentile(list(range(101)), 99) == 99.0
+def test_percentiles_interpolate_like_numpy(stats: ModuleType) -> None:
+    assert stats.percentile([1.0, 2.0, 3.0, 4.0], 50) == 2.5
+    assert stats.percentile([5.0], 99) == 5.0
+    assert stats.percentile(list(range(101)), 99) == 99.0
 
 
 async def test_a_tiny_run_against_the_real_server(
-    bench: ModuleType, server: InProcessServer
+    dataset: ModuleType,
+    client: ModuleType,
+    server: InProcessServer,
 ) -> None:
-    requests = bench.synthetic_dataset(4, 8, 4, 0.5, 0, seed=1)
+    requests = dataset.synthetic_dataset(4, 8, 4, 0.5, 0, seed=1)
     for endpoint in ("completions", "chat"):
-        run = await bench.run_workload(
+        run = await client.run_workload(
             server.url, endpoint, requests, 50.0, 2, seed=1, show_progress=False
         )
         s = run.report()["summary"]
@@ -72,20 +101,21 @@ async def test_a_tiny_run_against_the_real_server(
 
 
 async def test_a_refused_request_is_recorded_not_raised(
-    bench: ModuleType, server: InProcessServer
+    client: ModuleType,
+    server: InProcessServer,
 ) -> None:
     """An HTTP error answer (here a 400 for a prompt of the wrong type) becomes the request's
     error, with the status, and the run goes on."""
-    result = bench.RequestResult(0)
-    client = bench.StreamClient(server.url)
+    result = client.RequestResult(0)
+    stream = client.StreamClient(server.url)
     body = {"model": "x", "prompt": {"not": "a prompt"}, "max_tokens": 2, "stream": True}
-    await bench.send(client, "/v1/completions", body, result, 0.0)
-    client.close()
+    await client.send(stream, "/v1/completions", body, result, 0.0)
+    stream.close()
     assert not result.ok and result.error.startswith("HTTP 400") and result.ttft == 0.0
     assert "prompt" in result.error  # the answer's body, kept
 
 
-async def test_an_error_event_mid_stream_is_recorded(bench: ModuleType) -> None:
+async def test_an_error_event_mid_stream_is_recorded(client: ModuleType) -> None:
     """A stream that ends in an error event (replayed: what a server writes when its engine dies
     mid-request) is a failed request with that error, not a success with fewer tokens."""
     events = [
@@ -102,33 +132,35 @@ async def test_an_error_event_mid_stream_is_recorded(bench: ModuleType) -> None:
                 on_event(event, time.perf_counter())
             return 200, b""
 
-    result = bench.RequestResult(0)
-    await bench.send(Replay(), "/v1/completions", {}, result, 0.0)
+    result = client.RequestResult(0)
+    await client.send(Replay(), "/v1/completions", {}, result, 0.0)
     assert not result.ok and "engine died" in result.error and result.ttft > 0
 
 
-def test_the_prompt_is_what_the_request_body_sends(bench: ModuleType) -> None:
-    req = bench.synthetic_dataset(1, 6, 4, 0.0, 3, seed=2)[0]
-    body = bench.request_body(req, "completions", "m")
-    assert body["prompt"] == bench.request_prompt(req, "completions") == f"{req.prefix} {req.text}"
-    chat = bench.request_body(req, "chat", "m")["messages"]
-    assert chat == bench.request_prompt(req, "chat")
+def test_the_prompt_is_what_the_request_body_sends(dataset: ModuleType) -> None:
+    req = dataset.synthetic_dataset(1, 6, 4, 0.0, 3, seed=2)[0]
+    body = dataset.request_body(req, "completions", "m")
+    assert (
+        body["prompt"] == dataset.request_prompt(req, "completions") == f"{req.prefix} {req.text}"
+    )
+    chat = dataset.request_body(req, "chat", "m")["messages"]
+    assert chat == dataset.request_prompt(req, "chat")
     assert chat == [
         {"role": "system", "content": req.prefix},
         {"role": "user", "content": req.text},
     ]
 
 
-def test_the_vllm_env(bench: ModuleType, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_vllm_env(peer: ModuleType, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("PYTHONPATH", "/kvpilot/only")
     monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE", raising=False)
-    env = bench.vllm_env("/v/bin/python", ["LD_PRELOAD=/x.so"])
+    env = peer.vllm_env("/v/bin/python", ["LD_PRELOAD=/x.so"])
     assert "PYTHONPATH" not in env and env["PATH"].startswith("/v/bin:")
     assert env["VIRTUAL_ENV"] == "/v" and env["LD_PRELOAD"] == "/x.so"
     assert env["VLLM_CPU_KVCACHE_SPACE"] == "1"
     monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND", raising=False)
-    monkeypatch.setattr(bench.os, "sched_getaffinity", lambda pid: {5, 0, 2, 1})
-    assert bench.vllm_env("/v/bin/python", [])["VLLM_CPU_OMP_THREADS_BIND"] == "0-2,5"
+    monkeypatch.setattr(peer.os, "sched_getaffinity", lambda pid: {5, 0, 2, 1})
+    assert peer.vllm_env("/v/bin/python", [])["VLLM_CPU_OMP_THREADS_BIND"] == "0-2,5"
 
 
 def _run(system: str, rnd: int, tok_s: float, ttft: float) -> dict:
@@ -146,7 +178,7 @@ def _run(system: str, rnd: int, tok_s: float, ttft: float) -> dict:
             "summary": summary}  # fmt: skip
 
 
-def test_the_peer_summary_takes_medians_and_pairs_rounds(bench: ModuleType) -> None:
+def test_the_peer_summary_takes_medians_and_pairs_rounds(peer: ModuleType) -> None:
     serving = [
         _run("kvpilot", 1, 110.0, 50.0),
         _run("vllm", 1, 100.0, 100.0),
@@ -166,7 +198,7 @@ def test_the_peer_summary_takes_medians_and_pairs_rounds(bench: ModuleType) -> N
         for rnd, kvp in ((1, 120.0), (2, 50.0), (3, 130.0))
     ]
     offline = [{"dtype": "float32", "batch": 16, "rounds": offline_rounds}]
-    (config,) = bench.peer_summary(serving, offline)
+    (config,) = peer.peer_summary(serving, offline)
     assert config["serving"]["kvpilot"]["median"]["out_tok_s"] == 110.0
     assert config["serving"]["vllm"]["median"]["out_tok_s"] == 100.0
     assert config["serving_ratios"]["out_tok_s"] == [1.1, 1.2, 1.3]
@@ -184,7 +216,7 @@ def test_the_peer_summary_takes_medians_and_pairs_rounds(bench: ModuleType) -> N
     assert config["serving"]["vllm"]["median"]["api_cpu_us_per_tok"] == pytest.approx(500)
     assert config["prompt_tokens"]["vllm"] == [1001, 1002, 1003]
     assert config["prompt_tokens"]["offline"] == [1001] * 3  # the fake offline rounds differ
-    text = bench.format_peer_config(config)
+    text = peer.format_peer_config(config)
     assert "MISSED" not in text and "prompt tokens per round (DIFFERENT)" in text
     assert "API process CPU per output token (us), median: kvpilot 200 / vLLM 500" in text
     # Each round's serving over its own round's offline run (not the medians'), both systems.
@@ -195,10 +227,12 @@ def test_the_peer_summary_takes_medians_and_pairs_rounds(bench: ModuleType) -> N
 
 
 async def test_the_health_probe_runs_beside_the_workload(
-    bench: ModuleType, server: InProcessServer
+    dataset: ModuleType,
+    client: ModuleType,
+    server: InProcessServer,
 ) -> None:
-    requests = bench.synthetic_dataset(2, 8, 4, 0.0, 0, seed=3)
-    run = await bench.run_workload(
+    requests = dataset.synthetic_dataset(2, 8, 4, 0.0, 0, seed=3)
+    run = await client.run_workload(
         server.url, "completions", requests, math.inf, 2, seed=3, show_progress=False,
         health_interval=0.05,
     )  # fmt: skip
@@ -207,11 +241,11 @@ async def test_the_health_probe_runs_beside_the_workload(
     assert 0 < health["p50"] <= health["p99"] <= health["max"]
 
 
-def test_the_health_probe_counts_refused_probes_and_keeps_probing(bench: ModuleType) -> None:
+def test_the_health_probe_counts_refused_probes_and_keeps_probing(client: ModuleType) -> None:
     with socket.socket() as unused:
         unused.bind(("127.0.0.1", 0))
         port = unused.getsockname()[1]  # closed again before the probes: nobody listens there
-    probe = bench.HealthProbe(f"http://127.0.0.1:{port}/health", interval=0.01)
+    probe = client.HealthProbe(f"http://127.0.0.1:{port}/health", interval=0.01)
     with probe:
         time.sleep(0.2)
     assert len(probe.latencies) >= 2 and probe.failures == len(probe.latencies)
@@ -233,14 +267,14 @@ class FakeWorker:
         return {"output_tokens": sum(payload["max_tokens"]), "seconds": self.seconds}  # type: ignore[arg-type]
 
 
-def test_an_offline_round_runs_both_workers_in_the_rounds_order(bench: ModuleType) -> None:
+def test_an_offline_round_runs_both_workers_in_the_rounds_order(
+    offline_workers: ModuleType,
+) -> None:
     """What the peer mode runs after each serving round: the same requests through both
     offline workers, kvpilot first in even rounds (0-based), the ratio from their rates."""
-    import peer_offline  # on the path once serve_bench is loaded
-
     calls: list[tuple[str, str]] = []
     workers = {"kvpilot": FakeWorker("kvpilot", 2.0, calls), "vllm": FakeWorker("vllm", 4.0, calls)}
-    second = peer_offline.offline_round(
+    second = offline_workers.offline_round(
         workers, 1, 7, ["a", "b"], [10, 20], quiet_pgids=(FakeWorker.UNUSED_PGID - 1,)
     )
     assert second["round"] == 2 and second["seed"] == 7 and second["order"] == ["vllm", "kvpilot"]
@@ -248,7 +282,7 @@ def test_an_offline_round_runs_both_workers_in_the_rounds_order(bench: ModuleTyp
     assert second["kvpilot"]["tokens_per_s"] == 15.0 and second["ratio"] == 2.0
     assert [c for c in calls if c[1] == "run"] == [("vllm", "run"), ("kvpilot", "run")]
     calls.clear()
-    first = peer_offline.offline_round(workers, 0, 8, ["a"], [4])
+    first = offline_workers.offline_round(workers, 0, 8, ["a"], [4])
     assert first["order"] == ["kvpilot", "vllm"]
     assert [c for c in calls if c[1] == "run"] == [("kvpilot", "run"), ("vllm", "run")]
 

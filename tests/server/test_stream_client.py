@@ -1,10 +1,10 @@
-"""bench/stream_client.py (the load generator's streamed POSTs) and serve_bench's /health probe
-reader, against answers written byte by byte and real sockets."""
+"""bench/common/stream_client.py (the load generator's streamed POSTs) and bench/common/client.py's
+/health probe reader, against answers written byte by byte and real sockets."""
 
 from __future__ import annotations
 
 import asyncio
-import importlib.util
+import importlib
 import socket
 import sys
 from collections.abc import Awaitable, Callable
@@ -17,14 +17,10 @@ BENCH = Path(__file__).resolve().parents[2] / "bench"
 
 
 def load(name: str) -> ModuleType:
+    """bench/common/NAME.py as the scripts import it: common.NAME, with bench/ on sys.path."""
     if str(BENCH) not in sys.path:
         sys.path.insert(0, str(BENCH))
-    spec = importlib.util.spec_from_file_location(name, BENCH / f"{name}.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
+    return importlib.import_module(f"common.{name}")
 
 
 @pytest.fixture(scope="module")
@@ -199,12 +195,12 @@ def test_the_client_refuses_https() -> None:
         module.StreamClient("https://example.com")
 
 
-# ---- serve_bench.read_response: the /health probe's reader ------------------------------------
+# ---- common/client.read_response: the /health probe's reader ----------------------------------
 
 
 @pytest.fixture(scope="module")
 def bench() -> ModuleType:
-    return load("serve_bench")
+    return load("client")
 
 
 def answer_over_socketpair(bench: ModuleType, *pieces: bytes) -> tuple[int, bool]:

@@ -1,6 +1,6 @@
 """Run `kvpilot router` under cProfile on a CPU clock, profiling only between two signals.
 
-    python bench/router_profile.py STATS_PATH -- router --static m=http://... --port 0
+    python bench/common/router_profile.py STATS_PATH -- router --static m=http://... --port 0
 
 SIGUSR1 starts profiling; SIGUSR2 stops it and writes the stats (pstats format) to STATS_PATH.
 The clock is time.process_time, so time spent waiting on the network or for a CPU (a busy
