@@ -18,8 +18,8 @@ from __future__ import annotations
 from collections import OrderedDict
 from dataclasses import dataclass
 
-from kvpilot.engine.block_events import KvDelta
-from kvpilot.engine.block_hash import hash_block as hash_block_key
+from kvpilot.contract.block_hash import hash_block as hash_block_key
+from kvpilot.contract.kv_events import KvDelta
 from kvpilot.engine.sequence import Sequence
 
 BlockKey = tuple[int | None, tuple[int, ...], str | None]  # (parent hash, token ids, cache salt)

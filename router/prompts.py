@@ -7,8 +7,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from kvpilot.engine.block_hash import chain_block_hashes
-from kvpilot.engine.server import errors
+from kvpilot.contract import errors
+from kvpilot.contract.block_hash import chain_block_hashes
 from kvpilot.engine.server.preprocess import (
     PromptLimits,
     RequestKind,

@@ -16,9 +16,10 @@ import time
 from collections.abc import AsyncIterator, Mapping
 
 import httpx
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.responses import Response, StreamingResponse
 
-from kvpilot.engine.server import errors
+from kvpilot.contract import errors
+from kvpilot.contract.http_errors import error_response
 from kvpilot.engine.server.preprocess import RequestKind
 from kvpilot.router.config import RouterConfig
 from kvpilot.router.hold import HoldFull, HoldTimeout
@@ -40,10 +41,6 @@ _WAKE_REPEAT_S = 5.0
 _CONNECT_ERRORS = (ConnectError, asyncio.TimeoutError, OSError)
 # After it: the response broke off.
 _STREAM_ERRORS = (BrokenResponse, asyncio.TimeoutError, OSError)
-
-
-def error_response(error: errors.APIError) -> JSONResponse:
-    return JSONResponse(error.body(), status_code=error.status_code, headers=error.headers)
 
 
 def unavailable(model: str, why: str, retry_after_s: int) -> errors.APIError:

@@ -31,7 +31,7 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry
 
-from kvpilot.engine.block_events import Load
+from kvpilot.contract.kv_events import Load
 from kvpilot.engine.config import EngineConfig
 from kvpilot.engine.core.client import CoreProcessExited, EngineCoreClient
 from kvpilot.engine.core.engine_core import check_prompt_fits

@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from kvpilot.engine.server.errors import bad_request
+from kvpilot.contract.errors import bad_request
 from kvpilot.engine.server.protocol import ChatCompletionRequest, _SamplingRequest
 from kvpilot.engine.structured.backend import DEFAULT_BACKEND, GrammarError
 from kvpilot.engine.structured.registry import to_grammar

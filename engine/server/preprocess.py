@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from kvpilot.engine.server import errors
+from kvpilot.contract import errors
 from kvpilot.engine.server.constraints import request_constraint
 from kvpilot.engine.server.limits import (
     RequestLimits,

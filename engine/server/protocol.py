@@ -12,8 +12,8 @@ from typing import Annotated, Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from kvpilot.contract.errors import APIError, bad_request
 from kvpilot.engine.sampling_params import SamplingParams
-from kvpilot.engine.server.errors import APIError, bad_request
 from kvpilot.engine.server.limits import RequestLimits, check_json, too_deep
 from kvpilot.engine.structured.spec import StructuredSpec
 

@@ -16,8 +16,9 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
+from kvpilot.contract import errors
 from kvpilot.engine.outputs import OutputKind, RequestOutput
-from kvpilot.engine.server import errors, render
+from kvpilot.engine.server import render
 from kvpilot.engine.server.async_engine import (
     EngineDeadError,
     RequestCut,

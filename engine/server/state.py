@@ -16,7 +16,7 @@ from typing import Any
 
 from starlette.requests import Request
 
-from kvpilot.engine.server import errors
+from kvpilot.contract import errors
 from kvpilot.engine.server.async_engine import TOKENIZER_THREADS, AsyncEngine, ModelInfo
 from kvpilot.engine.server.preprocess import (
     BIG_BODY_BYTES,

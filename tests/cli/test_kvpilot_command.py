@@ -38,7 +38,7 @@ ENGINE_FLAGS = (
     "kvpilot.engine.cpu",
     "kvpilot.engine.cpu.affinity",
     "kvpilot.engine.server",
-    "kvpilot.engine.server.errors",
+    "kvpilot.contract.errors",
     "kvpilot.engine.server.flags",
     "kvpilot.engine.server.limits",
     "kvpilot.engine.server.settings",

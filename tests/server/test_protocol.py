@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from kvpilot.engine.server.errors import APIError
+from kvpilot.contract.errors import APIError
 from kvpilot.engine.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,

@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from kvpilot.engine.server.errors import bad_request
+from kvpilot.contract.errors import bad_request
 from kvpilot.engine.server.protocol import ChatCompletionRequest, ToolCall
 
 _CALL_SHAPES = {
