@@ -17,13 +17,13 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from kvpilot.contract import errors
 from kvpilot.contract.http_errors import error_response
-from kvpilot.engine.server.preprocess import RequestKind
+from kvpilot.contract.openai import PATHS, RequestKind
 from kvpilot.router.prompts import parse
 from kvpilot.router.proxy import Proxy
 
 log = logging.getLogger("kvpilot.router")
 
-ROUTES: dict[str, RequestKind] = {"/v1/chat/completions": "chat", "/v1/completions": "completion"}
+ROUTES: dict[str, RequestKind] = {path: kind for kind, path in PATHS.items()}
 
 
 class ClientGone(Exception):

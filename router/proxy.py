@@ -20,7 +20,7 @@ from starlette.responses import Response, StreamingResponse
 
 from kvpilot.contract import errors
 from kvpilot.contract.http_errors import error_response
-from kvpilot.engine.server.preprocess import RequestKind
+from kvpilot.contract.openai import PATHS, RequestKind
 from kvpilot.router.config import RouterConfig
 from kvpilot.router.hold import HoldFull, HoldTimeout
 from kvpilot.router.kube import request_wake
@@ -33,7 +33,6 @@ from kvpilot.router.upstream import BrokenResponse, ConnectError, UpstreamPool, 
 
 log = logging.getLogger("kvpilot.router")
 
-PATHS: dict[RequestKind, str] = {"chat": "/v1/chat/completions", "completion": "/v1/completions"}
 SESSION_HEADER = "x-session-id"
 _PASSED_HEADERS = ("content-type", "retry-after", "x-request-id")
 _WAKE_REPEAT_S = 5.0

@@ -17,8 +17,8 @@ from starlette.responses import FileResponse, JSONResponse, Response, StreamingR
 from kvpilot.contract import errors
 from kvpilot.contract.http_errors import ErrorObserver, install_error_handlers
 from kvpilot.contract.kv_events import KV_EVENTS_PATH, TOKENIZER_FILE_PATH, TOKENIZER_FILES
+from kvpilot.contract.openai import PATHS, ChatCompletionRequest, CompletionRequest
 from kvpilot.engine.server.kv_events import KvEventHub, encode_lines
-from kvpilot.engine.server.protocol import ChatCompletionRequest, CompletionRequest
 from kvpilot.engine.server.request_id import HEADER, RequestIdMiddleware, request_id_of
 from kvpilot.engine.server.serving import create_chat_completion, create_completion
 from kvpilot.engine.server.state import ServerState
@@ -191,12 +191,12 @@ def add_openai_routes(app: FastAPI, state: ServerState, *, created: int) -> None
             raise errors.model_not_found(model, str(card["id"]))
         return JSONResponse(card)
 
-    @app.post("/v1/completions", openapi_extra=request_body_schema(CompletionRequest))
+    @app.post(PATHS["completion"], openapi_extra=request_body_schema(CompletionRequest))
     async def completions(request: Request) -> Response:
         check_auth(request)
         return await create_completion(state, request)
 
-    @app.post("/v1/chat/completions", openapi_extra=request_body_schema(ChatCompletionRequest))
+    @app.post(PATHS["chat"], openapi_extra=request_body_schema(ChatCompletionRequest))
     async def chat_completions(request: Request) -> Response:
         check_auth(request)
         return await create_chat_completion(state, request)

@@ -13,6 +13,7 @@ import argparse
 from collections.abc import Sequence
 from typing import NoReturn
 
+from kvpilot.contract.limits import RequestLimits
 from kvpilot.engine.choices import (
     ATTENTION_BACKENDS,
     BLOCK_SIZES,
@@ -22,7 +23,6 @@ from kvpilot.engine.choices import (
 )
 from kvpilot.engine.config import CacheConfig, EngineConfig, SchedulerConfig
 from kvpilot.engine.cpu.affinity import CpuPlacement, parse_cpu_list
-from kvpilot.engine.server.limits import RequestLimits
 from kvpilot.engine.server.settings import ChatOptions, ServerSettings
 from kvpilot.engine.server.tools.parsers import PARSER_NAMES
 

@@ -7,8 +7,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from kvpilot.contract.limits import RequestLimits
 from kvpilot.engine.cpu.affinity import CpuPlacement
-from kvpilot.engine.server.limits import RequestLimits
 from kvpilot.engine.server.tools.parsers import PARSER_NAMES
 
 

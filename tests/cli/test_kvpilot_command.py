@@ -40,7 +40,7 @@ ENGINE_FLAGS = (
     "kvpilot.engine.server",
     "kvpilot.contract.errors",
     "kvpilot.engine.server.flags",
-    "kvpilot.engine.server.limits",
+    "kvpilot.contract.limits",
     "kvpilot.engine.server.settings",
     "kvpilot.engine.server.tools",
     "kvpilot.engine.server.tools.json_scan",

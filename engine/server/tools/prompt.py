@@ -13,7 +13,7 @@ import json
 from typing import Any
 
 from kvpilot.contract.errors import bad_request
-from kvpilot.engine.server.protocol import ChatCompletionRequest, ToolCall
+from kvpilot.contract.openai import ChatCompletionRequest, ToolCall
 
 _CALL_SHAPES = {
     "hermes": (
