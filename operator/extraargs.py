@@ -11,9 +11,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from kvpilot.contract.kube import ENGINE_PORT
 from kvpilot.engine.cpu.affinity import whole_cpus
 from kvpilot.engine.server.flags import FlagError, engine_config, parse_flags
-from kvpilot.operator.constants import ENGINE_PORT
 
 # `kvpilot serve` option (argparse dest) -> (its flag, what sets it instead). The builder's own
 # flags must all be here (tests/operator/test_extra_args.py checks it).
