@@ -103,7 +103,7 @@ import httpx
 import msgspec
 from tqdm import tqdm
 
-from kvpilot.engine.cpu.affinity import format_cpu_list
+from kvpilot.contract.cpus import format_cpu_list
 
 try:
     import uvloop

@@ -39,7 +39,8 @@ from typing import Any
 import peer_offline
 import serve_bench
 
-from kvpilot.engine.cpu.affinity import bind_this_process, format_cpu_list, place
+from kvpilot.contract.cpus import format_cpu_list
+from kvpilot.engine.cpu.affinity import bind_this_process, place
 from kvpilot.engine.cpu.threads import read_cpu_limit
 
 GOAL = 0.95  # issue 12: serving >= 0.95x its own offline tok/s at the same batch

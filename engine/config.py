@@ -8,7 +8,7 @@ import re
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from kvpilot.engine.choices import (
+from kvpilot.contract.engine_choices import (
     ATTENTION_BACKENDS,
     BLOCK_SIZES,
     DTYPE_NAMES,
