@@ -44,7 +44,8 @@ from common.peer import WARMUP_OUTPUT_LEN, WARMUP_SEED, peer_dataset, prompts_an
 from common.plotting import pyplot
 from common.processes import ServerProcess, kvpilot_serve_cmd, wait_until_idle
 
-from kvpilot.engine.cpu.affinity import bind_this_process, format_cpu_list, place
+from kvpilot.contract.cpus import format_cpu_list
+from kvpilot.engine.cpu.affinity import bind_this_process, place
 from kvpilot.engine.cpu.threads import read_cpu_limit
 
 GOAL = 0.95  # issue 12: serving >= 0.95x its own offline tok/s at the same batch

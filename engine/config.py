@@ -8,7 +8,7 @@ import re
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from kvpilot.engine.choices import (
+from kvpilot.contract.engine_choices import (
     ATTENTION_BACKENDS,
     BLOCK_SIZES,
     DTYPE_NAMES,
@@ -20,7 +20,7 @@ if TYPE_CHECKING:
     import torch
 
 # Torch is imported only where a device or dtype is resolved: the value checks here are torch-free,
-# so that `kvpilot serve`'s flags are checked by them in the operator too (engine/server/flags.py).
+# so that `kvpilot serve`'s flags are checked by them in the operator too (engine/server/from_flags.py).
 SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2")
 
 

@@ -9,14 +9,13 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from kvpilot.operator.constants import (
+from kvpilot.contract.kube import (
     API_VERSION,
     ENGINE_APP_NAME,
     ENGINE_COMPONENT,
     ENGINE_CONTAINER,
     ENGINE_PORT,
     ENGINE_PORT_NAME,
-    ENGINE_UID,
     HEALTH_PATH,
     KIND,
     LABEL_COMPONENT,
@@ -26,13 +25,16 @@ from kvpilot.operator.constants import (
     LABEL_PART_OF,
     MANAGED_BY,
     METRICS_PATH,
+    PART_OF,
+    READY_PATH,
+)
+from kvpilot.operator.constants import (
+    ENGINE_UID,
     MODEL_CACHE_MOUNT,
     MODEL_CACHE_VOLUME,
     MODEL_FETCH_CONTAINER,
     NVIDIA_GPU,
-    PART_OF,
     PRESTOP_SLEEP_SECONDS,
-    READY_PATH,
     SHM_VOLUME,
     TERMINATION_MARGIN_SECONDS,
     TMP_MOUNT,

@@ -8,13 +8,13 @@ import urllib.parse
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from kvpilot.contract.kube import ENGINE_PORT
 from kvpilot.operator.constants import (
     DEFAULT_ANNOTATION_PREFIX,
     DEFAULT_API_TIMEOUT_SECONDS,
     DEFAULT_ENGINE_IMAGE,
     DEFAULT_LIVENESS_PORT,
     DEFAULT_METRICS_PORT,
-    ENGINE_PORT,
 )
 
 LOG_LEVELS = ("debug", "info", "warning", "error")

@@ -19,17 +19,8 @@ from typing import Any
 
 import yaml
 
-from kvpilot.operator.constants import (
-    CATEGORIES,
-    CRD_NAME,
-    GROUP,
-    KIND,
-    PART_OF,
-    PLURAL,
-    SHORT_NAMES,
-    SINGULAR,
-    VERSION,
-)
+from kvpilot.contract.kube import GROUP, KIND, PART_OF, PLURAL, VERSION
+from kvpilot.operator.constants import CATEGORIES, CRD_NAME, SHORT_NAMES, SINGULAR
 from kvpilot.operator.spec import MAX_NAME_LENGTH, InferenceServiceSpec
 from kvpilot.operator.status import InferenceServiceStatus
 

@@ -11,9 +11,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from kvpilot.engine.cpu.affinity import whole_cpus
-from kvpilot.engine.server.flags import FlagError, engine_config, parse_flags
-from kvpilot.operator.constants import ENGINE_PORT
+from kvpilot.contract.cpus import whole_cpus
+from kvpilot.contract.engine_flags import FlagError, read_flags
+from kvpilot.contract.kube import ENGINE_PORT
+from kvpilot.engine.server.from_flags import engine_config, parse_flags
 
 # `kvpilot serve` option (argparse dest) -> (its flag, what sets it instead). The builder's own
 # flags must all be here (tests/operator/test_extra_args.py checks it).
@@ -82,7 +83,7 @@ UNKNOWABLE_IN_A_POD: dict[str, tuple[str, str]] = {
 def check_extra_args(args: Sequence[str]) -> None:
     """ValueError, with the engine parser's own message, for extraArgs that cannot be used."""
     try:
-        given = parse_flags(args, only_given=True)
+        given = read_flags(args, only_given=True)
         for dest in vars(given):
             if dest in SET_BY_THE_OPERATOR or dest in UNKNOWABLE_IN_A_POD:
                 flag, instead = SET_BY_THE_OPERATOR.get(dest) or UNKNOWABLE_IN_A_POD[dest]
@@ -110,7 +111,7 @@ def check_placement(
 
 def check_api_cpus(args: Sequence[str], cpu_limit: float | None) -> None:
     """ValueError where --api-cpus N leaves the engine core none of the pod's CPUs: at least N
-    whole CPUs of resources.limits.cpu (the engine's own rule at start, engine/cpu/affinity.py,
+    whole CPUs of resources.limits.cpu (the engine's own rule at start, kvpilot.contract.cpus,
     with or without a cpuset). `args` passed check_extra_args."""
     api_cpus = parse_flags(args).api_cpus
     if api_cpus is None or cpu_limit is None:

@@ -14,13 +14,7 @@ from typing import Any
 
 import kopf
 
-from kvpilot.operator.autoscaling.autoscaler import Autoscaler
-from kvpilot.operator.autoscaling.metrics import OperatorMetrics
-from kvpilot.operator.autoscaling.routers import RouterLoad
-from kvpilot.operator.autoscaling.scrape import MetricsScraper
-from kvpilot.operator.autoscaling.zero import wake_scope
-from kvpilot.operator.config import OperatorConfig, parse_selector
-from kvpilot.operator.constants import (
+from kvpilot.contract.kube import (
     ANNOTATION_WAKE,
     GROUP,
     LABEL_MANAGED_BY,
@@ -28,6 +22,12 @@ from kvpilot.operator.constants import (
     PLURAL,
     VERSION,
 )
+from kvpilot.operator.autoscaling.autoscaler import Autoscaler
+from kvpilot.operator.autoscaling.metrics import OperatorMetrics
+from kvpilot.operator.autoscaling.routers import RouterLoad
+from kvpilot.operator.autoscaling.scrape import MetricsScraper
+from kvpilot.operator.autoscaling.zero import wake_scope
+from kvpilot.operator.config import OperatorConfig, parse_selector
 from kvpilot.operator.kube import KubeApi, KubeError, connect
 from kvpilot.operator.reconcile import Outcome, Reconciler
 

@@ -17,13 +17,11 @@ import kubernetes
 import urllib3.exceptions
 from kubernetes.client.exceptions import ApiException
 
+from kvpilot.contract.kube import GROUP, PLURAL, VERSION
 from kvpilot.operator.constants import (
     AUTOSCALER_FIELD_MANAGER,
     DEFAULT_API_TIMEOUT_SECONDS,
     FIELD_MANAGER,
-    GROUP,
-    PLURAL,
-    VERSION,
 )
 
 # A hung API server must fail the call (a retryable KubeError), not hold the operator: connecting

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from kvpilot.contract.kube import ENGINE_PORT_NAME, NETWORK_PEER_LABELS
 from kvpilot.operator.builders import Owner, child_metadata, selector_labels
-from kvpilot.operator.constants import ENGINE_PORT_NAME, NETWORK_PEER_LABELS
 from kvpilot.operator.spec import InferenceServiceSpec
 
 NAMESPACE_NAME_LABEL = "kubernetes.io/metadata.name"  # set on every namespace since 1.22

@@ -14,6 +14,7 @@ from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from kvpilot.contract.kube import KIND
 from kvpilot.operator.autoscaling.metrics import OperatorMetrics
 from kvpilot.operator.autoscaling.policy import AutoscalingPolicy
 from kvpilot.operator.builders import (
@@ -34,7 +35,6 @@ from kvpilot.operator.conditions import (
     set_condition,
 )
 from kvpilot.operator.config import OperatorConfig
-from kvpilot.operator.constants import KIND
 from kvpilot.operator.drift import (
     config_hash,
     config_hash_of,

@@ -20,12 +20,9 @@ from pydantic import (
     model_validator,
 )
 
+from kvpilot.contract.kube import LABEL_INSTANCE, LABEL_NAME
 from kvpilot.operator.autoscaling.spec import AutoscalingSpec
-from kvpilot.operator.constants import (
-    LABEL_INSTANCE,
-    LABEL_NAME,
-    NVIDIA_GPU,
-)
+from kvpilot.operator.constants import NVIDIA_GPU
 from kvpilot.operator.extraargs import check_api_cpus, check_extra_args, check_placement
 from kvpilot.operator.kubetypes import (
     EnvVar,

@@ -6,26 +6,46 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
-from fastapi import FastAPI, Request
+from fastapi import FastAPI
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import JSONResponse, Response
 
+from kvpilot.contract import errors
+from kvpilot.contract.http_errors import install_error_handlers
 from kvpilot.engine.gc_freeze import freeze_startup_objects
-from kvpilot.engine.server import errors
-from kvpilot.router.openai_routes import OpenAIRoutes
-from kvpilot.router.proxy import error_response
+from kvpilot.router.openai_routes import OpenAIRoutes, unexpected_error
 from kvpilot.router.runtime import RouterRuntime
 
 log = logging.getLogger("kvpilot.router")
 
+Lifespan = Callable[[FastAPI], contextlib.AbstractAsyncContextManager[None]]
+
 
 def create_app(runtime: RouterRuntime) -> OpenAIRoutes:
+    app = FastAPI(
+        title="kvpilot router",
+        docs_url=None,
+        redoc_url=None,
+        openapi_url=None,
+        lifespan=lifespan(runtime),
+    )
+    app.state.runtime = runtime
+    install_error_handlers(app, unexpected=lambda _, exc: unexpected_error(exc))
+    add_probe_routes(app, runtime)
+    add_index_route(app, runtime)
+    add_model_routes(app, runtime, created=int(time.time()))
+    # The OpenAI routes are served in front of it (kvpilot.router.openai_routes).
+    return OpenAIRoutes(app, runtime.proxy, runtime.config.max_body_bytes)
+
+
+def lifespan(runtime: RouterRuntime) -> Lifespan:
+    """Starts the runtime (watches, streams) with the app and stops it on shutdown."""
+
     @contextlib.asynccontextmanager
-    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+    async def run(_: FastAPI) -> AsyncIterator[None]:
         await runtime.start()
         # What startup loaded (transformers, the app) lives until exit: out of the collector's
         # sight, full collections stop walking it on the routing loop (in the engine's API
@@ -36,25 +56,11 @@ def create_app(runtime: RouterRuntime) -> OpenAIRoutes:
         finally:
             await runtime.stop()
 
-    app = FastAPI(
-        title="kvpilot router", docs_url=None, redoc_url=None, openapi_url=None, lifespan=lifespan
-    )
-    app.state.runtime = runtime
-    created = int(time.time())
+    return run
 
-    @app.exception_handler(errors.APIError)
-    async def api_error(_: Request, exc: errors.APIError) -> JSONResponse:
-        return error_response(exc)
 
-    @app.exception_handler(StarletteHTTPException)
-    async def http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
-        kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
-        return error_response(errors.APIError(exc.status_code, str(exc.detail), type=kind))
-
-    @app.exception_handler(Exception)
-    async def unexpected(_: Request, exc: Exception) -> JSONResponse:
-        log.exception("unhandled error")
-        return error_response(errors.internal_error(f"Internal server error: {exc!r}"))
+def add_probe_routes(app: FastAPI, runtime: RouterRuntime) -> None:
+    """/health, /ready and /metrics."""
 
     @app.get("/health")
     async def health() -> Response:
@@ -72,6 +78,8 @@ def create_app(runtime: RouterRuntime) -> OpenAIRoutes:
         runtime.registry.refresh_gauges()
         return Response(generate_latest(runtime.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
+
+def add_index_route(app: FastAPI, runtime: RouterRuntime) -> None:
     @app.get("/kvpilot/v1/router/index")
     async def index() -> Response:
         """What this router knows of every replica (for operators and tests)."""
@@ -94,6 +102,10 @@ def create_app(runtime: RouterRuntime) -> OpenAIRoutes:
                 for model, pool in runtime.registry.pools.items()
             }
         )
+
+
+def add_model_routes(app: FastAPI, runtime: RouterRuntime, *, created: int) -> None:
+    """The models this router serves, one card per InferenceService."""
 
     def card(model: str) -> dict[str, Any]:
         pool = runtime.registry.pools[model]
@@ -126,6 +138,3 @@ def create_app(runtime: RouterRuntime) -> OpenAIRoutes:
                 404, f"The model `{model}` does not exist.", type="not_found_error", param="model"
             )
         return JSONResponse(card(model))
-
-    # The OpenAI routes are served in front of it (kvpilot.router.openai_routes).
-    return OpenAIRoutes(app, runtime.proxy, runtime.config.max_body_bytes)

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from kvpilot.operator.constants import (
+from kvpilot.contract.kube import (
     ENGINE_APP_NAME,
     ENGINE_CONTAINER,
     ENGINE_PORT,

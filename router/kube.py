@@ -16,7 +16,7 @@ from typing import Any
 
 import httpx
 
-from kvpilot.operator.constants import ANNOTATION_WAKE, GROUP, PLURAL, VERSION
+from kvpilot.contract.kube import ANNOTATION_WAKE, GROUP, PLURAL, VERSION
 
 log = logging.getLogger("kvpilot.router")
 

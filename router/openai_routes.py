@@ -15,14 +15,15 @@ from typing import Any
 
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from kvpilot.engine.server import errors
-from kvpilot.engine.server.preprocess import RequestKind
+from kvpilot.contract import errors
+from kvpilot.contract.http_errors import error_response
+from kvpilot.contract.openai import PATHS, RequestKind
 from kvpilot.router.prompts import parse
-from kvpilot.router.proxy import Proxy, error_response
+from kvpilot.router.proxy import Proxy
 
 log = logging.getLogger("kvpilot.router")
 
-ROUTES: dict[str, RequestKind] = {"/v1/chat/completions": "chat", "/v1/completions": "completion"}
+ROUTES: dict[str, RequestKind] = {path: kind for kind, path in PATHS.items()}
 
 
 class ClientGone(Exception):
@@ -56,9 +57,14 @@ class OpenAIRoutes:
         except errors.APIError as exc:
             response = error_response(exc)
         except Exception as exc:
-            log.exception("unhandled error")
-            response = error_response(errors.internal_error(f"Internal server error: {exc!r}"))
+            response = error_response(unexpected_error(exc))
         await response(scope, receive, send)
+
+
+def unexpected_error(exc: Exception) -> errors.APIError:
+    """The logged 500 any failure but an APIError becomes."""
+    log.exception("unhandled error")
+    return errors.internal_error(f"Internal server error: {exc!r}")
 
 
 async def read_body(receive: Receive, declared: str | None, limit: int) -> bytes:

@@ -7,19 +7,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from kvpilot.engine.block_hash import chain_block_hashes
-from kvpilot.engine.server import errors
-from kvpilot.engine.server.preprocess import (
-    PromptLimits,
-    RequestKind,
-    chat_request_prompt,
-    completion_prompts,
-)
-from kvpilot.engine.server.protocol import (
+from kvpilot.contract import errors
+from kvpilot.contract.block_hash import chain_block_hashes
+from kvpilot.contract.openai import (
     ChatCompletionRequest,
     CompletionRequest,
+    RequestKind,
     parse_request,
 )
+from kvpilot.engine.server.preprocess import PromptLimits, chat_request_prompt, completion_prompts
 
 # The engine checks token ids against its vocabulary and prompts against its context; the router
 # does not know either and leaves those answers to the engine.

@@ -16,10 +16,11 @@ import time
 from collections.abc import AsyncIterator, Mapping
 
 import httpx
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.responses import Response, StreamingResponse
 
-from kvpilot.engine.server import errors
-from kvpilot.engine.server.preprocess import RequestKind
+from kvpilot.contract import errors
+from kvpilot.contract.http_errors import error_response
+from kvpilot.contract.openai import PATHS, RequestKind
 from kvpilot.router.config import RouterConfig
 from kvpilot.router.hold import HoldFull, HoldTimeout
 from kvpilot.router.kube import request_wake
@@ -32,7 +33,6 @@ from kvpilot.router.upstream import BrokenResponse, ConnectError, UpstreamPool, 
 
 log = logging.getLogger("kvpilot.router")
 
-PATHS: dict[RequestKind, str] = {"chat": "/v1/chat/completions", "completion": "/v1/completions"}
 SESSION_HEADER = "x-session-id"
 _PASSED_HEADERS = ("content-type", "retry-after", "x-request-id")
 _WAKE_REPEAT_S = 5.0
@@ -40,10 +40,6 @@ _WAKE_REPEAT_S = 5.0
 _CONNECT_ERRORS = (ConnectError, asyncio.TimeoutError, OSError)
 # After it: the response broke off.
 _STREAM_ERRORS = (BrokenResponse, asyncio.TimeoutError, OSError)
-
-
-def error_response(error: errors.APIError) -> JSONResponse:
-    return JSONResponse(error.body(), status_code=error.status_code, headers=error.headers)
 
 
 def unavailable(model: str, why: str, retry_after_s: int) -> errors.APIError:

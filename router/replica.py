@@ -1,5 +1,5 @@
 """One engine replica as the router sees it, and the task that follows its block-event stream
-(GET /kvpilot/v1/kv-events, see kvpilot.engine.block_events).
+(GET /kvpilot/v1/kv-events, see kvpilot.contract.kv_events).
 
 A replica is routable while its stream is synced (a snapshot, then every delta in order) and has
 been heard from within dead_after_s. Any gap in the numbering, a broken connection or silence
@@ -18,8 +18,8 @@ from dataclasses import dataclass, field
 import aiohttp
 import msgspec
 
-from kvpilot.engine.block_events import KvMessage, KvSnapshot, KvUpdate, Load
-from kvpilot.engine.block_hash import HASH_SCHEME
+from kvpilot.contract.block_hash import HASH_SCHEME
+from kvpilot.contract.kv_events import KV_EVENTS_PATH, KvMessage, KvSnapshot, KvUpdate, Load
 from kvpilot.router.index import BlockIndex
 
 log = logging.getLogger("kvpilot.router")
@@ -94,7 +94,7 @@ async def follow(
     while True:
         try:
             async with session.get(
-                f"{replica.url}/kvpilot/v1/kv-events",
+                replica.url + KV_EVENTS_PATH,
                 timeout=aiohttp.ClientTimeout(total=None, sock_connect=5.0, sock_read=dead_after_s),
             ) as response:
                 response.raise_for_status()

@@ -14,7 +14,7 @@ import aiohttp
 import httpx
 from prometheus_client import CollectorRegistry
 
-from kvpilot.operator.constants import (
+from kvpilot.contract.kube import (
     ENGINE_APP_NAME,
     ENGINE_CONTAINER,
     ENGINE_PORT_NAME,

@@ -18,14 +18,14 @@ from typing import Any
 
 import httpx
 
-from kvpilot.engine.server.kv_events import TOKENIZER_FILES
+from kvpilot.contract.kv_events import TOKENIZER_FILE_PATH, TOKENIZER_FILES
 
 
 async def fetch_tokenizer(client: httpx.AsyncClient, replica_url: str) -> Any:
     directory = Path(tempfile.mkdtemp(prefix="kvpilot-router-tokenizer-"))
     found = 0
     for name in TOKENIZER_FILES:
-        response = await client.get(f"{replica_url}/kvpilot/v1/tokenizer/{name}", timeout=30)
+        response = await client.get(replica_url + TOKENIZER_FILE_PATH.format(name=name), timeout=30)
         if response.status_code == 404:
             continue
         response.raise_for_status()

@@ -38,7 +38,7 @@ from common.offline_workers import (
 from common.plotting import pyplot
 from common.processes import ServerProcess, free_port, kvpilot_serve_cmd, wait_until_idle
 from common.stats import fmt, median_or_none, ratio
-from kvpilot.engine.cpu.affinity import format_cpu_list
+from kvpilot.contract.cpus import format_cpu_list
 
 VLLM_SERVER_MODULE = "vllm.entrypoints.openai.api_server"
 WARMUP_SEED = 1_000_000  # far above every round's seed: a warm-up shares no prompt with a round

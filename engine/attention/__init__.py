@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
+from kvpilot.contract.engine_choices import ATTENTION_BACKEND_NAMES
 from kvpilot.engine.attention.base import AttentionBackend, AttentionMetadata
 from kvpilot.engine.attention.torch_ref import TorchAttentionBackend
-from kvpilot.engine.choices import ATTENTION_BACKEND_NAMES
 
 
 def get_attention_backend(name: str) -> AttentionBackend:

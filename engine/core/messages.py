@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import msgspec
 
-from kvpilot.engine.block_events import KvDelta
+from kvpilot.contract.kv_events import KvDelta
 from kvpilot.engine.sampling_params import SamplingParams
 
 # (sampled token's logprob, its rank, top-N [(token, logprob)]) of the raw distribution.
@@ -87,7 +87,7 @@ class StepOutputs(msgspec.Struct, array_like=True, tag=True, gc=False):
     step_duration: float | None = None
     # Adds the core refused (request id, why): the API side validates first, so a server fault.
     rejected: list[tuple[str, str]] = []
-    # How the set of cached block hashes changed (None: not at all); see block_events.py.
+    # How the set of cached block hashes changed (None: not at all); see kvpilot.contract.kv_events.
     kv_events: KvDelta | None = None
 
 

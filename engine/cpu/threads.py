@@ -12,7 +12,7 @@ import logging
 import os
 from pathlib import Path
 
-from kvpilot.engine.cpu.affinity import whole_cpus
+from kvpilot.contract.cpus import whole_cpus
 
 log = logging.getLogger(__name__)
 

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     import torch
 
-    from kvpilot.engine.block_events import KvDelta
+    from kvpilot.contract.kv_events import KvDelta
     from kvpilot.engine.sequence import Sequence
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence as Seq
 
-from kvpilot.engine.block_events import KvDelta
+from kvpilot.contract.kv_events import KvDelta
 from kvpilot.engine.kv_cache.base import PrefixCache
 from kvpilot.engine.kv_cache.block_pool import Block, BlockPool
 from kvpilot.engine.kv_cache.prefix_cache import HashPrefixCache, NoPrefixCache

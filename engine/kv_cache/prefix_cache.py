@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-from kvpilot.engine.block_events import KvDelta
-from kvpilot.engine.block_hash import hash_block
+from kvpilot.contract.block_hash import hash_block
+from kvpilot.contract.kv_events import KvDelta
 from kvpilot.engine.kv_cache.base import PrefixCache
 from kvpilot.engine.kv_cache.block_pool import Block
 from kvpilot.engine.sequence import Sequence

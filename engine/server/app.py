@@ -5,28 +5,25 @@ from __future__ import annotations
 import hmac
 import logging
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel
-from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import FileResponse, JSONResponse, Response, StreamingResponse
 
-from kvpilot.engine.server import errors
-from kvpilot.engine.server.kv_events import TOKENIZER_FILES, KvEventHub, encode_lines
-from kvpilot.engine.server.protocol import ChatCompletionRequest, CompletionRequest
+from kvpilot.contract import errors
+from kvpilot.contract.http_errors import ErrorObserver, install_error_handlers
+from kvpilot.contract.kv_events import KV_EVENTS_PATH, TOKENIZER_FILE_PATH, TOKENIZER_FILES
+from kvpilot.contract.openai import PATHS, ChatCompletionRequest, CompletionRequest
+from kvpilot.engine.server.kv_events import KvEventHub, encode_lines
 from kvpilot.engine.server.request_id import HEADER, RequestIdMiddleware, request_id_of
 from kvpilot.engine.server.serving import create_chat_completion, create_completion
 from kvpilot.engine.server.state import ServerState
 
 logger = logging.getLogger("kvpilot.server")
-
-
-def error_response(error: errors.APIError) -> JSONResponse:
-    return JSONResponse(error.body(), status_code=error.status_code, headers=error.headers)
 
 
 def request_body_schema(model: type[BaseModel]) -> dict[str, Any]:
@@ -60,35 +57,38 @@ def create_app(state: ServerState) -> FastAPI:
     """One app serves one model; `state` holds the engine, the settings and the drain flag."""
     app = FastAPI(title="kvpilot", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.kvpilot = state
-    created = int(time.time())
-
     app.add_middleware(RequestIdMiddleware)
+    install_error_handlers(app, unexpected=unexpected_error, observe=error_observer(state))
+    add_probe_routes(app, state)
+    add_kv_event_routes(app, state)
+    add_openai_routes(app, state, created=int(time.time()))
+    return app
 
-    @app.exception_handler(errors.APIError)
-    async def api_error(request: Request, exc: errors.APIError) -> JSONResponse:
+
+def error_observer(state: ServerState) -> ErrorObserver:
+    """Counts invalid requests and logs server faults before they are answered."""
+
+    def observe(request: Request, exc: errors.APIError) -> None:
         if exc.status_code == 400:
             state.reject("invalid_request", exc)
         if exc.status_code == 500:
             logger.error("request %s failed: %s", request_id_of(request), exc.message)
-        return error_response(exc)
 
-    @app.exception_handler(StarletteHTTPException)
-    async def http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
-        kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
-        return error_response(errors.APIError(exc.status_code, str(exc.detail), type=kind))
+    return observe
 
-    @app.exception_handler(RequestValidationError)
-    async def validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
-        return error_response(errors.bad_request(str(exc.errors()[0]["msg"])))
 
-    @app.exception_handler(Exception)
-    async def unexpected(request: Request, exc: Exception) -> JSONResponse:
-        # This handler runs outside every middleware: it names the request itself.
-        request_id = request_id_of(request)
-        logger.exception("request %s: unhandled error", request_id)
-        error = errors.internal_error(f"Internal server error (request {request_id}): {exc!r}")
-        error.headers[HEADER] = request_id
-        return error_response(error)
+def unexpected_error(request: Request, exc: Exception) -> errors.APIError:
+    """A 500 naming the request: its handler runs outside every middleware (the request-id one
+    too), so it sets the request-id header itself."""
+    request_id = request_id_of(request)
+    logger.exception("request %s: unhandled error", request_id)
+    error = errors.internal_error(f"Internal server error (request {request_id}): {exc!r}")
+    error.headers[HEADER] = request_id
+    return error
+
+
+def auth_check(state: ServerState) -> Callable[[Request], None]:
+    """401 unless the request carries the server's API key (when it has one)."""
 
     def check_auth(request: Request) -> None:
         key = state.settings.api_key
@@ -97,6 +97,12 @@ def create_app(state: ServerState) -> FastAPI:
         given = request.headers.get("authorization", "")
         if not hmac.compare_digest(given.encode(), f"Bearer {key}".encode()):
             raise errors.unauthorized()
+
+    return check_auth
+
+
+def add_probe_routes(app: FastAPI, state: ServerState) -> None:
+    """/health, /ready and /metrics: unauthenticated, for kubelets and scrapers."""
 
     @app.get("/health")
     async def health() -> Response:
@@ -126,20 +132,26 @@ def create_app(state: ServerState) -> FastAPI:
             body = generate_latest(registry) if registry is not None else b""
         return Response(body, media_type=CONTENT_TYPE_LATEST)
 
+
+def add_kv_event_routes(app: FastAPI, state: ServerState) -> None:
+    """What a router needs to predict this server's prefix cache (kvpilot.contract.kv_events):
+    the block-hash stream and the tokenizer's files."""
+    check_auth = auth_check(state)
+
     def kv_event_hub() -> KvEventHub:
         hub = state.engine.kv_events
         if hub is None:
             raise errors.unavailable("The model is still loading.", code="loading")
         return hub
 
-    @app.get("/kvpilot/v1/kv-events")
+    @app.get(KV_EVENTS_PATH)
     async def kv_events(request: Request) -> Response:
-        """The prefix cache's block hashes and the load, for routers (block_events.py)."""
+        """The prefix cache's block hashes and the load, for routers."""
         check_auth(request)
         lines = encode_lines(kv_event_hub().subscribe())
         return StreamingResponse(lines, media_type="application/x-ndjson")
 
-    @app.get("/kvpilot/v1/tokenizer/{name}")
+    @app.get(TOKENIZER_FILE_PATH)
     async def tokenizer_file(name: str, request: Request) -> Response:
         """The tokenizer's files, so a router tokenizes exactly as this server does."""
         check_auth(request)
@@ -148,6 +160,11 @@ def create_app(state: ServerState) -> FastAPI:
         if name not in TOKENIZER_FILES or not (Path(info.hf_dir) / name).is_file():
             raise errors.APIError(404, f"No tokenizer file {name!r}.", type="not_found_error")
         return FileResponse(Path(info.hf_dir) / name)
+
+
+def add_openai_routes(app: FastAPI, state: ServerState, *, created: int) -> None:
+    """The OpenAI API: the model list and the two generation routes."""
+    check_auth = auth_check(state)
 
     def model_card() -> dict[str, object]:
         info = state.model_info()
@@ -174,14 +191,12 @@ def create_app(state: ServerState) -> FastAPI:
             raise errors.model_not_found(model, str(card["id"]))
         return JSONResponse(card)
 
-    @app.post("/v1/completions", openapi_extra=request_body_schema(CompletionRequest))
+    @app.post(PATHS["completion"], openapi_extra=request_body_schema(CompletionRequest))
     async def completions(request: Request) -> Response:
         check_auth(request)
         return await create_completion(state, request)
 
-    @app.post("/v1/chat/completions", openapi_extra=request_body_schema(ChatCompletionRequest))
+    @app.post(PATHS["chat"], openapi_extra=request_body_schema(ChatCompletionRequest))
     async def chat_completions(request: Request) -> Response:
         check_auth(request)
         return await create_chat_completion(state, request)
-
-    return app

@@ -31,7 +31,8 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry
 
-from kvpilot.engine.block_events import Load
+from kvpilot.contract.kv_events import Load
+from kvpilot.contract.limits import RequestLimits
 from kvpilot.engine.config import EngineConfig
 from kvpilot.engine.core.client import CoreProcessExited, EngineCoreClient
 from kvpilot.engine.core.engine_core import check_prompt_fits
@@ -51,7 +52,6 @@ from kvpilot.engine.output_processor import OutputProcessor
 from kvpilot.engine.outputs import OutputKind, RequestOutput, merge_deltas
 from kvpilot.engine.sampling_params import SamplingParams
 from kvpilot.engine.server.kv_events import KvEventHub
-from kvpilot.engine.server.limits import RequestLimits
 from kvpilot.engine.server.metrics import EngineCounters, ServerMetrics, finished_reason
 from kvpilot.engine.server.preprocess import PromptLimits, max_chars_per_token
 from kvpilot.engine.server.settings import ChatOptions

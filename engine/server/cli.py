@@ -24,12 +24,13 @@ from types import FrameType
 import uvicorn
 from prometheus_client import CollectorRegistry
 
+from kvpilot.contract.engine_flags import API_KEY_ENV, build_parser
 from kvpilot.engine.config import EngineConfig
 from kvpilot.engine.cpu.affinity import bind_this_process, place
 from kvpilot.engine.cpu.threads import read_cpu_limit
 from kvpilot.engine.server.app import create_app
 from kvpilot.engine.server.async_engine import AsyncEngine
-from kvpilot.engine.server.flags import API_KEY_ENV, build_parser, engine_config, server_settings
+from kvpilot.engine.server.from_flags import engine_config, server_settings
 from kvpilot.engine.server.settings import ChatOptions, ServerSettings
 from kvpilot.engine.server.state import ServerState
 
@@ -77,7 +78,7 @@ def resolve_api_key(flag: str | None, file: str | None, env: Mapping[str, str]) 
 
 def startup_settings(args: argparse.Namespace) -> tuple[EngineConfig, ServerSettings]:
     """Everything `kvpilot serve` checks before it starts the engine (ValueError): the flags'
-    values (as parse_flags checks them, in engine/server/flags.py), then what only this machine
+    values (as parse_flags checks them, in engine/server/from_flags.py), then what only this machine
     can tell: its GPUs and CPUs, the model's shape, the files named."""
     config = engine_config(args)
     check_placement(config)

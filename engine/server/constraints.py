@@ -8,15 +8,15 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from kvpilot.engine.server.errors import bad_request
-from kvpilot.engine.server.protocol import ChatCompletionRequest, _SamplingRequest
+from kvpilot.contract.errors import bad_request
+from kvpilot.contract.openai import ChatCompletionRequest, SamplingRequest
 from kvpilot.engine.structured.backend import DEFAULT_BACKEND, GrammarError
 from kvpilot.engine.structured.registry import to_grammar
 from kvpilot.engine.structured.spec import StructuredSpec
 
 
 def requested_spec(
-    request: _SamplingRequest, backend: str = DEFAULT_BACKEND
+    request: SamplingRequest, backend: str = DEFAULT_BACKEND
 ) -> tuple[StructuredSpec, str] | None:
     """The one constraint the request asks for and the parameter that asked; 400 for several."""
     found: list[tuple[StructuredSpec, str]] = []
@@ -111,7 +111,7 @@ def checked(spec: StructuredSpec, param: str, backend: str = DEFAULT_BACKEND) ->
 
 
 def request_constraint(
-    request: _SamplingRequest, backend: str = DEFAULT_BACKEND
+    request: SamplingRequest, backend: str = DEFAULT_BACKEND
 ) -> StructuredSpec | None:
     """The request's checked constraint (None: free text). Tool choice adds its own (tools/)."""
     found = requested_spec(request, backend)

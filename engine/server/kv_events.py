@@ -1,5 +1,5 @@
 """The API process's mirror of the engine core's cached block hashes, served to subscribers as the
-stream block_events.py describes (GET /kvpilot/v1/kv-events).
+stream kvpilot.contract.kv_events describes (GET /kvpilot/v1/kv-events).
 
 The output thread publishes each step's delta; event loops subscribe. The mirror is a set of the
 hashes the core holds (at most its number of blocks) and a bounded log of recent deltas, so a
@@ -16,17 +16,9 @@ from collections.abc import AsyncIterator
 
 import msgspec
 
-from kvpilot.engine.block_events import KvDelta, KvHeartbeat, KvMessage, KvSnapshot, KvUpdate, Load
-from kvpilot.engine.block_hash import HASH_SCHEME
+from kvpilot.contract.block_hash import HASH_SCHEME
+from kvpilot.contract.kv_events import KvDelta, KvHeartbeat, KvMessage, KvSnapshot, KvUpdate, Load
 
-# What a router fetches (GET /kvpilot/v1/tokenizer/{file}) to tokenize as this server does.
-TOKENIZER_FILES = (
-    "tokenizer.json",
-    "tokenizer_config.json",
-    "special_tokens_map.json",
-    "chat_template.jinja",
-    "tokenizer.model",
-)
 _LOG_LENGTH = 4096
 HEARTBEAT_S = 0.5
 

@@ -20,24 +20,25 @@ import os
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
-from kvpilot.engine.server import errors
-from kvpilot.engine.server.constraints import request_constraint
-from kvpilot.engine.server.limits import (
+from kvpilot.contract import errors
+from kvpilot.contract.limits import (
     RequestLimits,
     check_fan_out,
     check_logit_bias,
     check_max_tokens,
     check_stop,
 )
-from kvpilot.engine.server.protocol import (
+from kvpilot.contract.openai import (
     ChatCompletionRequest,
     CompletionRequest,
+    RequestKind,
     parse_request,
     requested_max_tokens,
     sequences_per_prompt,
 )
+from kvpilot.engine.server.constraints import request_constraint
 from kvpilot.engine.server.settings import ChatOptions
 from kvpilot.engine.server.tools.parsers import parser_for_template
 from kvpilot.engine.server.tools.plan import ToolPlan, plan_tools
@@ -48,8 +49,6 @@ BIG_BODY_BYTES = 1 << 20
 # Where the tokenizer normalizes its input (NFC/NFKC can merge up to 3-4 characters into one),
 # the character bound is loosened by this factor.
 _NORMALIZER_FACTOR = 4
-
-RequestKind = Literal["completion", "chat"]
 
 
 @dataclass(frozen=True)

@@ -16,8 +16,15 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
+from kvpilot.contract import errors
+from kvpilot.contract.openai import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    num_logprobs,
+    requested_max_tokens,
+)
 from kvpilot.engine.outputs import OutputKind, RequestOutput
-from kvpilot.engine.server import errors, render
+from kvpilot.engine.server import render
 from kvpilot.engine.server.async_engine import (
     EngineDeadError,
     RequestCut,
@@ -25,13 +32,7 @@ from kvpilot.engine.server.async_engine import (
     RequestStream,
 )
 from kvpilot.engine.server.preprocess import Preprocessed, Prompt
-from kvpilot.engine.server.protocol import (
-    ChatCompletionRequest,
-    CompletionRequest,
-    num_logprobs,
-    requested_max_tokens,
-    to_sampling_params,
-)
+from kvpilot.engine.server.sampling import to_sampling_params
 from kvpilot.engine.server.sse import ClientGone, SSEResponse, unless_disconnected
 from kvpilot.engine.server.state import InFlight, ServerState
 from kvpilot.engine.server.tools import render as tool_render

@@ -1,15 +1,15 @@
 """What `kvpilot serve` is set to beyond the engine: the queue, the drain, the API key, the request
 limits and the chat options, each checked when set. Torch-free: the operator checks
-spec.engine.extraArgs with these same rules (engine/server/flags.py)."""
+spec.engine.extraArgs with these same rules (engine/server/from_flags.py)."""
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
 
+from kvpilot.contract.engine_choices import TOOL_CALL_PARSERS
+from kvpilot.contract.limits import RequestLimits
 from kvpilot.engine.cpu.affinity import CpuPlacement
-from kvpilot.engine.server.limits import RequestLimits
-from kvpilot.engine.server.tools.parsers import PARSER_NAMES
 
 
 @dataclass(frozen=True)
@@ -21,9 +21,10 @@ class ChatOptions:
     tool_call_parser: str | None = None
 
     def __post_init__(self) -> None:
-        if self.tool_call_parser not in (None, *PARSER_NAMES):
+        if self.tool_call_parser not in (None, *TOOL_CALL_PARSERS):
             raise ValueError(
-                f"tool_call_parser must be one of {PARSER_NAMES}, got {self.tool_call_parser!r}"
+                f"tool_call_parser must be one of {TOOL_CALL_PARSERS}, "
+                f"got {self.tool_call_parser!r}"
             )
 
 

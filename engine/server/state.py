@@ -16,12 +16,12 @@ from typing import Any
 
 from starlette.requests import Request
 
-from kvpilot.engine.server import errors
+from kvpilot.contract import errors
+from kvpilot.contract.openai import RequestKind
 from kvpilot.engine.server.async_engine import TOKENIZER_THREADS, AsyncEngine, ModelInfo
 from kvpilot.engine.server.preprocess import (
     BIG_BODY_BYTES,
     Preprocessed,
-    RequestKind,
     init_worker,
     preprocess,
     preprocess_in_worker,

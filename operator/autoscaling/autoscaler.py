@@ -19,13 +19,13 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from kvpilot.contract.kube import ENGINE_PORT
 from kvpilot.operator.autoscaling.metrics import OperatorMetrics
 from kvpilot.operator.autoscaling.policy import AutoscalingPolicy
 from kvpilot.operator.autoscaling.routers import RouterLoad
 from kvpilot.operator.autoscaling.scrape import Scrape
 from kvpilot.operator.autoscaling.tick import TickResult, autoscale_tick, is_tick_due
 from kvpilot.operator.builders import selector_labels
-from kvpilot.operator.constants import ENGINE_PORT
 from kvpilot.operator.kube import KubeApi, KubeError
 from kvpilot.operator.reconcile import PostEvent, Reconciler, is_controlled_by
 from kvpilot.operator.spec import InvalidSpecError, parse_spec

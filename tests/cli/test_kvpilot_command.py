@@ -28,23 +28,17 @@ def test_usage_and_unknown_command(capsys: pytest.CaptureFixture[str]) -> None:
     assert "unknown command 'bogus'" in capsys.readouterr().err
 
 
-# Of the engine, the operator loads only `kvpilot serve`'s argument parser and the settings whose
-# rules check the flags' values (torch-free), which it checks spec.engine.extraArgs with, and what
-# they are built from (the CPU-list and CPU-quota rules of --engine-cpus / --api-cpus among them).
+# Of the engine, the operator loads only the value rules of `kvpilot serve`'s flags (torch-free):
+# the engine's and the server's settings, which it checks spec.engine.extraArgs with (the parser
+# itself, the choices, the CPU-list rules and the request limits are kvpilot.contract's).
 ENGINE_FLAGS = (
     "kvpilot.engine",
-    "kvpilot.engine.choices",
     "kvpilot.engine.config",
     "kvpilot.engine.cpu",
     "kvpilot.engine.cpu.affinity",
     "kvpilot.engine.server",
-    "kvpilot.engine.server.errors",
-    "kvpilot.engine.server.flags",
-    "kvpilot.engine.server.limits",
+    "kvpilot.engine.server.from_flags",
     "kvpilot.engine.server.settings",
-    "kvpilot.engine.server.tools",
-    "kvpilot.engine.server.tools.json_scan",
-    "kvpilot.engine.server.tools.parsers",
 )
 
 

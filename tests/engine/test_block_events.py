@@ -13,8 +13,8 @@ import time
 
 import pytest
 
-from kvpilot.engine.block_events import KvDelta, KvHeartbeat, KvSnapshot, KvUpdate, Load
-from kvpilot.engine.block_hash import HASH_SCHEME, chain_block_hashes, hash_block
+from kvpilot.contract.block_hash import HASH_SCHEME, chain_block_hashes, hash_block
+from kvpilot.contract.kv_events import KvDelta, KvHeartbeat, KvSnapshot, KvUpdate, Load
 from kvpilot.engine.kv_cache.block_manager import BlockManager
 from kvpilot.engine.sampling_params import SamplingParams
 from kvpilot.engine.sequence import Sequence
@@ -117,7 +117,7 @@ def test_the_hash_layout_is_the_one_hash_scheme_names() -> None:
 
 def test_hash_is_the_same_in_every_process() -> None:
     code = (
-        "from kvpilot.engine.block_hash import chain_block_hashes as c;"
+        "from kvpilot.contract.block_hash import chain_block_hashes as c;"
         "print(c(list(range(32)), 16, 'tenant'))"
     )
     outputs = {

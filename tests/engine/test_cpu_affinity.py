@@ -9,13 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from kvpilot.engine.cpu.affinity import (
-    CpuPlacement,
-    bind_this_process,
-    format_cpu_list,
-    parse_cpu_list,
-    place,
-)
+from kvpilot.contract.cpus import format_cpu_list, parse_cpu_list
+from kvpilot.engine.cpu.affinity import CpuPlacement, bind_this_process, place
 
 
 @pytest.mark.parametrize(

@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 from kubernetes.utils import parse_quantity
 
-from kvpilot.engine.choices import BLOCK_SIZES, DTYPE_NAMES
+from kvpilot.contract.engine_choices import BLOCK_SIZES, DTYPE_NAMES
 from kvpilot.engine.model.loader import peek_model_config
 from kvpilot.engine.parallel.sharding import check_tensor_parallel_size
 from kvpilot.engine.server.cli import build_parser, engine_config

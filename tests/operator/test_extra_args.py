@@ -7,8 +7,9 @@ from typing import Any
 
 import pytest
 
+from kvpilot.contract.engine_flags import build_parser, read_flags
 from kvpilot.engine.server.cli import main
-from kvpilot.engine.server.flags import build_parser, parse_flags
+from kvpilot.engine.server.from_flags import parse_flags
 from kvpilot.operator.builders import build_engine_args
 from kvpilot.operator.extraargs import SET_BY_THE_OPERATOR
 from kvpilot.operator.spec import InvalidSpecError, parse_spec
@@ -182,7 +183,7 @@ EVERY_FIELD = {
 
 def test_every_option_the_builder_sets_is_reserved() -> None:
     spec = parse_spec({"model": {"uri": "hf://org/model"}, "gpus": 2, "engine": EVERY_FIELD})
-    set_by_builder = vars(parse_flags(build_engine_args(spec, "chat")[1:], only_given=True))
+    set_by_builder = vars(read_flags(build_engine_args(spec, "chat")[1:], only_given=True))
     assert set(set_by_builder) <= set(SET_BY_THE_OPERATOR), set(set_by_builder)
     # Each entry names the parser's own flag for that option.
     flags = {action.dest: action.option_strings for action in build_parser()._actions}

@@ -14,8 +14,8 @@ from typing import Any
 
 import pytest
 
+from kvpilot.contract.kube import ANNOTATION_WAKE
 from kvpilot.operator.config import OperatorConfig
-from kvpilot.operator.constants import ANNOTATION_WAKE
 
 from .autoscaling_helpers import (
     FakeEnginePod,

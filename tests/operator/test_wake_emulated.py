@@ -10,8 +10,8 @@ from typing import Any
 
 import pytest
 
+from kvpilot.contract.kube import ANNOTATION_WAKE
 from kvpilot.operator.config import OperatorConfig
-from kvpilot.operator.constants import ANNOTATION_WAKE
 
 from .conftest import ISVC_PATH, eventually
 from .emulated import DEPLOYMENT, api, create_isvc, live, reasons

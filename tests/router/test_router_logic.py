@@ -12,8 +12,8 @@ import httpx
 import pytest
 from prometheus_client import CollectorRegistry
 
-from kvpilot.engine.block_events import KvHeartbeat, KvSnapshot, KvUpdate, Load
-from kvpilot.engine.block_hash import HASH_SCHEME
+from kvpilot.contract.block_hash import HASH_SCHEME
+from kvpilot.contract.kv_events import KvHeartbeat, KvSnapshot, KvUpdate, Load
 from kvpilot.router.cluster import endpoint, service_info
 from kvpilot.router.config import HoldConfig, RouterConfig, RoutingConfig
 from kvpilot.router.hold import HoldFull, HoldQueue, HoldTimeout

@@ -17,10 +17,10 @@ from pathlib import Path
 import httpx
 import pytest
 
+from kvpilot.contract.cpus import format_cpu_list
 from kvpilot.engine.config import CacheConfig, EngineConfig
 from kvpilot.engine.core.client import EngineCoreClient
 from kvpilot.engine.core.messages import CoreEvent, CoreReady, ModelFilesFound
-from kvpilot.engine.cpu.affinity import format_cpu_list
 from kvpilot.engine.model.gguf_convert import gguf_to_hf_dir
 from kvpilot.engine.model.loader import bundled_gguf_path, has_tokenizer, load_tokenizer
 from kvpilot.engine.server.async_engine import AsyncEngine

@@ -1,5 +1,6 @@
-"""`kvpilot serve`'s flags read without exiting (engine/server/flags.py): the verdict the command
-would reach, for callers that are not the command (the operator checking extraArgs)."""
+"""`kvpilot serve`'s flags read without exiting (contract/engine_flags.py, their values checked by
+engine/server/from_flags.py): the verdict the command would reach, for callers that are not the
+command (the operator checking extraArgs)."""
 
 from __future__ import annotations
 
@@ -11,19 +12,19 @@ import sys
 
 import pytest
 
-from kvpilot.engine.cpu.affinity import format_cpu_list, whole_cpus
-from kvpilot.engine.cpu.threads import read_cpu_limit
-from kvpilot.engine.server.cli import main, startup_settings
-from kvpilot.engine.server.flags import (
+from kvpilot.contract.cpus import format_cpu_list, whole_cpus
+from kvpilot.contract.engine_flags import (
     FlagError,
     build_parser,
     cpu_list,
-    engine_config,
     non_empty,
-    parse_flags,
     port_number,
     positive_int,
+    read_flags,
 )
+from kvpilot.engine.cpu.threads import read_cpu_limit
+from kvpilot.engine.server.cli import main, startup_settings
+from kvpilot.engine.server.from_flags import engine_config, parse_flags
 
 
 @pytest.mark.parametrize(
@@ -84,7 +85,7 @@ def test_what_the_command_accepts_parses_with_its_values() -> None:
 
 
 def test_only_given_names_the_options_set_however_written() -> None:
-    given = parse_flags(["--po", "9", "-tp=2", "--guided-decoding-backend", "xgrammar",
+    given = read_flags(["--po", "9", "-tp=2", "--guided-decoding-backend", "xgrammar",
                          "--seed", "0"], only_given=True)  # fmt: skip
     # An abbreviation, an alias, a value equal to the default: all resolved to their option.
     assert sorted(vars(given)) == [
@@ -98,7 +99,7 @@ def test_only_given_names_the_options_set_however_written() -> None:
 def test_the_flags_load_no_torch() -> None:
     code = (
         "import sys\n"
-        "from kvpilot.engine.server.flags import parse_flags\n"
+        "from kvpilot.engine.server.from_flags import parse_flags\n"
         "parse_flags(['--dtype', 'bfloat16'])\n"
         "assert 'torch' not in sys.modules, 'torch was imported'\n"
     )

@@ -8,7 +8,7 @@ import threading
 
 import httpx
 
-from kvpilot.engine.block_hash import HASH_SCHEME, chain_block_hashes
+from kvpilot.contract.block_hash import HASH_SCHEME, chain_block_hashes
 from kvpilot.engine.server.inprocess import InProcessServer
 
 

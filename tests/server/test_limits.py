@@ -10,10 +10,10 @@ from collections.abc import Callable, Iterator
 import httpx
 import pytest
 
+from kvpilot.contract.errors import APIError
+from kvpilot.contract.limits import RequestLimits, check_json
 from kvpilot.engine.server.async_engine import AsyncEngine
-from kvpilot.engine.server.errors import APIError
 from kvpilot.engine.server.inprocess import InProcessServer
-from kvpilot.engine.server.limits import RequestLimits, check_json
 from kvpilot.engine.server.state import ServerSettings
 
 from .conftest import MAX_NUM_SEQS

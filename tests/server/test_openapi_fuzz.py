@@ -21,10 +21,10 @@ import schemathesis
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from kvpilot.contract.limits import RequestLimits
 from kvpilot.engine.server.app import openapi_document
 from kvpilot.engine.server.async_engine import AsyncEngine
 from kvpilot.engine.server.inprocess import InProcessServer, serve_in_thread
-from kvpilot.engine.server.limits import RequestLimits
 from kvpilot.engine.server.state import ServerSettings, ServerState
 
 NUM_REQUESTS = 2000

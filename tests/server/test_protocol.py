@@ -6,15 +6,15 @@ import json
 
 import pytest
 
-from kvpilot.engine.server.errors import APIError
-from kvpilot.engine.server.protocol import (
+from kvpilot.contract.errors import APIError
+from kvpilot.contract.openai import (
     ChatCompletionRequest,
     CompletionRequest,
     num_logprobs,
     parse_request,
     requested_max_tokens,
-    to_sampling_params,
 )
+from kvpilot.engine.server.sampling import to_sampling_params
 from kvpilot.engine.server.serving import resolve_max_tokens
 from kvpilot.engine.server.tools.prompt import template_inputs
 

@@ -21,14 +21,13 @@ import json
 from dataclasses import dataclass
 from typing import Protocol
 
+from kvpilot.contract.engine_choices import TOOL_CALL_PARSERS
 from kvpilot.engine.server.tools.json_scan import (
     MalformedJSON,
     ScanMemo,
     object_members,
     skip_ws,
 )
-
-PARSER_NAMES = ("hermes", "llama3_json", "mistral")
 
 
 @dataclass(frozen=True)
@@ -245,7 +244,7 @@ def parser_named(name: str) -> ToolParser:
         "mistral": MistralParser(),
     }
     if name not in parsers:
-        raise ValueError(f"tool parser must be one of {PARSER_NAMES}, got {name!r}")
+        raise ValueError(f"tool parser must be one of {TOOL_CALL_PARSERS}, got {name!r}")
     return parsers[name]
 
 

@@ -14,9 +14,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from kvpilot.contract.errors import bad_request
+from kvpilot.contract.openai import ChatCompletionRequest, NamedToolChoice, Tool
 from kvpilot.engine.server.constraints import checked
-from kvpilot.engine.server.errors import bad_request
-from kvpilot.engine.server.protocol import ChatCompletionRequest, NamedToolChoice, Tool
 from kvpilot.engine.server.tools.parsers import (
     NamedParser,
     RequiredParser,

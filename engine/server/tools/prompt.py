@@ -12,8 +12,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from kvpilot.engine.server.errors import bad_request
-from kvpilot.engine.server.protocol import ChatCompletionRequest, ToolCall
+from kvpilot.contract.errors import bad_request
+from kvpilot.contract.openai import ChatCompletionRequest, ToolCall
 
 _CALL_SHAPES = {
     "hermes": (

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from kvpilot.engine.server import errors
+from kvpilot.contract import errors
 
 
 @dataclass(frozen=True)

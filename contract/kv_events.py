@@ -1,7 +1,10 @@
 """What an engine tells the outside about its prefix cache: which block hashes it holds, as a
-snapshot and then numbered deltas, with its load. The router keeps an exact index from these.
+snapshot and then numbered deltas, with its load. The router keeps an exact index from these, and
+tokenizes prompts with the engine's own tokenizer files to compute the same hashes
+(kvpilot.contract.block_hash).
 
-The stream a subscriber reads (one JSON object per line, `kind` tells them apart):
+The stream a subscriber reads (GET KV_EVENTS_PATH; one JSON object per line, `kind` tells them
+apart):
 - `snapshot`: every block hash the engine holds now, as of delta number `seq`, with what a reader
   needs to compute the same hashes (block size, hash scheme, model name);
 - `update`: delta `seq` (always the previous one + 1): hashes stored, hashes removed, and the load;
@@ -14,6 +17,19 @@ reader fell too far behind sends a snapshot again instead of the deltas it no lo
 from __future__ import annotations
 
 import msgspec
+
+# The engine's stream of block-hash events (newline-delimited JSON: the messages below).
+KV_EVENTS_PATH = "/kvpilot/v1/kv-events"
+# One of the engine's tokenizer files, by name: what a router fetches to tokenize as it does.
+TOKENIZER_FILE_PATH = "/kvpilot/v1/tokenizer/{name}"
+# The files TOKENIZER_FILE_PATH serves (those the model has).
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "chat_template.jinja",
+    "tokenizer.model",
+)
 
 
 class KvDelta(msgspec.Struct, frozen=True, array_like=True):

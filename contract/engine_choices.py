@@ -1,6 +1,6 @@
-"""The values engine settings take, by name. Torch-free: `kvpilot serve`'s argument parser is
-built from them, and the operator parses spec.engine.extraArgs with that parser without loading
-torch."""
+"""The values engine settings take, by name: `kvpilot serve`'s argument parser
+(kvpilot.contract.engine_flags) is built from them, the engine's configs check against them, and
+the operator parses spec.engine.extraArgs with that parser."""
 
 from __future__ import annotations
 
@@ -11,3 +11,5 @@ ATTENTION_BACKEND_NAMES = ("torch", "cpu", "triton")
 ATTENTION_BACKENDS = ("auto", *ATTENTION_BACKEND_NAMES)
 STRUCTURED_OUTPUTS_BACKENDS = ("auto", "xgrammar", "llguidance")
 BLOCK_SIZES = (8, 16, 32, 64, 128)  # tokens per KV block the kernels handle
+# The tool-call formats the server parses (kvpilot.engine.server.tools.parsers).
+TOOL_CALL_PARSERS = ("hermes", "llama3_json", "mistral")

@@ -1,4 +1,5 @@
-"""The OpenAI request bodies we accept, validated strictly, and their mapping onto SamplingParams.
+"""The OpenAI request bodies kvpilot accepts, validated strictly: the engine serves them and the
+router parses them (to choose a replica) by these same models and checks.
 
 Strict mode on purpose: OpenAI answers `"temperature": "0.5"` or `"n": true` with a 400, and so do
 we (pydantic's lax mode would coerce them). Unknown fields are ignored, as OpenAI does; known OpenAI
@@ -12,10 +13,12 @@ from typing import Annotated, Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from kvpilot.engine.sampling_params import SamplingParams
-from kvpilot.engine.server.errors import APIError, bad_request
-from kvpilot.engine.server.limits import RequestLimits, check_json, too_deep
-from kvpilot.engine.structured.spec import StructuredSpec
+from kvpilot.contract.errors import APIError, bad_request
+from kvpilot.contract.limits import RequestLimits, check_json, too_deep
+
+RequestKind = Literal["completion", "chat"]
+# Where each kind of request is served, by the engine and by the router alike.
+PATHS: dict[RequestKind, str] = {"chat": "/v1/chat/completions", "completion": "/v1/completions"}
 
 MAX_LOGPROBS = 20  # the engine returns at most 20 top logprobs per token
 MAX_N = 128  # OpenAI's own limit on n
@@ -53,7 +56,7 @@ class StructuredOutputs(_Strict):
     json_object: bool | None = None
 
 
-class _SamplingRequest(_Strict):
+class SamplingRequest(_Strict):
     """Fields shared by /v1/completions and /v1/chat/completions."""
 
     model: str | None = None
@@ -94,10 +97,10 @@ class _SamplingRequest(_Strict):
         return self.stream_options is not None and self.stream_options.include_usage
 
 
-RequestT = TypeVar("RequestT", bound=_SamplingRequest)
+RequestT = TypeVar("RequestT", bound=SamplingRequest)
 
 
-class CompletionRequest(_SamplingRequest):
+class CompletionRequest(SamplingRequest):
     prompt: str | list[str] | list[int] | list[list[int]]
     echo: bool = False
     logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
@@ -157,7 +160,7 @@ class ChatMessage(_Strict):
         return "".join(part.text for part in self.content)
 
 
-class ChatCompletionRequest(_SamplingRequest):
+class ChatCompletionRequest(SamplingRequest):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
     logprobs: bool = False
@@ -217,7 +220,7 @@ def _is_type_tag(part: str) -> bool:
     )
 
 
-def check_unsupported(request: _SamplingRequest) -> None:
+def check_unsupported(request: SamplingRequest) -> None:
     """Reject OpenAI features we do not implement instead of silently ignoring them."""
     if request.repetition_penalty not in (None, 1.0):
         raise bad_request(
@@ -250,13 +253,13 @@ def check_unsupported(request: _SamplingRequest) -> None:
             )
 
 
-def requested_max_tokens(request: _SamplingRequest) -> int | None:
+def requested_max_tokens(request: SamplingRequest) -> int | None:
     if isinstance(request, ChatCompletionRequest) and request.max_completion_tokens is not None:
         return request.max_completion_tokens
     return request.max_tokens
 
 
-def num_logprobs(request: _SamplingRequest) -> int | None:
+def num_logprobs(request: SamplingRequest) -> int | None:
     """How many top logprobs the engine must return per token (None: no logprobs at all)."""
     if isinstance(request, ChatCompletionRequest):
         return (request.top_logprobs or 0) if request.logprobs else None
@@ -264,41 +267,8 @@ def num_logprobs(request: _SamplingRequest) -> int | None:
     return request.logprobs
 
 
-def sequences_per_prompt(request: _SamplingRequest) -> int:
+def sequences_per_prompt(request: SamplingRequest) -> int:
     """Sequences the engine generates per prompt: n, or best_of where that is larger (best_of
     is accepted only equal to n today, so the two agree)."""
     best_of = request.best_of if isinstance(request, CompletionRequest) else None
     return max(request.n, best_of or 0)
-
-
-def to_sampling_params(
-    request: _SamplingRequest,
-    max_tokens: int,
-    logit_bias: tuple[tuple[int, float], ...] = (),
-    structured: StructuredSpec | None = None,
-) -> SamplingParams:
-    """Map validated request fields onto SamplingParams (OpenAI defaults for absent fields)."""
-    stop = [request.stop] if isinstance(request.stop, str) else (request.stop or [])
-    try:
-        return SamplingParams(
-            n=request.n,
-            max_tokens=max_tokens,
-            temperature=1.0 if request.temperature is None else request.temperature,
-            top_p=1.0 if request.top_p is None else request.top_p,
-            top_k=0 if request.top_k is None else request.top_k,
-            min_p=0.0 if request.min_p is None else request.min_p,
-            seed=request.seed,
-            stop=tuple(stop),
-            stop_token_ids=tuple(request.stop_token_ids or ()),
-            ignore_eos=request.ignore_eos,
-            logprobs=num_logprobs(request),
-            presence_penalty=request.presence_penalty,
-            frequency_penalty=request.frequency_penalty,
-            include_stop_str_in_output=request.include_stop_str_in_output,
-            logit_bias=logit_bias,
-            structured=structured,
-        )
-    except ValueError as exc:
-        # SamplingParams names the field first in its message.
-        message = str(exc)
-        raise bad_request(message, param=message.split(" ", 1)[0]) from None
