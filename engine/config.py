@@ -20,7 +20,8 @@ if TYPE_CHECKING:
     import torch
 
 # Torch is imported only where a device or dtype is resolved: the value checks here are torch-free,
-# so that `kvpilot serve`'s flags are checked by them in the operator too (engine/server/from_flags.py).
+# so that `kvpilot serve`'s flags are checked by them in the operator too
+# (engine/server/from_flags.py).
 SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2")
 
 
