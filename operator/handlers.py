@@ -14,7 +14,7 @@ from typing import Any
 
 import kopf
 
-from kvpilot.operator.autoscaling.autoscaler import Autoscaler
+from kvpilot.operator.autoscaler import Autoscaler
 from kvpilot.operator.autoscaling.metrics import OperatorMetrics
 from kvpilot.operator.autoscaling.routers import RouterLoad
 from kvpilot.operator.autoscaling.scrape import MetricsScraper
