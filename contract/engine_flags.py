@@ -23,6 +23,11 @@ from kvpilot.contract.engine_choices import (
     STRUCTURED_OUTPUTS_BACKENDS,
     TOOL_CALL_PARSERS,
 )
+from kvpilot.contract.engine_defaults import (
+    DEFAULT_KV_CACHE_GIB,
+    DEFAULT_MAX_NUM_BATCHED_TOKENS,
+    DEFAULT_MAX_NUM_SEQS,
+)
 from kvpilot.contract.limits import RequestLimits
 
 API_KEY_ENV = "KVPILOT_API_KEY"
@@ -120,7 +125,8 @@ FLAGS: tuple[Flag, ...] = (
     flag(KV_CACHE, "--block-size", type=int, default=16, choices=BLOCK_SIZES),
     flag(KV_CACHE, "--enable-prefix-caching", action=argparse.BooleanOptionalAction,
          default=True),
-    flag(KV_CACHE, "--kv-cache-gib", type=float, default=1.0, help="KV-cache budget on CPU"),
+    flag(KV_CACHE, "--kv-cache-gib", type=float, default=DEFAULT_KV_CACHE_GIB,
+         help="KV-cache budget on CPU"),
     flag(KV_CACHE, "--kv-cache-memory-bytes", type=int, default=None,
          help="KV-cache budget in bytes on CPU or GPU (overrides --kv-cache-gib and the budget "
          "--gpu-memory-utilization leaves)"),
@@ -140,8 +146,9 @@ FLAGS: tuple[Flag, ...] = (
          metavar="N",
          help="leave N of this process's CPUs to the API process and bind the engine core to "
          "the rest (under a CPU quota alone: N fewer engine threads than the quota)"),
-    flag(SCHEDULER, "--max-num-seqs", type=int, default=128),
-    flag(SCHEDULER, "--max-num-batched-tokens", type=int, default=2048),
+    flag(SCHEDULER, "--max-num-seqs", type=int, default=DEFAULT_MAX_NUM_SEQS),
+    flag(SCHEDULER, "--max-num-batched-tokens", type=int,
+         default=DEFAULT_MAX_NUM_BATCHED_TOKENS),
     flag(REQUEST_LIMITS, "--max-queue", type=int, default=None,
          help="429 when this many requests wait (default: no limit)"),
     flag(REQUEST_LIMITS, "--retry-after", type=int, default=1,

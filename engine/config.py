@@ -15,6 +15,13 @@ from kvpilot.contract.engine_choices import (
     LOAD_FORMATS,
     STRUCTURED_OUTPUTS_BACKENDS,
 )
+from kvpilot.contract.engine_defaults import (
+    AUTO_DTYPE,
+    DEFAULT_KV_CACHE_GIB,
+    DEFAULT_MAX_NUM_BATCHED_TOKENS,
+    DEFAULT_MAX_NUM_SEQS,
+)
+from kvpilot.contract.sizing import kv_bytes_per_token
 
 if TYPE_CHECKING:
     import torch
@@ -127,7 +134,12 @@ class ModelConfig:
     def kv_bytes_per_token(self) -> int:
         """Bytes of K and V per token over all layers, at 1 byte per element (multiply by
         itemsize)."""
-        return 2 * self.num_hidden_layers * self.num_key_value_heads * self.head_dim
+        return kv_bytes_per_token(
+            num_layers=self.num_hidden_layers,
+            num_kv_heads=self.num_key_value_heads,
+            head_dim=self.head_dim,
+            itemsize=1,
+        )
 
     @property
     def num_params(self) -> int:
@@ -144,7 +156,7 @@ class ModelConfig:
 class CacheConfig:
     block_size: int = 16  # one of BLOCK_SIZES
     enable_prefix_caching: bool = True
-    kv_cache_gib: float = 1.0  # the budget on CPU
+    kv_cache_gib: float = DEFAULT_KV_CACHE_GIB  # the budget on CPU
     gpu_memory_utilization: float = (
         0.9  # the fraction of GPU memory the engine may take, KV included
     )
@@ -173,8 +185,8 @@ class CacheConfig:
 
 @dataclass(frozen=True)
 class SchedulerConfig:
-    max_num_batched_tokens: int = 2048  # the per-step token budget
-    max_num_seqs: int = 128
+    max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS  # the per-step token budget
+    max_num_seqs: int = DEFAULT_MAX_NUM_SEQS
 
     def __post_init__(self) -> None:
         if self.max_num_batched_tokens < 1:
@@ -307,10 +319,9 @@ class EngineConfig:
         import torch
 
         device = self.resolved_device
-        if self.dtype == "auto":
-            return torch.bfloat16 if device.type == "cuda" else torch.float32
-        check_dtype_on(self.dtype, device.type)
-        dtype: torch.dtype = getattr(torch, self.dtype)
+        name = AUTO_DTYPE[device.type] if self.dtype == "auto" else self.dtype
+        check_dtype_on(name, device.type)
+        dtype: torch.dtype = getattr(torch, name)
         return dtype
 
 

@@ -3,7 +3,8 @@ allocated: the weights, the KV cache and the working memory of a CPU engine all 
 container's RAM, and an engine that does not fit would otherwise be OOM-killed under its first
 real load (a crash loop instead of a message).
 
-The limit comes from the cgroup the process runs in (v2 `memory.max`, or v1
+The need is the contract's arithmetic (contract/sizing.py), which the operator computes too. The
+limit comes from the cgroup the process runs in (v2 `memory.max`, or v1
 `memory.limit_in_bytes`), the smallest one on the way up to the root.
 """
 
@@ -11,41 +12,15 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass
 from pathlib import Path
+
+from kvpilot.contract.sizing import MemoryNeed
 
 CGROUP_ROOT = Path("/sys/fs/cgroup")
 # cgroup v1 reports "no limit" as a huge page-aligned number, not "max".
 _V1_UNLIMITED = 1 << 62
-# What the processes of `kvpilot serve` hold besides weights, KV cache and activations: the Python
-# runtimes and torch in the API process, the engine core and the big-body worker, the tokenizer
-# copies, oneDNN's packed weights and allocator slack. Measured with bench/example_memory.py
-# (bench/RESULTS.md, "issue 13"): SmolLM2 float32, 768 MiB KV, under its example's maximum
-# load: 3005 MiB of process peaks = 513 weights + 768 KV + 58 activations + 1666 of this.
-RUNTIME_BYTES = 1700 * 2**20
 # Overrides the cgroup's limit where it is not visible (or to check a size before deploying).
 LIMIT_ENV = "KVPILOT_MEMORY_LIMIT_BYTES"
-
-
-@dataclass(frozen=True)
-class MemoryNeed:
-    weights: int
-    kv_cache: int
-    working: int  # runtime + activations
-
-    @property
-    def total(self) -> int:
-        return self.weights + self.kv_cache + self.working
-
-
-def activation_bytes(
-    *, max_num_batched_tokens: int, max_num_seqs: int, hidden_size: int,
-    intermediate_size: int, vocab_size: int, itemsize: int,
-) -> int:  # fmt: skip
-    """A step's transient tensors: a few hidden-size and MLP-size rows per scheduled token, and
-    float32 logits (a few copies while sampling) per sequence."""
-    per_token = (4 * hidden_size + 3 * intermediate_size) * itemsize
-    return max_num_batched_tokens * per_token + 3 * max_num_seqs * vocab_size * 4
 
 
 def memory_limit(env: Mapping[str, str] = os.environ) -> int | None:

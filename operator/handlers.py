@@ -22,7 +22,7 @@ from kvpilot.contract.kube import (
     PLURAL,
     VERSION,
 )
-from kvpilot.operator.autoscaling.autoscaler import Autoscaler
+from kvpilot.operator.autoscaler import Autoscaler
 from kvpilot.operator.autoscaling.metrics import OperatorMetrics
 from kvpilot.operator.autoscaling.routers import RouterLoad
 from kvpilot.operator.autoscaling.scrape import MetricsScraper

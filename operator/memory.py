@@ -1,7 +1,7 @@
 """What a CPU engine pod needs in memory, where the operator can know it without the model's
-files: the builtin models, whose shapes ship with the engine. The same arithmetic as the engine's
-start-up check (engine/memory_fit.py, engine/core/engine_core.py cpu_memory_need; a test holds the
-two equal), so a limit the operator admits is one the engine starts under.
+files: the builtin models, whose shapes ship with the engine. The arithmetic and the defaults are
+the engine's own (contract/sizing.py, contract/engine_defaults.py), so a limit the operator admits
+is one the engine starts under.
 
 hf://, pvc:// and file:// models are only known once downloaded or mounted: there the engine's
 own check at start is the guard (a clear message in the pod's log and status, not an OOM kill).
@@ -9,36 +9,17 @@ own check at start is the guard (a clear message in the pod's log and status, no
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
+from kvpilot.contract import sizing
+from kvpilot.contract.engine_defaults import (
+    AUTO_DTYPE,
+    DEFAULT_KV_CACHE_BYTES,
+    DEFAULT_MAX_NUM_BATCHED_TOKENS,
+    DEFAULT_MAX_NUM_SEQS,
+    DTYPE_ITEMSIZE,
+)
+from kvpilot.operator.builtin_models import BUILTIN_MODELS
 from kvpilot.operator.modeluri import BuiltinModel
 from kvpilot.operator.spec import InferenceServiceSpec
-
-
-@dataclass(frozen=True)
-class ModelShape:
-    num_params: int
-    kv_elements_per_token: int  # K and V over all layers
-    hidden_size: int
-    intermediate_size: int
-    vocab_size: int
-
-
-BUILTIN_SHAPES = {
-    "smollm2-135m-instruct": ModelShape(
-        num_params=134_515_008,
-        kv_elements_per_token=11_520,
-        hidden_size=576,
-        intermediate_size=1536,
-        vocab_size=49_152,
-    ),
-}
-# Mirrors of the engine's defaults and its runtime allowance (engine/memory_fit.py).
-RUNTIME_BYTES = 1700 * 2**20
-DEFAULT_KV_CACHE_BYTES = 2**30
-DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
-DEFAULT_MAX_NUM_SEQS = 128
-ITEMSIZE = {"auto": 4, "float32": 4, "bfloat16": 2, "float16": 2}  # auto is float32 on CPU
 
 
 def cpu_memory_need(spec: InferenceServiceSpec) -> int | None:
@@ -47,17 +28,20 @@ def cpu_memory_need(spec: InferenceServiceSpec) -> int | None:
     source = spec.model.source
     if spec.gpus or not isinstance(source, BuiltinModel):
         return None
-    shape = BUILTIN_SHAPES[source.name]
+    shape = BUILTIN_MODELS[source.name]
     engine = spec.engine
-    itemsize = ITEMSIZE[engine.dtype or "auto"]
-    kv = spec.kv_cache_bytes or DEFAULT_KV_CACHE_BYTES
-    tokens = engine.max_num_batched_tokens or DEFAULT_MAX_NUM_BATCHED_TOKENS
-    seqs = engine.max_num_seqs or DEFAULT_MAX_NUM_SEQS
-    activations = (
-        tokens * (4 * shape.hidden_size + 3 * shape.intermediate_size) * itemsize
-        + 3 * seqs * shape.vocab_size * 4
+    dtype = engine.dtype or "auto"
+    need = sizing.cpu_memory_need(
+        num_params=shape.num_params,
+        hidden_size=shape.hidden_size,
+        intermediate_size=shape.intermediate_size,
+        vocab_size=shape.vocab_size,
+        itemsize=DTYPE_ITEMSIZE[AUTO_DTYPE["cpu"] if dtype == "auto" else dtype],
+        kv_cache_bytes=spec.kv_cache_bytes or DEFAULT_KV_CACHE_BYTES,
+        max_num_batched_tokens=engine.max_num_batched_tokens or DEFAULT_MAX_NUM_BATCHED_TOKENS,
+        max_num_seqs=engine.max_num_seqs or DEFAULT_MAX_NUM_SEQS,
     )
-    return shape.num_params * itemsize + kv + RUNTIME_BYTES + activations
+    return need.total
 
 
 def limit_problem(spec: InferenceServiceSpec) -> str | None:

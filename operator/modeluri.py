@@ -3,7 +3,7 @@
 hf://org/name[@revision]         downloaded by an init container into the model-cache volume
 pvc://claim[/path]               the claim is mounted as the model-cache volume
 file:///path                     a path inside the image
-builtin://smollm2-135m-instruct  the model bundled with the engine (no --model argument)
+builtin://NAME                   a model bundled with the engine (operator/builtin_models.py)
 """
 
 from __future__ import annotations
@@ -11,9 +11,8 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+from kvpilot.operator.builtin_models import BUILTIN_MODELS
 from kvpilot.operator.constants import MODEL_CACHE_MOUNT
-
-BUILTIN_MODELS = ("smollm2-135m-instruct",)
 
 # One RE2-compatible pattern (the API server's regex dialect) for the CRD schema, so that
 # `kubectl apply` rejects an unknown scheme before the operator ever sees it.
@@ -29,7 +28,8 @@ URI_PATTERN = (
 
 
 _ACCEPTED = (
-    f"use hf://org/name[@revision], pvc://claim/path, file:///path or builtin://{BUILTIN_MODELS[0]}"
+    "use hf://org/name[@revision], pvc://claim/path, file:///path or "
+    f"builtin://{next(iter(BUILTIN_MODELS))}"
 )
 
 

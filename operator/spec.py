@@ -21,7 +21,9 @@ from pydantic import (
 )
 
 from kvpilot.contract.kube import LABEL_INSTANCE, LABEL_NAME
+from kvpilot.contract.sizing import tensor_parallel_sizes
 from kvpilot.operator.autoscaling.spec import AutoscalingSpec
+from kvpilot.operator.builtin_models import BUILTIN_MODELS
 from kvpilot.operator.constants import NVIDIA_GPU
 from kvpilot.operator.extraargs import check_api_cpus, check_extra_args, check_placement
 from kvpilot.operator.kubetypes import (
@@ -34,7 +36,7 @@ from kvpilot.operator.kubetypes import (
     SecretKeyRef,
     Toleration,
 )
-from kvpilot.operator.modeluri import URI_PATTERN, ModelSource, parse_model_uri
+from kvpilot.operator.modeluri import URI_PATTERN, BuiltinModel, ModelSource, parse_model_uri
 
 # A namespace's name: a DNS-1123 label.
 NAMESPACE_PATTERN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
@@ -76,8 +78,9 @@ class ModelSpec(KubeModel):
         description=(
             "Where the weights come from: hf://org/name[@revision] (downloaded by an init "
             "container), pvc://claim/path (a PersistentVolumeClaim mounted read-only), "
-            "file:///path (inside the image) or builtin://smollm2-135m-instruct (bundled with "
-            "the engine, runs on CPU)."
+            "file:///path (inside the image) or "
+            f"{' or '.join(f'builtin://{name}' for name in BUILTIN_MODELS)} (bundled with the "
+            "engine, runs on CPU)."
         )
     )
     served_name: str | None = Field(
@@ -502,22 +505,6 @@ class InferenceServiceSpec(KubeModel):
         return 1 if self.replicas is None else self.replicas
 
 
-# (attention heads, KV heads, MLP width) of the models the operator knows without reading them.
-BUILTIN_MODEL_SHAPES = {"builtin://smollm2-135m-instruct": (9, 3, 1536)}
-
-
-def tensor_parallel_sizes(num_heads: int, num_kv_heads: int, intermediate: int) -> list[int]:
-    """The sizes the engine can split such a model over: dividing the heads and the MLP, with
-    the KV heads split evenly or replicated evenly."""
-    return [
-        n
-        for n in range(1, num_heads + 1)
-        if not num_heads % n
-        and not intermediate % n
-        and (not num_kv_heads % n if n <= num_kv_heads else not n % num_kv_heads)
-    ]
-
-
 def check_tensor_parallel_size(spec: InferenceServiceSpec) -> None:
     """ValueError, with the numbers, for a tensor-parallel size the pod or a known model cannot
     take (the engine checks every model again, before it starts any rank)."""
@@ -527,16 +514,17 @@ def check_tensor_parallel_size(spec: InferenceServiceSpec) -> None:
             f"engine.tensorParallelSize {given} exceeds gpus {spec.gpus}: each rank needs a GPU "
             "of its own"
         )
-    shape = BUILTIN_MODEL_SHAPES.get(spec.model.uri)
-    if shape is None:
+    model = spec.model.source
+    if not isinstance(model, BuiltinModel):
         return
-    allowed = tensor_parallel_sizes(*shape)
+    shape = BUILTIN_MODELS[model.name]
+    allowed = tensor_parallel_sizes(shape.num_heads, shape.num_kv_heads, shape.intermediate_size)
     if size not in allowed:
         source = "engine.tensorParallelSize" if given is not None else "gpus (the default size)"
         raise ValueError(
             f"tensor-parallel size {size} from {source} does not split {spec.model.uri} "
-            f"({shape[0]} attention heads, {shape[1]} KV heads): it takes {allowed}; set "
-            "engine.tensorParallelSize"
+            f"({shape.num_heads} attention heads, {shape.num_kv_heads} KV heads): it takes "
+            f"{allowed}; set engine.tensorParallelSize"
         )
 
 

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import torch
 
+from kvpilot.contract import sizing
 from kvpilot.engine.config import EngineConfig, ModelConfig
 from kvpilot.engine.core.messages import (
     AddRequest,
@@ -29,13 +30,7 @@ from kvpilot.engine.core.messages import (
 from kvpilot.engine.cpu.heap import retain_freed_memory
 from kvpilot.engine.executor.workers import TPWorkers
 from kvpilot.engine.kv_cache.block_manager import BlockManager
-from kvpilot.engine.memory_fit import (
-    RUNTIME_BYTES,
-    MemoryNeed,
-    activation_bytes,
-    check_memory_fit,
-    memory_limit,
-)
+from kvpilot.engine.memory_fit import check_memory_fit, memory_limit
 from kvpilot.engine.model.loader import read_hf_config, resolve_model, set_offline_defaults
 from kvpilot.engine.model_runner import LaunchedStep, ModelRunner
 from kvpilot.engine.sampling_params import SamplingParams
@@ -92,7 +87,7 @@ def check_prompt_fits(
         )
 
 
-def cpu_memory_need(config: EngineConfig, model: ModelConfig) -> MemoryNeed:
+def cpu_memory_need(config: EngineConfig, model: ModelConfig) -> sizing.MemoryNeed:
     """What a CPU engine with this config holds in RAM at its peak, both processes together."""
     itemsize = torch.empty((), dtype=config.resolved_dtype).element_size()
     cache = config.cache
@@ -102,15 +97,16 @@ def cpu_memory_need(config: EngineConfig, model: ModelConfig) -> MemoryNeed:
         kv = cache.kv_cache_bytes
     else:
         kv = int(cache.kv_cache_gib * 2**30)
-    working = RUNTIME_BYTES + activation_bytes(
-        max_num_batched_tokens=config.scheduler.max_num_batched_tokens,
-        max_num_seqs=config.scheduler.max_num_seqs,
+    return sizing.cpu_memory_need(
+        num_params=model.num_params,
         hidden_size=model.hidden_size,
         intermediate_size=model.intermediate_size,
         vocab_size=model.vocab_size,
         itemsize=itemsize,
+        kv_cache_bytes=kv,
+        max_num_batched_tokens=config.scheduler.max_num_batched_tokens,
+        max_num_seqs=config.scheduler.max_num_seqs,
     )
-    return MemoryNeed(weights=model.num_params * itemsize, kv_cache=kv, working=working)
 
 
 @dataclass(frozen=True)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from kvpilot.contract.sizing import tensor_parallel_problem
 from kvpilot.engine.config import ModelConfig, check_gpus_for_ranks
 
 
@@ -21,25 +22,11 @@ def check_tensor_parallel_size(cfg: ModelConfig, size: int, *, num_gpus: int | N
     if size < 1:
         raise ValueError(f"tensor_parallel_size must be >= 1, got {size}")
     check_gpus_for_ranks(size, num_gpus)
-    heads, kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
-    if heads % size:
-        raise ValueError(
-            f"tensor_parallel_size {size} does not divide the model's {heads} attention heads"
-        )
-    if kv_heads >= size and kv_heads % size:
-        raise ValueError(
-            f"tensor_parallel_size {size} does not divide the model's {kv_heads} KV heads"
-        )
-    if kv_heads < size and size % kv_heads:
-        raise ValueError(
-            f"tensor_parallel_size {size} is not a multiple of the model's {kv_heads} KV heads "
-            "(needed to replicate them)"
-        )
-    if cfg.intermediate_size % size:
-        raise ValueError(
-            f"tensor_parallel_size {size} does not divide the model's intermediate size "
-            f"{cfg.intermediate_size}"
-        )
+    problem = tensor_parallel_problem(
+        cfg.num_attention_heads, cfg.num_key_value_heads, cfg.intermediate_size, size
+    )
+    if problem is not None:
+        raise ValueError(problem)
 
 
 @dataclass(frozen=True)

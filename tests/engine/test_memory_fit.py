@@ -10,12 +10,15 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
+from kvpilot.contract.engine_choices import DTYPE_NAMES
+from kvpilot.contract.engine_defaults import DTYPE_ITEMSIZE
+from kvpilot.contract.sizing import MemoryNeed
 from kvpilot.engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from kvpilot.engine.core.engine_core import cpu_memory_need
 from kvpilot.engine.memory_fit import (
     MemoryFitError,
-    MemoryNeed,
     check_memory_fit,
     container_memory_limit,
     memory_limit,
@@ -84,6 +87,13 @@ def test_the_need_follows_dtype_and_kv_budget() -> None:
     assert bf16.working < fp32.working  # fewer, smaller activations
     blocks = cpu_memory_need(EngineConfig(cache=CacheConfig(num_blocks=10)), SMOLLM2)
     assert blocks.kv_cache == 10 * 16 * SMOLLM2.kv_bytes_per_token * 4
+
+
+def test_the_contracts_itemsizes_are_torchs() -> None:
+    """The operator sizes pods with the contract's table; the engine with torch's dtypes."""
+    assert set(DTYPE_ITEMSIZE) == set(DTYPE_NAMES)
+    for name, itemsize in DTYPE_ITEMSIZE.items():
+        assert torch.empty((), dtype=getattr(torch, name)).element_size() == itemsize
 
 
 def test_serve_refuses_to_start_over_its_memory_limit() -> None:

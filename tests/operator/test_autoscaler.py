@@ -12,8 +12,8 @@ from typing import Any
 
 import pytest
 
+from kvpilot.operator.autoscaler import Autoscaler
 from kvpilot.operator.autoscaling import AutoscalingPolicy, PodMetrics, ScrapeTarget
-from kvpilot.operator.autoscaling.autoscaler import Autoscaler
 from kvpilot.operator.autoscaling.scrape import ScrapeResult
 from kvpilot.operator.builders import selector_labels
 from kvpilot.operator.config import OperatorConfig

@@ -26,6 +26,7 @@ from kvpilot.engine.parallel.sharding import check_tensor_parallel_size
 from kvpilot.engine.server.cli import build_parser, engine_config
 from kvpilot.operator import crdgen
 from kvpilot.operator.builders import build_engine_args
+from kvpilot.operator.builtin_models import BUILTIN_MODELS, ModelShape
 from kvpilot.operator.spec import InvalidSpecError, parse_spec
 
 from .crd_schema import api_server_errors, crd_schema
@@ -260,16 +261,33 @@ def test_block_sizes_come_from_the_engine() -> None:
     ],
 )
 def test_the_operator_predicts_the_memory_the_engine_checks(engine: dict[str, Any]) -> None:
-    """The operator's arithmetic for the builtin model equals the engine's start-up check on the
-    bundled model's real config, for the flags the builder gives it."""
+    """The operator's need for the builtin model (its shape table, the contract's defaults and
+    dtype sizes) equals the engine's start-up check on the bundled model's real config, for the
+    flags the builder gives it (the same arithmetic, contract/sizing.py, on both sides)."""
     from kvpilot.engine.config import ModelConfig
     from kvpilot.engine.core.engine_core import cpu_memory_need
-    from kvpilot.engine.memory_fit import RUNTIME_BYTES
     from kvpilot.engine.model.loader import read_hf_config, resolve_model
     from kvpilot.operator import memory
 
-    assert memory.RUNTIME_BYTES == RUNTIME_BYTES
     spec = parse_spec({"model": BUILTIN, "engine": engine})
     parsed = build_parser().parse_args(build_engine_args(spec, "chat")[1:])
     model = ModelConfig.from_hf_config(read_hf_config(resolve_model(None, "auto").hf_dir))
     assert memory.cpu_memory_need(spec) == cpu_memory_need(engine_config(parsed), model).total
+
+
+def test_the_builtin_models_shapes_are_the_bundled_models() -> None:
+    """The operator's table of builtin models holds the engine's own reading of its bundled
+    model (the one `kvpilot serve` loads without --model)."""
+    model = model_shape(None)
+    assert {
+        "smollm2-135m-instruct": ModelShape(
+            num_params=model.num_params,
+            num_layers=model.num_hidden_layers,
+            num_heads=model.num_attention_heads,
+            num_kv_heads=model.num_key_value_heads,
+            head_dim=model.head_dim,
+            hidden_size=model.hidden_size,
+            intermediate_size=model.intermediate_size,
+            vocab_size=model.vocab_size,
+        )
+    } == BUILTIN_MODELS

@@ -10,9 +10,10 @@ from typing import Any
 
 import pytest
 
+from kvpilot.contract.sizing import tensor_parallel_sizes
 from kvpilot.operator.builders import Owner, build_deployment
 from kvpilot.operator.crdgen import build_crd
-from kvpilot.operator.spec import InvalidSpecError, parse_spec, tensor_parallel_sizes
+from kvpilot.operator.spec import InvalidSpecError, parse_spec
 from kvpilot.operator.status import Observed, build_status
 
 from .crd_schema import api_server_errors

@@ -1,0 +1,19 @@
+"""The engine's defaults that the operator must agree with: a spec that leaves an engine setting
+out gets these from `kvpilot serve`, and the operator sizes and checks the pod for the same
+values. Torch-free and import-free, so that both sides (and the operator's image, without torch)
+read them.
+"""
+
+from __future__ import annotations
+
+# The scheduler: sequences and tokens one step may hold (--max-num-seqs, --max-num-batched-tokens).
+DEFAULT_MAX_NUM_SEQS = 128
+DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
+# The KV-cache budget on CPU when none is given (--kv-cache-gib).
+DEFAULT_KV_CACHE_GIB = 1.0
+DEFAULT_KV_CACHE_BYTES = int(DEFAULT_KV_CACHE_GIB * 2**30)
+# Bytes per element of each dtype the engine takes by name (--dtype).
+DTYPE_ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2}
+# What --dtype auto resolves to on each device type: full precision where the CPU computes it
+# natively, bfloat16 on GPUs.
+AUTO_DTYPE = {"cpu": "float32", "cuda": "bfloat16"}

@@ -1,0 +1,96 @@
+"""Arithmetic on a model's shape that the engine and the operator must compute alike: the memory
+a CPU engine needs (the engine refuses to start above its container's limit; the operator refuses
+a limit the engine would refuse) and the tensor-parallel sizes a model can be split over (the
+engine refuses any other before it starts a rank; the operator refuses it in the spec).
+Pure and torch-free.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+# What the processes of `kvpilot serve` hold besides weights, KV cache and activations: the Python
+# runtimes and torch in the API process, the engine core and the big-body worker, the tokenizer
+# copies, oneDNN's packed weights and allocator slack. Measured with bench/example_memory.py
+# (bench/RESULTS.md): SmolLM2 float32, 768 MiB KV, under its example's maximum load: 3005 MiB of
+# process peaks = 513 weights + 768 KV + 58 activations + 1666 of this.
+RUNTIME_BYTES = 1700 * 2**20
+
+
+@dataclass(frozen=True)
+class MemoryNeed:
+    """What an engine holds in RAM at its peak, in bytes, by part."""
+
+    weights: int
+    kv_cache: int
+    working: int  # runtime + activations
+
+    @property
+    def total(self) -> int:
+        return self.weights + self.kv_cache + self.working
+
+
+def kv_bytes_per_token(*, num_layers: int, num_kv_heads: int, head_dim: int, itemsize: int) -> int:
+    """Bytes of K and V one token holds in the KV cache, over all layers."""
+    return 2 * num_layers * num_kv_heads * head_dim * itemsize
+
+
+def activation_bytes(
+    *, max_num_batched_tokens: int, max_num_seqs: int, hidden_size: int,
+    intermediate_size: int, vocab_size: int, itemsize: int,
+) -> int:  # fmt: skip
+    """A step's transient tensors: a few hidden-size and MLP-size rows per scheduled token, and
+    float32 logits (a few copies while sampling) per sequence."""
+    per_token = (4 * hidden_size + 3 * intermediate_size) * itemsize
+    return max_num_batched_tokens * per_token + 3 * max_num_seqs * vocab_size * 4
+
+
+def cpu_memory_need(
+    *, num_params: int, hidden_size: int, intermediate_size: int, vocab_size: int,
+    itemsize: int, kv_cache_bytes: int, max_num_batched_tokens: int, max_num_seqs: int,
+) -> MemoryNeed:  # fmt: skip
+    """What a CPU engine holds in RAM at its peak, all its processes together: the weights at
+    `itemsize` bytes each, the KV cache's budget, and the runtime plus one step's activations."""
+    working = RUNTIME_BYTES + activation_bytes(
+        max_num_batched_tokens=max_num_batched_tokens,
+        max_num_seqs=max_num_seqs,
+        hidden_size=hidden_size,
+        intermediate_size=intermediate_size,
+        vocab_size=vocab_size,
+        itemsize=itemsize,
+    )
+    return MemoryNeed(weights=num_params * itemsize, kv_cache=kv_cache_bytes, working=working)
+
+
+def tensor_parallel_problem(
+    num_heads: int, num_kv_heads: int, intermediate_size: int, size: int
+) -> str | None:
+    """Why `size` ranks (>= 1) cannot split a model of this shape, or None. Each rank takes an
+    equal share of the attention heads and of the MLP; the KV heads are split evenly when there
+    are at least as many as ranks, and replicated evenly otherwise."""
+    if num_heads % size:
+        return (
+            f"tensor_parallel_size {size} does not divide the model's {num_heads} attention heads"
+        )
+    if num_kv_heads >= size and num_kv_heads % size:
+        return f"tensor_parallel_size {size} does not divide the model's {num_kv_heads} KV heads"
+    if num_kv_heads < size and size % num_kv_heads:
+        return (
+            f"tensor_parallel_size {size} is not a multiple of the model's {num_kv_heads} KV "
+            "heads (needed to replicate them)"
+        )
+    if intermediate_size % size:
+        return (
+            f"tensor_parallel_size {size} does not divide the model's intermediate size "
+            f"{intermediate_size}"
+        )
+    return None
+
+
+def tensor_parallel_sizes(num_heads: int, num_kv_heads: int, intermediate_size: int) -> list[int]:
+    """Every size such a model can be split over, ascending."""
+    return [
+        size
+        for size in range(1, num_heads + 1)
+        if tensor_parallel_problem(num_heads, num_kv_heads, intermediate_size, size) is None
+    ]
