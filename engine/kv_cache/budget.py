@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from kvpilot.contract.sizing import kv_bytes_per_token
 from kvpilot.engine.config import CacheConfig
 
 if TYPE_CHECKING:
@@ -18,7 +19,10 @@ def kv_bytes_per_block(
 ) -> int:
     """K and V of one block over every layer; num_kv_heads is this rank's (the whole model's
     without tensor parallelism)."""
-    return 2 * num_layers * num_kv_heads * head_dim * itemsize * block_size
+    per_token = kv_bytes_per_token(
+        num_layers=num_layers, num_kv_heads=num_kv_heads, head_dim=head_dim, itemsize=itemsize
+    )
+    return per_token * block_size
 
 
 def kv_budget_bytes(cache: CacheConfig, device: torch.device) -> int:
