@@ -121,7 +121,7 @@ def paged_attention(
 class CpuAttentionBackend:
     name = "cpu"
     # False: steps with prefill chunks take the torch reference per sequence (and the decode kernel
-    # for their decodes), as before the varlen kernel; bench/engine_step_breakdown.py's A/B.
+    # for their decodes): the reference the varlen kernel is measured against (bench/RESULTS.md).
     varlen_kernel = True
 
     def __init__(self) -> None:

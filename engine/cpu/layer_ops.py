@@ -143,7 +143,8 @@ def rms_norm(
     same order either way (identical results), and the whole mean is ~25-50 us at 2048 tokens,
     but an OpenMP region waits for its slowest thread: with another process on the cores, one
     descheduled thread held a 2-thread mean for milliseconds (mean 1.8 ms, p90 7.9 ms per call,
-    61 calls per step; bench/RESULTS.md, issue 12). False: torch's parallel mean (bench A/B)."""
+    61 calls per step; bench/RESULTS.md, "Engine core in its own process"). False: torch's
+    parallel mean (bench A/B)."""
     tensors = (x, weight) if residual is None else (x, weight, residual)
     if (
         lib is None

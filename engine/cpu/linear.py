@@ -1,7 +1,7 @@
 """Linear layers on CPU through kvpilot's own kernel (csrc/linear.c), weights packed once at load.
 
 The kernel streams each 16-column weight panel once per 8 rows, every accumulator in a register:
-against oneDNN's packed linear on SmolLM2's 30 layers (bench/cpu_small_m_linears.py), 1.2-1.6x at
+against oneDNN's packed linear on SmolLM2's 30 layers (bench/RESULTS.md), 1.2-1.6x at
 decode batches of 1-32 rows, 1.1-1.2x at 64, level at 512 rows, and 1.03-1.05x at a prefill
 step's 2048, whose outputs it writes with streaming stores. So it replaces oneDNN for every batch
 size, with one copy of each weight (the original is released, as PackedLinear releases its own).

@@ -396,7 +396,7 @@ def max_block_q(group: int) -> int:
 
 def default_tile_n(block_q: int, head_dim: int) -> int:
     """Keys per iteration: decode tiles of 128 keys were 6-9% faster than 64 at 256-512 sequences
-    of ~400 tokens on an H200 (bench/attention_tuning.py)."""
+    of ~400 tokens on an H200 (bench/RESULTS.md)."""
     if max(16, next_power_of_2(head_dim)) > 128:
         return 32
     return 128 if block_q == 1 else 64

@@ -3,8 +3,8 @@ layout.
 
 A plain `F.linear` on CPU hands a row-major weight to oneDNN (bfloat16), which may reorder it on
 every call, or to MKL's sgemm (float32), which on the development VM runs the model's shapes well
-below oneDNN's packed kernels (the lm_head at batch 32: 2.4x). `bench/cpu_matmul_ceiling.py
---packed` measures both dtypes for each of the model's shapes. The packed layer replaces the
+below oneDNN's packed kernels (the lm_head at batch 32: 2.4x). bench/RESULTS.md has both dtypes
+for each of the model's shapes. The packed layer replaces the
 weight, so memory does not double (but see pack_linears on a tied lm_head).
 
 Numerics: in bfloat16 the packed layer computes the same products bit for bit (on the development

@@ -2,9 +2,9 @@
 Schema check), and the registry of backends.
 
 Two backends sit behind it (registry.py picks one by name): xgrammar (the default, picked by
-measurement: bench/grammar_backends.py and bench/RESULTS.md "issue 16") and llguidance. Everything
-library-specific stays in its own module; the engine sees only `GrammarBackend` and
-`GrammarMatcher`.
+measurement: bench/grammar_backends.py and bench/RESULTS.md "Structured outputs") and
+llguidance. Everything library-specific stays in its own module; the engine sees only
+`GrammarBackend` and `GrammarMatcher`.
 
 JSON is generated compact (no free whitespace between tokens): a small model left free to emit
 whitespace can spend its whole max_tokens on newlines, and compact output is fewer tokens.

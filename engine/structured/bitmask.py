@@ -6,7 +6,8 @@ Two ways, both exact: the packed bitmask applied after the forward pass, or an a
 
 Both grammar backends fill this one format. It is applied with xgrammar's kernel (a C++ loop on
 CPU, a GPU kernel on CUDA), which on a busy 2-core VM took ~14 ms against ~38 ms for the unpacking
-in torch below at 32 x 49152 (bench/RESULTS.md, issue 16); the torch path stays as the reference.
+in torch below at 32 x 49152 (bench/RESULTS.md, "Structured outputs"); the torch path stays as
+the reference.
 """
 
 from __future__ import annotations

@@ -1,9 +1,11 @@
 """The engine's import structure: no import circles, the model knows only interfaces, and LayerOps
 is defined once.
 
-The attention backends used to close a circle (attention/__init__ -> cpu/attention_backend ->
-cpu/layer_ops -> model/llama -> attention) that only the lazy import in get_attention_backend kept
-from failing; which module a process imported first decided whether it would.
+The attention backends and the model meet in four packages (attention/__init__ ->
+cpu/attention_backend -> cpu/layer_ops -> model/llama -> attention): the model may import only the
+interfaces, and only get_attention_backend may reach down to an implementation by name, lazily,
+or which module a process imported first would decide whether the import fails. (Every kvpilot
+package's layering is tests/test_layers.py.)
 """
 
 from __future__ import annotations
@@ -111,7 +113,7 @@ def reachable(graph: dict[str, set[str]], start: str) -> set[str]:
     return seen
 
 
-def test_the_graph_sees_the_modules_of_the_old_circle() -> None:
+def test_the_graph_sees_the_backends_and_the_models_imports() -> None:
     graph = import_graph(module_level_only=False)
     assert f"{PREFIX}.cpu.layer_ops" in graph[f"{PREFIX}.cpu.attention_backend"]
     assert f"{PREFIX}.attention.base" in graph[f"{PREFIX}.model.llama"]
@@ -146,8 +148,8 @@ def run_python(code: str) -> None:
     assert result.returncode == 0, result.stderr[-4000:]
 
 
-# Each first in a fresh interpreter, then the rest of the old circle in every rotation: whichever
-# module a process happens to import first must not matter.
+# Each first in a fresh interpreter, then the rest in every rotation: whichever module a process
+# happens to import first must not matter.
 CIRCLE = (
     f"{PREFIX}.attention",
     f"{PREFIX}.cpu.attention_backend",

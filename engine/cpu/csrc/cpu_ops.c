@@ -258,7 +258,7 @@ DEFINE_BLOCK_OPS(bf16, uint16_t, bf16_to_f32)
  * cached key and value once, would wait on memory at every one of them. A decode keeps the
  * blocks of its next PREFETCH_TOKENS tokens requested (into L2: 512 float32 rows of 64, keys and
  * values, are 256 KB), so their misses overlap each other and the arithmetic.
- * -DKVPILOT_NO_PREFETCH builds without (bench/cpu_decode_attention_bench.py's A/B). */
+ * -DKVPILOT_NO_PREFETCH builds without (the A/B in bench/RESULTS.md). */
 #define PREFETCH_TOKENS 512
 static inline void prefetch_block(const char *k, const char *v, int64_t k_stride, int64_t v_stride,
                                   int64_t n, int64_t row_bytes) {
@@ -285,7 +285,7 @@ static inline void prefetch_block(const char *k, const char *v, int64_t k_stride
  * lose its core for a while), and each thread claims its next unit before it works on the one in
  * hand, whose P.V pass asks for that next unit's first blocks, one per block it adds up: their
  * misses overlap this unit's arithmetic instead of stalling the next unit's start
- * (bench/cpu_decode_attention_bench.py). */
+ * (bench/RESULTS.md). */
 #define NEXT_PREFETCH_BLOCKS 4
 #define DECODE_LOOP(SUFFIX)                                                                       \
     const int64_t num_units = num_seqs * num_kv_heads;                                            \
@@ -1089,7 +1089,7 @@ int kvpilot_set_openmp_threads(int threads) {
 #endif
 }
 
-/* ---- The MLP's dense path (issue 12) ------------------------------------------------------- */
+/* ---- The MLP's dense path ---------------------------------------------------------------- */
 
 /* SiLU-and-multiply over the merged gate_up projection: gate_up [tokens, 2 * inter] (row stride
  * `stride` elements, gate first), out [tokens, inter] contiguous:

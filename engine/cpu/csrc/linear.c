@@ -2,7 +2,7 @@
  *
  * Why our own: a decode step multiplies a few rows (M = running sequences) by every weight once.
  * There oneDNN's packed kernels took 1.1-1.6x this kernel's time on SmolLM2's linears (1-64 rows;
- * level at prefill's hundreds to thousands: bench/cpu_small_m_linears.py, bench/RESULTS.md).
+ * level at prefill's hundreds to thousands: bench/RESULTS.md).
  *
  * Packed layout (N a multiple of 16: the Python side keeps oneDNN for other widths): the output
  * columns in groups of 3 panels of 16 (the last group 1-3 panels), one after the other; a group of
@@ -215,7 +215,7 @@ static inline int64_t claim_item(item_run *run, int own) {
  * filled before the parallel region and every thread drains every run, so all items are computed
  * whatever team size OpenMP gives. */
 #if defined(KVPILOT_LINEAR_STATIC)
-/* The former split, for A/B runs (bench/cpu_neighbour_bench.py): schedule(static), no stealing. */
+/* A static split, for A/B runs against the stealing one: schedule(static), no stealing. */
 #define FOR_EACH_ITEM(items, ...)                                                              \
     _Pragma("omp parallel for schedule(static)")                                               \
     for (int64_t item = 0; item < (items); item++) __VA_ARGS__
@@ -244,8 +244,7 @@ static inline int64_t claim_item(item_run *run, int own) {
 /* Whether to write y with streaming (non-temporal) stores. An ordinary store that misses reads its
  * line first; a prefill step's outputs (megabytes: 2048 rows x 3072 columns is 25 MB in float32)
  * are then read in only to be overwritten, and evicted before the next op gets to them. Streaming
- * them made a 2048-token prefill step 4-6 % faster in both dtypes (bench/prefill_step_split.py,
- * bench/RESULTS.md); a decode step's outputs stay under the threshold, except the lm_head's logits,
+ * them made a 2048-token prefill step 4-6 % faster in both dtypes (bench/RESULTS.md); a decode step's outputs stay under the threshold, except the lm_head's logits,
  * where sampling after either kind of store took the same time. Each 16-column store must be
  * aligned to its width (64 B float32, 32 B bfloat16); an output that is not keeps ordinary ones. */
 #ifndef LIN_STREAM_BYTES /* -DLIN_STREAM_BYTES=... builds a variant for A/B runs */
