@@ -18,17 +18,24 @@ Systems, in one run:
   compared.
 
     python bench/offline_throughput.py --num-requests 64 --max-batch 32
+
+With --baseline-src DIR (a directory holding another build's `kvpilot` package, e.g.
+`mkdir -p DIR/kvpilot && git archive <commit> engine operator router cli | tar -x -C DIR/kvpilot`),
+that build's engine runs too, in a worker of its own, in every round beside this one: the ratio of
+the two and whether their greedy outputs are the same token for token.
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import multiprocessing
 import os
 import random
+import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from multiprocessing.connection import Connection
 from pathlib import Path
 
@@ -59,6 +66,7 @@ class Result:
     num_requests: int
     output_tokens: int
     seconds: float
+    outputs_digest: str | None = None  # of every request's output token ids (kvpilot's runs)
 
     @property
     def tokens_per_s(self) -> float:
@@ -100,7 +108,8 @@ def run_kvpilot(llm: object, ids: list[list[int]], requests: list[Request]) -> R
     seconds = time.perf_counter() - start
     produced = sum(len(o.outputs[0].token_ids) for o in outputs)
     assert produced == sum(r.max_tokens for r in requests), "kvpilot did not produce every token"
-    return Result("kvpilot (continuous batching)", len(requests), produced, seconds)
+    digest = hashlib.sha256(repr([o.outputs[0].token_ids for o in outputs]).encode()).hexdigest()
+    return Result("kvpilot (continuous batching)", len(requests), produced, seconds, digest)
 
 
 @torch.inference_mode()
@@ -155,7 +164,9 @@ def system_worker(system: str, args: argparse.Namespace, conn: Connection) -> No
     """One system in its own process, so neither inherits the other's allocator, thread-pool or
     oneDNN kernel-cache state: loads its model once, then runs what the parent sends."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    if system == "kvpilot":
+    if system == "kvpilot-base":
+        sys.path.insert(0, args.baseline_src)  # before any kvpilot import
+    if system.startswith("kvpilot"):
         from kvpilot.engine import LLM
 
         llm = LLM(
@@ -186,6 +197,10 @@ def system_worker(system: str, args: argparse.Namespace, conn: Connection) -> No
             # Every run starts as cold as the first: no prompt block cached by an earlier one.
             assert llm.reset_prefix_cache()
             conn.send(run_kvpilot(llm, *payload))
+        elif command == "source":
+            import kvpilot.engine
+
+            conn.send(kvpilot.engine.__file__)
         elif command == "static":
             conn.send(run_hf_static(hf, *payload, args.max_batch))
         elif command == "single":
@@ -238,6 +253,11 @@ def main() -> None:
         choices=["auto", "torch", "cpu"],
         help="kvpilot's attention backend (auto: the C kernels on CPU)",
     )
+    ap.add_argument(
+        "--baseline-src",
+        default=None,
+        help="a directory holding another build's kvpilot package, run beside this one",
+    )
     ap.add_argument("--out", default="bench/out/offline_throughput.json")
     ap.add_argument(
         "--plot", default=None, help="PNG of the three throughputs (default: next to --out)"
@@ -246,6 +266,9 @@ def main() -> None:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     # Only one worker computes at a time; the other waits on its pipe.
     kvpilot = Worker("kvpilot", args)
+    baseline = Worker("kvpilot-base", args) if args.baseline_src else None
+    if baseline is not None:
+        print(f"this build: {kvpilot('source')}; baseline: {baseline('source')}")
     transformers = Worker("transformers", args)
     requests = make_requests(args.num_requests, args.min_out, args.max_out, args.seed)
     ids, pad = kvpilot("prompt_ids", requests)
@@ -261,29 +284,45 @@ def main() -> None:
     warm = make_requests(args.num_requests, 8, 8, args.seed + 1, first_index=10_000)
     warm_ids, _ = kvpilot("prompt_ids", warm)
     kvpilot("kvpilot", warm_ids, warm)
+    if baseline is not None:
+        baseline("kvpilot", warm_ids, warm)
     transformers("static", pad, warm_ids[: args.max_batch], warm[: args.max_batch])
     transformers("single", pad, warm_ids[:1], warm[:1])
 
     # Interleaved rounds, so that both systems see the same drift of a shared machine.
     rounds: list[tuple[Result, Result]] = []
+    baseline_rounds: list[Result] = []
     for round_index in range(args.repeats):
         print(f"round {round_index + 1} of {args.repeats}")
-        rounds.append(
-            (kvpilot("kvpilot", ids, requests), transformers("static", pad, ids, requests))
-        )
+        ours_round = kvpilot("kvpilot", ids, requests)
+        if baseline is not None:
+            baseline_rounds.append(
+                replace(baseline("kvpilot", ids, requests), system="kvpilot baseline build")
+            )
+        rounds.append((ours_round, transformers("static", pad, ids, requests)))
     single = transformers("single", pad, ids[: args.single_subset], requests[: args.single_subset])
-    kvpilot.stop()
-    transformers.stop()
+    for worker in (kvpilot, baseline, transformers):
+        if worker is not None:
+            worker.stop()
     results = [
         median_result([r[0] for r in rounds]),
+        *([median_result(baseline_rounds)] if baseline_rounds else []),
         median_result([r[1] for r in rounds]),
         single,
     ]
     ours = results[0].tokens_per_s
-    print(f"\n{'round':>5} {'kvpilot tok/s':>14} {'static tok/s':>13} {'ratio':>6}")
+    print(f"\n{'round':>5} {'kvpilot tok/s':>14} {'static tok/s':>13} {'ratio':>6}", end="")
+    print(f" {'baseline tok/s':>15} {'ours/baseline':>13}" if baseline_rounds else "")
     for i, (k, st) in enumerate(rounds, 1):
         ratio = k.tokens_per_s / st.tokens_per_s
-        print(f"{i:5d} {k.tokens_per_s:14.1f} {st.tokens_per_s:13.1f} {ratio:6.2f}")
+        print(f"{i:5d} {k.tokens_per_s:14.1f} {st.tokens_per_s:13.1f} {ratio:6.2f}", end="")
+        if baseline_rounds:
+            b = baseline_rounds[i - 1]
+            print(f" {b.tokens_per_s:15.1f} {k.tokens_per_s / b.tokens_per_s:13.3f}", end="")
+        print()
+    if baseline_rounds:
+        same = {r.outputs_digest for r, _ in rounds} == {b.outputs_digest for b in baseline_rounds}
+        print(f"greedy outputs of this build and the baseline identical: {same}")
     print(
         f"\n{'system (median of rounds)':34} {'requests':>8} {'out tokens':>10} {'seconds':>8} "
         f"{'tok/s':>8} {'ours/x':>7}"
@@ -301,7 +340,12 @@ def main() -> None:
                 "results": [asdict(r) | {"tokens_per_s": r.tokens_per_s} for r in results],
                 "rounds": [
                     {"kvpilot_tokens_per_s": k.tokens_per_s, "static_tokens_per_s": st.tokens_per_s}
-                    for k, st in rounds
+                    | (
+                        {"baseline_tokens_per_s": baseline_rounds[i].tokens_per_s}
+                        if baseline_rounds
+                        else {}
+                    )
+                    for i, (k, st) in enumerate(rounds)
                 ],
             },
             indent=2,
@@ -322,7 +366,8 @@ def plot_results(results: list[Result], args: argparse.Namespace, path: Path) ->
     fig, ax = plt.subplots(figsize=(7, 3.2))
     names = [r.system for r in results]
     rates = [r.tokens_per_s for r in results]
-    bars = ax.barh(names[::-1], rates[::-1], color=["#999999", "#bbbbbb", "#2b6cb0"])
+    colors = ["#2b6cb0", *["#bbbbbb", "#999999", "#777777"][: len(results) - 1]]
+    bars = ax.barh(names[::-1], rates[::-1], color=colors[::-1])
     for bar, rate in zip(bars, rates[::-1], strict=True):
         ax.text(
             bar.get_width(),

@@ -143,18 +143,25 @@ class ResponseHeader:
     model: str
 
 
-def completion_body(
-    header: ResponseHeader, choices: list[dict[str, Any]], usage_body: dict[str, Any]
+def _response_body(
+    header: ResponseHeader, kind: str, choices: list[dict[str, Any]], usage_body: dict[str, Any]
 ) -> dict[str, Any]:
+    """A whole response (or a stream's usage chunk): one shape for every object kind."""
     return {
         "id": header.id,
-        "object": "text_completion",
+        "object": kind,
         "created": header.created,
         "model": header.model,
         "choices": choices,
         "usage": usage_body,
         "system_fingerprint": None,
     }
+
+
+def completion_body(
+    header: ResponseHeader, choices: list[dict[str, Any]], usage_body: dict[str, Any]
+) -> dict[str, Any]:
+    return _response_body(header, "text_completion", choices, usage_body)
 
 
 def completion_choice(
@@ -194,15 +201,7 @@ def completion_chunk(
 def chat_body(
     header: ResponseHeader, choices: list[dict[str, Any]], usage_body: dict[str, Any]
 ) -> dict[str, Any]:
-    return {
-        "id": header.id,
-        "object": "chat.completion",
-        "created": header.created,
-        "model": header.model,
-        "choices": choices,
-        "usage": usage_body,
-        "system_fingerprint": None,
-    }
+    return _response_body(header, "chat.completion", choices, usage_body)
 
 
 def chat_choice(
@@ -243,12 +242,4 @@ def chat_chunk_choice(
 
 def usage_chunk(header: ResponseHeader, obj: str, usage_body: dict[str, Any]) -> dict[str, Any]:
     """The last chunk of a stream with stream_options.include_usage: no choices, just usage."""
-    return {
-        "id": header.id,
-        "object": obj,
-        "created": header.created,
-        "model": header.model,
-        "choices": [],
-        "usage": usage_body,
-        "system_fingerprint": None,
-    }
+    return _response_body(header, obj, [], usage_body)

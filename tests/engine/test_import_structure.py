@@ -37,17 +37,16 @@ def engine_modules() -> dict[str, Path]:
     return modules
 
 
-def imported_names(tree: ast.Module, module_level_only: bool) -> list[tuple[str, str | None]]:
-    """(imported dotted name, enclosing top-level function or None) for every absolute import;
-    `from a import b` yields both a and a.b, since b may be a module. TYPE_CHECKING blocks never
-    run, so they are left out."""
+def imported_names(tree: ast.Module) -> list[tuple[str, str | None]]:
+    """(imported dotted name, enclosing top-level function or None) for every absolute import,
+    lazy ones included; `from a import b` yields both a and a.b, since b may be a module.
+    TYPE_CHECKING blocks never run, so they are left out."""
     found: list[tuple[str, str | None]] = []
 
     def visit(node: ast.AST, function: str | None) -> None:
         for child in ast.iter_child_nodes(node):
             if isinstance(child, ast.FunctionDef | ast.AsyncFunctionDef):
-                if not module_level_only:
-                    visit(child, function or child.name)
+                visit(child, function or child.name)
                 continue
             if isinstance(child, ast.If) and "TYPE_CHECKING" in ast.unparse(child.test):
                 continue
@@ -62,7 +61,7 @@ def imported_names(tree: ast.Module, module_level_only: bool) -> list[tuple[str,
     return found
 
 
-def import_graph(module_level_only: bool) -> dict[str, set[str]]:
+def import_graph() -> dict[str, set[str]]:
     """Engine module -> the engine modules importing it runs. Importing a.b.c also runs a.b's
     __init__, except where the importer lives in a.b itself (its package is already running)."""
     modules = engine_modules()
@@ -70,7 +69,7 @@ def import_graph(module_level_only: bool) -> dict[str, set[str]]:
     for name, path in modules.items():
         parts = name.split(".")
         running = {".".join(parts[:i]) for i in range(1, len(parts) + (path.stem == "__init__"))}
-        for target, function in imported_names(ast.parse(path.read_text()), module_level_only):
+        for target, function in imported_names(ast.parse(path.read_text())):
             if (name, function) in REGISTRIES:
                 continue
             pieces = target.split(".")
@@ -79,28 +78,6 @@ def import_graph(module_level_only: bool) -> dict[str, set[str]]:
                 if dep in modules and dep not in running and dep != name:
                     graph[name].add(dep)
     return graph
-
-
-def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
-    state: dict[str, int] = {}  # 1: on the current path, 2: done
-    path: list[str] = []
-
-    def visit(node: str) -> list[str] | None:
-        state[node] = 1
-        path.append(node)
-        for dep in sorted(graph[node]):
-            if state.get(dep) == 1:
-                return [*path[path.index(dep) :], dep]
-            if dep not in state and (cycle := visit(dep)):
-                return cycle
-        path.pop()
-        state[node] = 2
-        return None
-
-    for node in sorted(graph):
-        if node not in state and (cycle := visit(node)):
-            return cycle
-    return None
 
 
 def reachable(graph: dict[str, set[str]], start: str) -> set[str]:
@@ -114,28 +91,20 @@ def reachable(graph: dict[str, set[str]], start: str) -> set[str]:
 
 
 def test_the_graph_sees_the_backends_and_the_models_imports() -> None:
-    graph = import_graph(module_level_only=False)
+    graph = import_graph()
     assert f"{PREFIX}.cpu.layer_ops" in graph[f"{PREFIX}.cpu.attention_backend"]
     assert f"{PREFIX}.attention.base" in graph[f"{PREFIX}.model.llama"]
 
 
-@pytest.mark.parametrize("module_level_only", (True, False), ids=("at-import", "with-lazy"))
-def test_no_import_circle(module_level_only: bool) -> None:
-    """Lazy imports count too (they run later, but a circle through them is still one module
-    needing the other's half-built state), except the by-name backend registry."""
-    cycle = find_cycle(import_graph(module_level_only))
-    assert cycle is None, "import circle: " + " -> ".join(cycle or [])
-
-
 @pytest.mark.parametrize("module", MODEL)
 def test_the_model_imports_only_interfaces(module: str) -> None:
-    reached = reachable(import_graph(module_level_only=False), module)
+    reached = reachable(import_graph(), module)
     wrong = sorted(m for m in reached if m.startswith(IMPLEMENTATIONS))
     assert not wrong, f"{module} reaches implementations: {wrong}"
 
 
 def test_implementations_do_not_import_the_model() -> None:
-    graph = import_graph(module_level_only=False)
+    graph = import_graph()
     for name, deps in graph.items():
         if name.startswith(IMPLEMENTATIONS):
             assert f"{PREFIX}.model.llama" not in deps, f"{name} imports the model"
@@ -210,7 +179,7 @@ def test_the_engine_never_imports_the_operator() -> None:
     wrong = [
         f"{path.relative_to(REPO)}: {name}"
         for path in ENGINE.rglob("*.py")
-        for name, _ in imported_names(ast.parse(path.read_text()), module_level_only=False)
+        for name, _ in imported_names(ast.parse(path.read_text()))
         if name.startswith(("kvpilot.operator", "kvpilot.cli"))
     ]
     assert not wrong, wrong
