@@ -6,6 +6,7 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from kvpilot.contract.load_metrics import ROUTER_HELD_REQUESTS, ROUTER_IN_FLIGHT_REQUESTS
 from kvpilot.contract.prometheus import Family
 
 PREFIX_BUCKETS = (0, 16, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768)
@@ -24,13 +25,8 @@ PREFIX_MATCH_TOKENS = Family(
     ("model",),
     buckets=PREFIX_BUCKETS,
 )
-HELD_REQUESTS = Family(
-    Gauge,
-    "kvpilot_router_held_requests",
-    "Requests held for a model with no routable replica (scale from zero)",
-    # The InferenceService's labels: the operator's autoscaler adds these to its queue.
-    ("model", "namespace", "inferenceservice"),
-)
+# The InferenceService's labels: the operator's autoscaler adds these to its queue.
+HELD_REQUESTS = ROUTER_HELD_REQUESTS
 HOLD_SECONDS = Family(
     Histogram,
     "kvpilot_router_hold_seconds",
@@ -44,12 +40,7 @@ HOLD_REJECTIONS = Family(
     "Held requests answered 503 (queue full or hold timeout)",
     ("model", "why"),
 )
-IN_FLIGHT_REQUESTS = Family(
-    Gauge,
-    "kvpilot_router_in_flight_requests",
-    "Requests this router has sent to replicas and not yet seen finish",
-    ("model", "namespace", "inferenceservice"),
-)
+IN_FLIGHT_REQUESTS = ROUTER_IN_FLIGHT_REQUESTS
 UPSTREAM_ERRORS = Family(
     Counter,
     "kvpilot_router_upstream_errors",

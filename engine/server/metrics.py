@@ -18,13 +18,19 @@ from typing import Any
 import prometheus_client
 from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 
+from kvpilot.contract.load_metrics import (
+    GPU_CACHE_USAGE,
+    KV_CACHE_USAGE,
+    KVPILOT,
+    NUM_REQUESTS_RUNNING,
+    NUM_REQUESTS_WAITING,
+    VLLM,
+)
 from kvpilot.contract.prometheus import Family
 from kvpilot.engine.outputs import RequestOutput
 from kvpilot.engine.sampling_params import SamplingParams
 from kvpilot.engine.server.histograms import Histogram, HistogramSet
 
-KVPILOT = "kvpilot"
-VLLM = "vllm"
 # vLLM labels its metrics with the index of the engine core (data parallelism); kvpilot runs one.
 VLLM_ENGINE_INDEX = "0"
 
@@ -85,18 +91,8 @@ class EngineCounters:
 # and vLLM's dashboards read: tests/server/test_metrics.py holds them to a literal table.
 _Histogram = prometheus_client.Histogram  # the family's type (the counts are histograms.py's)
 
-# Engine state, read at scrape time.
-NUM_REQUESTS_WAITING = Family(
-    Gauge,
-    "num_requests_waiting",
-    "Requests waiting to be scheduled (queued in the engine or being handed to it).",
-)
-NUM_REQUESTS_RUNNING = Family(
-    Gauge, "num_requests_running", "Requests in the engine's running batch (prefill or decode)."
-)
-KV_CACHE_USAGE = Family(
-    Gauge, "kv_cache_usage_perc", "Fraction of KV-cache blocks held by running requests (0 to 1)."
-)
+# Engine state, read at scrape time: NUM_REQUESTS_WAITING, NUM_REQUESTS_RUNNING and
+# KV_CACHE_USAGE, the rows the autoscaler reads (kvpilot.contract.load_metrics).
 # Engine counters, advanced by deltas of the engine's cumulative stats.
 PREFIX_CACHE_QUERIES = Family(
     Counter, "prefix_cache_queries", "Prompt tokens looked up in the prefix cache."
@@ -203,9 +199,7 @@ CACHE_CONFIG_INFO = Family(
 # vLLM's pre-0.9 names, shown under vllm: only, each beside the family it aliases: still read by
 # many KEDA and HPA recipes (gpu_cache_usage_perc) and older dashboards (the prefix cache's).
 VLLM_ALIASES = {
-    KV_CACHE_USAGE: Family(
-        Gauge, "gpu_cache_usage_perc", f"Deprecated alias of {VLLM}:kv_cache_usage_perc."
-    ),
+    KV_CACHE_USAGE: GPU_CACHE_USAGE,
     PREFIX_CACHE_QUERIES: Family(
         Counter, "gpu_prefix_cache_queries", f"Deprecated alias of {VLLM}:prefix_cache_queries."
     ),

@@ -21,6 +21,7 @@ from typing import Any
 
 from prometheus_client.parser import text_string_to_metric_families
 
+from kvpilot.contract.load_metrics import ROUTER_HELD_REQUESTS, ROUTER_IN_FLIGHT_REQUESTS
 from kvpilot.operator.autoscaling.pods import is_pod_ready
 from kvpilot.operator.autoscaling.scrape import (
     MetricsParseError,
@@ -31,8 +32,8 @@ from kvpilot.operator.autoscaling.scrape import (
 
 logger = logging.getLogger(__name__)
 
-HELD = "kvpilot_router_held_requests"
-IN_FLIGHT = "kvpilot_router_in_flight_requests"
+HELD = ROUTER_HELD_REQUESTS.name
+IN_FLIGHT = ROUTER_IN_FLIGHT_REQUESTS.name
 ROUTER_CONTAINER = "router"
 ROUTER_PORT_NAME = "http"
 DEFAULT_ROUTER_PORT = 8080

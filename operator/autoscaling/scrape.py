@@ -14,17 +14,21 @@ from dataclasses import dataclass
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
+from kvpilot.contract.load_metrics import (
+    GPU_CACHE_USAGE,
+    KV_CACHE_USAGE,
+    NUM_REQUESTS_RUNNING,
+    NUM_REQUESTS_WAITING,
+    VLLM,
+    engine_names,
+)
 from kvpilot.operator.autoscaling.observations import PodMetrics
 
 # kvpilot's own names first, then the vLLM-compatible aliases the engine also exports
 # (and vLLM's older name for the KV-cache gauge), so any vLLM-compatible server works too.
-WAITING_NAMES = ("kvpilot:num_requests_waiting", "vllm:num_requests_waiting")
-RUNNING_NAMES = ("kvpilot:num_requests_running", "vllm:num_requests_running")
-KV_USAGE_NAMES = (
-    "kvpilot:kv_cache_usage_perc",
-    "vllm:kv_cache_usage_perc",
-    "vllm:gpu_cache_usage_perc",
-)
+WAITING_NAMES = engine_names(NUM_REQUESTS_WAITING)
+RUNNING_NAMES = engine_names(NUM_REQUESTS_RUNNING)
+KV_USAGE_NAMES = (*engine_names(KV_CACHE_USAGE), f"{VLLM}:{GPU_CACHE_USAGE.name}")
 DEFAULT_TIMEOUT_S = 1.0
 MAX_BODY_BYTES = 4 * 1024 * 1024
 SCRAPE_ERROR_KINDS = ("timeout", "connect", "http_status", "too_large", "parse", "no_ip")
