@@ -43,8 +43,10 @@ BELOW = {
         "kvpilot.engine.model_runner", "kvpilot.engine.core", "kvpilot.engine.executor",
         "kvpilot.engine.model", "kvpilot.engine.server",
     ),
+    # The autoscaler loop (operator/autoscaler.py) drives it and writes through reconcile.
     "kvpilot.operator.autoscaling": (
         "kvpilot.operator.reconcile", "kvpilot.operator.handlers", "kvpilot.operator.builders",
+        "kvpilot.operator.autoscaler",
     ),
 }  # fmt: skip
 
@@ -191,5 +193,8 @@ def test_the_checks_see_a_circle_and_an_arrow_up() -> None:
     assert "kvpilot.engine.kv_cache" in engine["kvpilot.engine.scheduler"]
     assert "kvpilot.engine.parallel" in engine["kvpilot.engine.model"]
     assert "kvpilot.engine.model_runner" in engine["kvpilot.engine.executor"]
+    operator = unit_graph("kvpilot.operator")
+    assert "kvpilot.operator.autoscaling" in operator["kvpilot.operator.autoscaler"]
+    assert "kvpilot.operator.reconcile" in operator["kvpilot.operator.handlers"]
     assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
     assert find_cycle({"a": {"b"}, "b": set()}) is None
