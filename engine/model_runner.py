@@ -120,8 +120,6 @@ class ModelRunner:
         self.kv_pool = PagedKVPool(
             layout, num_blocks, self.dtype, self.device, with_null_block=use_graphs
         )
-        self.num_blocks = num_blocks
-        self.kv_caches = self.kv_pool.layers
         self.default_generator = torch.Generator(device=self.device).manual_seed(config.seed)
         self._last_draws: torch.Tensor | None = None  # the last launched step's tokens [S]
         # CUDA block tables' row stride (a kernel argument) stays in one class: see plan_step.
@@ -137,6 +135,15 @@ class ModelRunner:
                 self.kv_pool,
                 self.table_width_multiple,
             )
+
+    @property
+    def num_blocks(self) -> int:
+        return self.kv_pool.num_blocks
+
+    @property
+    def kv_caches(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """(K, V) of every layer: the pool's."""
+        return self.kv_pool.layers
 
     @property
     def bytes_per_block(self) -> int:

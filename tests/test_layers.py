@@ -60,10 +60,11 @@ def modules(package: str) -> dict[str, Path]:
     return found
 
 
-def imports(path: Path, module: str) -> set[str]:
-    """Every absolute kvpilot import of the file, lazy ones included (TYPE_CHECKING blocks never
-    run, and registry functions are left out); `from a import b` counts a.b when b is a module."""
-    found: set[str] = set()
+def imported_names(tree: ast.Module) -> list[tuple[str, str | None]]:
+    """(imported dotted name, enclosing top-level function or None) for every absolute import,
+    lazy ones included; `from a import b` yields both a and a.b, since b may be a module.
+    TYPE_CHECKING blocks never run, so they are left out."""
+    found: list[tuple[str, str | None]] = []
 
     def visit(node: ast.AST, function: str | None) -> None:
         for child in ast.iter_child_nodes(node):
@@ -72,16 +73,24 @@ def imports(path: Path, module: str) -> set[str]:
                 continue
             if isinstance(child, ast.If) and "TYPE_CHECKING" in ast.unparse(child.test):
                 continue
-            if (module, function) not in REGISTRIES:
-                if isinstance(child, ast.Import):
-                    found.update(a.name for a in child.names)
-                elif isinstance(child, ast.ImportFrom) and child.module and child.level == 0:
-                    found.add(child.module)
-                    found.update(f"{child.module}.{a.name}" for a in child.names)
+            if isinstance(child, ast.Import):
+                found.extend((alias.name, function) for alias in child.names)
+            elif isinstance(child, ast.ImportFrom) and child.module and child.level == 0:
+                found.append((child.module, function))
+                found.extend((f"{child.module}.{a.name}", function) for a in child.names)
             visit(child, function)
 
-    visit(ast.parse(path.read_text()), None)
-    return {name for name in found if name.startswith("kvpilot.")}
+    visit(tree, None)
+    return found
+
+
+def imports(path: Path, module: str) -> set[str]:
+    """Every kvpilot name the file imports, lazy imports included, registry functions' left out."""
+    return {
+        name
+        for name, function in imported_names(ast.parse(path.read_text()))
+        if name.startswith("kvpilot.") and (module, function) not in REGISTRIES
+    }
 
 
 def unit_of(module: str, package: str) -> str:

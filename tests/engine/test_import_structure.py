@@ -17,6 +17,8 @@ from pathlib import Path
 
 import pytest
 
+from ..test_layers import imported_names
+
 REPO = Path(__file__).resolve().parents[2]
 ENGINE = REPO / "engine"
 PREFIX = "kvpilot.engine"
@@ -35,30 +37,6 @@ def engine_modules() -> dict[str, Path]:
         parts = [p for p in path.relative_to(ENGINE).with_suffix("").parts if p != "__init__"]
         modules[".".join([PREFIX, *parts])] = path
     return modules
-
-
-def imported_names(tree: ast.Module) -> list[tuple[str, str | None]]:
-    """(imported dotted name, enclosing top-level function or None) for every absolute import,
-    lazy ones included; `from a import b` yields both a and a.b, since b may be a module.
-    TYPE_CHECKING blocks never run, so they are left out."""
-    found: list[tuple[str, str | None]] = []
-
-    def visit(node: ast.AST, function: str | None) -> None:
-        for child in ast.iter_child_nodes(node):
-            if isinstance(child, ast.FunctionDef | ast.AsyncFunctionDef):
-                visit(child, function or child.name)
-                continue
-            if isinstance(child, ast.If) and "TYPE_CHECKING" in ast.unparse(child.test):
-                continue
-            if isinstance(child, ast.Import):
-                found.extend((alias.name, function) for alias in child.names)
-            elif isinstance(child, ast.ImportFrom) and child.module and child.level == 0:
-                found.append((child.module, function))
-                found.extend((f"{child.module}.{a.name}", function) for a in child.names)
-            visit(child, function)
-
-    visit(tree, None)
-    return found
 
 
 def import_graph() -> dict[str, set[str]]:
