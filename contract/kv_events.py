@@ -43,6 +43,11 @@ class Load(msgspec.Struct, frozen=True):
     num_waiting: int = 0
     num_running: int = 0
     kv_cache_usage: float = 0.0
+    # LoRA adapters (contract.lora): those resident in the engine's max_loras slots now, which
+    # serve a request at once (any other must first take a slot, evicting an idle one), and the
+    # number of slots (0: adapters off).
+    resident_loras: list[str] = []
+    max_loras: int = 0
 
 
 class KvSnapshot(msgspec.Struct, frozen=True, tag="snapshot", tag_field="kind"):

@@ -105,14 +105,31 @@ def test_a_chain_is_hash_block_over_each_block_in_turn(block_size: int, salt: st
 
 
 def test_the_hash_layout_is_the_one_hash_scheme_names() -> None:
-    # Values of blake2b64-v1 as first published: a change here must come with a new HASH_SCHEME.
-    assert HASH_SCHEME == "blake2b64-v1"
+    # Values as first published: a change here must come with a new HASH_SCHEME. v2 added the
+    # adapter and kept v1's values for blocks without one.
+    assert HASH_SCHEME == "blake2b64-v2"
     assert chain_block_hashes(list(range(10)), 4, None) == [
         13143853188306262454, 6922413457484497104,
     ]  # fmt: skip
     assert chain_block_hashes(list(range(10)), 4, "t") == [
         8982724407335810944, 15387704814386664274,
     ]  # fmt: skip
+    assert chain_block_hashes(list(range(10)), 4, None, lora_name="team-a") == [
+        18257303405704249425, 9075375867153579941,
+    ]  # fmt: skip
+    assert chain_block_hashes(list(range(10)), 4, "t", lora_name="team-a") == [
+        8835414799293053923, 14384768801043005445,
+    ]  # fmt: skip
+
+
+def test_an_adapter_never_shares_a_hash_with_the_base_another_adapter_or_a_salt() -> None:
+    tokens = list(range(8))
+    chains = {
+        (salt, lora): tuple(chain_block_hashes(tokens, 4, salt, lora_name=lora))
+        for salt in (None, "", "a", "\x02\x01\x00a")
+        for lora in (None, "a", "b", "a\x01")
+    }
+    assert len(set(chains.values())) == len(chains)
 
 
 def test_hash_is_the_same_in_every_process() -> None:
@@ -138,7 +155,7 @@ async def test_hub_sends_snapshot_then_numbered_deltas_and_heartbeats() -> None:
     hub.publish(KvDelta([1, 2, 3], []), Load(0, 1, 0.1))
     stream = hub.subscribe(heartbeat_s=0.05)
     first = await anext(stream)
-    assert first == KvSnapshot(1, "m", BS, "blake2b64-v1", [1, 2, 3], Load(0, 1, 0.1))
+    assert first == KvSnapshot(1, "m", BS, HASH_SCHEME, [1, 2, 3], Load(0, 1, 0.1))
     hub.publish(None, Load(2, 1, 0.2))  # load only: no delta, no new seq
     hub.publish(KvDelta([4], [1]), Load(0, 2, 0.3))
     hub.publish(KvDelta([], [2]), Load(0, 2, 0.3))
