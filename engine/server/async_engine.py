@@ -506,7 +506,7 @@ class AsyncEngine:
     def _on_loaded(self, model: ModelDescription, tokenizers: Tokenizers) -> None:
         tokenizer = tokenizers.detokenizer
         self._processor = OutputProcessor(tokenizer)
-        self.kv_events = KvEventHub(model.model_name, model.block_size)
+        self.kv_events = KvEventHub(model.model_name, model.block_size, max_loras=model.max_loras)
         if self.registry is not None:
             self.metrics = ServerMetrics(
                 self.registry,

@@ -94,6 +94,20 @@ def test_adapters_are_models_with_the_base_as_parent_and_answer_by_name(
     assert missing.status_code == 404 and missing.json()["error"]["code"] == "model_not_found"
 
 
+def test_the_block_event_stream_reports_the_slots_and_the_resident_adapters(
+    lora_server: InProcessServer,
+) -> None:
+    from kvpilot.contract.kv_events import KV_EVENTS_PATH
+
+    greedy(lora_server, "team-0", "Hi", max_tokens=2)
+    with httpx.stream("GET", f"{lora_server.url}{KV_EVENTS_PATH}", timeout=30) as events:
+        lines = events.iter_lines()
+        snapshot = json.loads(next(lines))
+        heartbeat = json.loads(next(lines))
+    assert snapshot["kind"] == "snapshot" and snapshot["load"]["max_loras"] == MAX_LORAS
+    assert "team-0" in heartbeat["load"]["resident_loras"]
+
+
 def test_runtime_load_and_unload_answer_as_vllm_does(
     lora_server: InProcessServer, adapters: dict[str, Path], tmp_path: Path
 ) -> None:
@@ -249,3 +263,43 @@ def test_the_adapter_metrics_name_what_runs_and_count_each_adapter(
 def test_the_load_routes_do_not_exist_without_runtime_updating(server: InProcessServer) -> None:
     assert post(server, LOAD_LORA_PATH, {"lora_name": "a", "lora_path": "/x"}).status_code == 404
     assert post(server, UNLOAD_LORA_PATH, {"lora_name": "a"}).status_code == 404
+
+
+def test_an_adapter_keeps_to_a_schema_and_makes_forced_tool_calls(
+    lora_server: InProcessServer,
+) -> None:
+    """Structured outputs and tools work on an adapter's requests as on the base model's: the
+    grammar masks the adapter's logits."""
+    import jsonschema
+
+    from .test_structured_outputs import TOOL_PROMPT, TOOL_SCHEMAS, TOOLS, _check_calls
+
+    client = openai.OpenAI(base_url=f"{lora_server.url}/v1", api_key="none")
+    schema = {
+        "type": "object",
+        "properties": {
+            "city": {"type": "string", "maxLength": 16},
+            "days": {"type": "integer", "minimum": 1, "maximum": 30},
+        },
+        "required": ["city", "days"],
+        "additionalProperties": False,
+    }
+    answer = client.chat.completions.create(
+        model="team-0",
+        messages=[{"role": "user", "content": "Plan a trip as JSON."}],
+        response_format={"type": "json_schema", "json_schema": {"name": "trip", "schema": schema}},
+        max_tokens=100,
+        temperature=0.0,
+    )
+    assert answer.model == "team-0" and answer.choices[0].finish_reason == "stop"
+    jsonschema.validate(json.loads(answer.choices[0].message.content or ""), schema)
+    called = client.chat.completions.create(
+        model="team-0",
+        messages=TOOL_PROMPT,  # type: ignore[arg-type]
+        tools=TOOLS,  # type: ignore[arg-type]
+        tool_choice="required",
+        max_tokens=80,
+        temperature=0.0,
+    )
+    assert called.choices[0].finish_reason == "tool_calls"
+    assert _check_calls(called.choices[0].message, set(TOOL_SCHEMAS))
