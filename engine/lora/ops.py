@@ -128,9 +128,8 @@ def add_lora(
             return
     elif out.is_cpu:
         lib = load_library()
-        if lib is not None and cpu_lora.kernel_takes(
-            out, x, lora_a, lora_b, bounds, mapping.token_slots
+        if lib is not None and cpu_lora.add_lora(
+            lib, out, x, lora_a, lora_b, bounds, mapping.token_slots
         ):
-            cpu_lora.add_lora(lib, out, x, lora_a, lora_b, bounds, mapping.token_slots)
             return
     add_lora_torch(out, x, lora_a, lora_b, bounds, mapping)

@@ -114,7 +114,7 @@ def test_c_kernel_leaves_an_all_base_batch_untouched(dtype: torch.dtype) -> None
     out, x, lora_a, lora_b, _ = prepare(dtype, 16, 9)
     before = out.clone()
     slots = torch.full((9,), -1, dtype=torch.int64)
-    cpu_lora.add_lora(LIB, out, x, lora_a, lora_b, BOUNDS, slots)  # the kernel itself
+    assert cpu_lora.add_lora(LIB, out, x, lora_a, lora_b, BOUNDS, slots)  # the kernel itself
     add_lora(out, x, lora_a, lora_b, BOUNDS, build_mapping([-1] * 9))  # and the dispatcher
     assert torch.equal(
         out.view(torch.int16 if dtype == torch.bfloat16 else torch.int32),
@@ -170,7 +170,9 @@ def test_c_kernel_reads_and_writes_strided_rows() -> None:
     assert bool((wide_out[:, :16] == 7).all() and (wide_out[:, 16 + BOUNDS[-1] :] == 7).all())
 
 
+@needs_lib
 def test_kernel_takes_only_its_layout() -> None:
+    assert LIB is not None
     out, x, lora_a, lora_b, slots = prepare(torch.float32, 16, 5)
     token_slots = torch.tensor(slots)
     assert cpu_lora.kernel_takes(out, x, lora_a, lora_b, BOUNDS, token_slots)
@@ -184,6 +186,11 @@ def test_kernel_takes_only_its_layout() -> None:
         out, x.t().contiguous().t(), lora_a, lora_b, BOUNDS, token_slots
     )
     assert not cpu_lora.kernel_takes(out, x, lora_a, lora_b, BOUNDS, token_slots.int())
+    assert not cpu_lora.kernel_takes(out[0], x, lora_a, lora_b, BOUNDS, token_slots)
+    assert not cpu_lora.kernel_takes(out, x[:4], lora_a, lora_b, BOUNDS, token_slots)
+    overlapping = out.as_strided(out.shape, (8, 1))  # rows 8 apart, 208 wide
+    assert not cpu_lora.kernel_takes(overlapping, x, lora_a, lora_b, BOUNDS, token_slots)
+    assert not cpu_lora.add_lora(LIB, overlapping, x, lora_a, lora_b, BOUNDS, token_slots)
 
 
 @pytest.mark.parametrize(
@@ -243,5 +250,5 @@ def test_plain_c_loops_match_the_definition(dtype: torch.dtype) -> None:
     assert portable is not None
     out, x, lora_a, lora_b, slots = prepare(dtype, 16, 37, seed=2)
     ref = expected(out, x, lora_a, lora_b, slots)
-    cpu_lora.add_lora(portable, out, x, lora_a, lora_b, BOUNDS, torch.tensor(slots))
+    assert cpu_lora.add_lora(portable, out, x, lora_a, lora_b, BOUNDS, torch.tensor(slots))
     assert_matches_reference(out, ref)
