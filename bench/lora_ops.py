@@ -6,9 +6,11 @@ projections themselves (F.linear on the same x).
 
 8 adapters of rank 16 in an 8-slot stack, the tokens spread round robin over them (every token
 has an adapter); decode batches of 32 and 64 tokens and a 512-token prefill step; float32 and
-bfloat16. Each figure is the median of --repeats timed runs (after warm-up runs), in microseconds.
+bfloat16. Each figure is the median of --repeats timed runs (after warm-up runs), in microseconds
+of wall time, or with --cpu-time of the calling thread's CPU time (one thread only: on a machine
+whose cores other work shares, the time the thread was not running drops out).
 
-    python bench/lora_ops.py [--repeats 200] [--threads N]
+    python bench/lora_ops.py [--repeats 200] [--threads N | --cpu-time]
 """
 
 from __future__ import annotations
@@ -37,14 +39,14 @@ BATCHES = (("decode", 32), ("decode", 64), ("prefill", 512))
 DTYPES = (torch.float32, torch.bfloat16)
 
 
-def median_us(fn: Callable[[], None], repeats: int) -> float:
+def median_us(fn: Callable[[], None], repeats: int, clock: Callable[[], float]) -> float:
     for _ in range(max(3, repeats // 10)):
         fn()
     times = []
     for _ in range(repeats):
-        start = time.perf_counter()
+        start = clock()
         fn()
-        times.append(time.perf_counter() - start)
+        times.append(clock() - start)
     return statistics.median(times) * 1e6
 
 
@@ -67,7 +69,9 @@ def layer(dtype: torch.dtype, tokens: int) -> list[dict[str, object]]:
     return parts
 
 
-def run(dtype: torch.dtype, tokens: int, repeats: int) -> tuple[float, float, float]:
+def run(
+    dtype: torch.dtype, tokens: int, repeats: int, clock: Callable[[], float]
+) -> tuple[float, float, float]:
     parts = layer(dtype, tokens)
     mapping: LoRAMapping = build_mapping([t % NUM_ADAPTERS for t in range(tokens)])
 
@@ -83,22 +87,27 @@ def run(dtype: torch.dtype, tokens: int, repeats: int) -> tuple[float, float, fl
         for p in parts:
             F.linear(p["x"], p["weight"])  # type: ignore[arg-type]
 
-    return median_us(with_c, repeats), median_us(with_torch, repeats), median_us(base, repeats)
+    c_us, torch_us, base_us = (median_us(fn, repeats, clock) for fn in (with_c, with_torch, base))
+    return c_us, torch_us, base_us
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=200)
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: as set)")
+    parser.add_argument("--cpu-time", action="store_true", help="the thread's CPU time, 1 thread")
     args = parser.parse_args()
+    if args.cpu_time:
+        args.threads = 1
     if args.threads:
         torch.set_num_threads(args.threads)
+    clock = time.thread_time if args.cpu_time else time.perf_counter
     if load_library() is None:
         raise SystemExit("no C compiler: the C kernel cannot be built here")
     print(
         f"SmolLM2-135M projections, {NUM_ADAPTERS} adapters of rank {RANK}, "
-        f"{torch.get_num_threads()} threads; us per layer (4 projections), median of "
-        f"{args.repeats}"
+        f"{torch.get_num_threads()} threads; us per layer (4 projections) of "
+        f"{'CPU' if args.cpu_time else 'wall'} time, median of {args.repeats}"
     )
     columns = ("C", "torch", "F.linear", "C/lin", "torch/C")
     header = f"{'dtype':9} {'batch':>13} " + " ".join(f"{c:>9}" for c in columns)
@@ -106,7 +115,7 @@ def main() -> None:
     print("-" * len(header))
     for dtype in DTYPES:
         for kind, tokens in BATCHES:
-            c_us, torch_us, base_us = run(dtype, tokens, args.repeats)
+            c_us, torch_us, base_us = run(dtype, tokens, args.repeats, clock)
             name = str(dtype).removeprefix("torch.")
             print(
                 f"{name:9} {f'{kind} {tokens}':>13} {c_us:9.1f} {torch_us:9.1f} {base_us:9.1f} "

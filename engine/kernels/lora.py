@@ -19,7 +19,6 @@ product is float32.
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Sequence
 from itertools import pairwise
 
@@ -32,6 +31,9 @@ from kvpilot.engine.kernels.runtime import can_use_triton, next_power_of_2, trit
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 BLOCK_K = 64  # input features per step of the shrink
 BLOCK_N = 64  # output columns per expand program
+# Sub-projections per projection the expand takes (qkv has 3): their bounds are scalar
+# arguments, so no tensor of them need reach the device.
+MAX_SUB = 4
 
 
 @triton_kernel(do_not_specialize=("num_tokens",))
@@ -92,7 +94,10 @@ def _expand_kernel(
     h_ptr,  # [T, num_sub * rank] float32
     b_ptr,  # [num_slots, N, rank]
     slots_ptr,  # [T] int64
-    bounds_ptr,  # [num_sub + 1] int32
+    bound1,  # the subs' ends in N: bounds[1:], padded with N to MAX_SUB
+    bound2,
+    bound3,
+    bound4,
     num_tokens,
     N,
     stride_out,
@@ -116,8 +121,14 @@ def _expand_kernel(
         b_base = b_ptr + slot.to(tl.int64) * stride_bs
         acc = tl.zeros((BLOCK_T, BLOCK_N), dtype=tl.float32)
         for i in tl.static_range(NUM_SUB):
-            lo = tl.load(bounds_ptr + i)
-            hi = tl.load(bounds_ptr + i + 1)
+            if i == 0:
+                lo, hi = 0, bound1
+            elif i == 1:
+                lo, hi = bound1, bound2
+            elif i == 2:
+                lo, hi = bound2, bound3
+            else:
+                lo, hi = bound3, bound4
             if (lo < n0 + BLOCK_N) & (hi > n0):  # this block's columns meet sub i
                 h = tl.load(
                     h_ptr + offs_t[:, None] * (NUM_SUB * RANK) + i * RANK + offs_r[None, :],
@@ -135,13 +146,6 @@ def _expand_kernel(
         o_ptrs = out_ptr + offs_t[:, None] * stride_out + offs_n[None, :]
         total = tl.load(o_ptrs, mask=o_mask, other=0.0).to(tl.float32) + acc
         tl.store(o_ptrs, cast_to(total, out_ptr.dtype.element_ty, INTERPRET), mask=o_mask)
-
-
-@functools.lru_cache(maxsize=64)
-def _bounds_on(bounds: tuple[int, ...], device: torch.device) -> torch.Tensor:
-    # A handful of distinct bounds per model, each copied to the device once (and never again
-    # during a CUDA graph's capture or replay).
-    return torch.tensor(bounds, dtype=torch.int32, device=device)
 
 
 def triton_takes(
@@ -174,6 +178,7 @@ def triton_takes(
         and lora_b.shape == (num_slots, out_features, rank)
         and token_slots.shape == (tokens,)
         and len(bounds) == num_sub + 1
+        and num_sub <= MAX_SUB
         and bounds[0] == 0
         and bounds[-1] == out_features
         and all(lo <= hi for lo, hi in pairwise(bounds))
@@ -216,6 +221,7 @@ def add_lora_triton(
     block_t = block_tokens(tokens)
     block_r = max(16, next_power_of_2(rank))
     tiles = -(-tokens // block_t)
+    ends = [*bounds[1:], *[out_features] * (MAX_SUB - num_sub)]
     h = torch.empty((tokens, num_sub * rank), dtype=torch.float32, device=device)
     _shrink_kernel.on(device)[(tiles, num_slots, num_sub)](
         x,
@@ -239,7 +245,7 @@ def add_lora_triton(
         h,
         lora_b,
         token_slots,
-        _bounds_on(tuple(bounds), device),
+        *ends,
         tokens,
         out_features,
         out.stride(0),

@@ -85,9 +85,10 @@ def test_kernels_match_the_definition(dtype: torch.dtype, rank: int, tokens: int
 
 
 def test_a_whole_tile_of_one_slot_and_a_k_loop() -> None:
-    """A prefill-like run of one slot (tiles of 64 tokens) and K over several 64-wide steps."""
+    """A prefill-like run (tiles of 64 tokens), K over several 64-wide steps, four subs (the
+    most the expand takes), one of them empty."""
     assert block_tokens(130) == 64
-    run_and_check(torch.float32, 16, 130, 136, (0, 24))
+    run_and_check(torch.float32, 16, 130, 136, (0, 24, 24, 40, 56))
 
 
 def test_an_all_base_batch_is_left_untouched() -> None:
@@ -104,6 +105,8 @@ def test_launcher_refuses_what_the_kernels_do_not_take() -> None:
     assert not triton_takes(out, x, lora_a, lora_b, (0, 40, 72), token_slots)
     assert not triton_takes(out, x.double(), lora_a, lora_b, SMALL_BOUNDS, token_slots)
     assert not triton_takes(out, x, lora_a, lora_b, SMALL_BOUNDS, token_slots.int())
+    five = prepare(torch.float32, 8, 4, SMALL_K, (0, 8, 16, 24, 32, 72))
+    assert not triton_takes(*five[:4], (0, 8, 16, 24, 32, 72), token_slots)  # subs above MAX_SUB
     with pytest.raises(ValueError, match="do not take"):
         add_lora_triton(out, x, lora_a.transpose(2, 3), lora_b, SMALL_BOUNDS, token_slots)
 
