@@ -100,21 +100,22 @@ static inline __m256 sum8x8(const __m256 a[8]) {
 
 /* Shrink of one tile against rows [j0, j1) of its slot's A (j over num_sub * rank), `rows`
  * tokens (a compile-time constant at each call, so the unused sums vanish): for each row pair,
- * 2 x rows sums over k in registers; each 8 rows' sums are reduced together into h. */
-#define DEFINE_SHRINK(S, T)                                                                    \
-    static inline __attribute__((always_inline)) void shrink_rows_##S(                         \
-        const T *const *xr, const T *a, int64_t K, int64_t j0, int64_t j1, float *const *hr,    \
+ * 2 x rows sums over k in registers; each 8 rows' sums are reduced together into h. A's rows of
+ * type TA, x's of type TX (NAME: the pair). */
+#define DEFINE_SHRINK_ROWS(NAME, TA, LOADA, TX, LOADX)                                         \
+    static inline __attribute__((always_inline)) void shrink_rows_##NAME(                      \
+        const TX *const *xr, const TA *a, int64_t K, int64_t j0, int64_t j1, float *const *hr,  \
         const int rows) {                                                                      \
         for (int64_t j8 = j0; j8 < j1; j8 += 8) {                                              \
             __m256 sums[LORA_MT][8];                                                           \
             for (int jj = 0; jj < 8; jj += 2) {                                                \
-                const T *a0 = a + (j8 + jj) * K, *a1 = a0 + K;                                 \
+                const TA *a0 = a + (j8 + jj) * K, *a1 = a0 + K;                                \
                 __m256 acc0[LORA_MT], acc1[LORA_MT];                                           \
                 for (int c = 0; c < rows; c++) acc0[c] = acc1[c] = _mm256_setzero_ps();        \
                 for (int64_t k = 0; k < K; k += 8) {                                           \
-                    const __m256 w0 = load8_##S(a0 + k), w1 = load8_##S(a1 + k);               \
+                    const __m256 w0 = LOADA(a0 + k), w1 = LOADA(a1 + k);                       \
                     for (int c = 0; c < rows; c++) {                                           \
-                        const __m256 xv = load8_##S(xr[c] + k);                                \
+                        const __m256 xv = LOADX(xr[c] + k);                                    \
                         acc0[c] = _mm256_fmadd_ps(w0, xv, acc0[c]);                            \
                         acc1[c] = _mm256_fmadd_ps(w1, xv, acc1[c]);                            \
                     }                                                                          \
@@ -127,38 +128,100 @@ static inline __m256 sum8x8(const __m256 a[8]) {
             for (int c = 0; c < rows; c++) _mm256_storeu_ps(hr[c] + j8, sum8x8(sums[c]));      \
         }                                                                                      \
     }                                                                                          \
-    static void shrink_##S(const T *const *xr, const T *a, int64_t K, int64_t j0, int64_t j1,  \
-                           float *const *hr, int rows) {                                       \
+    static void shrink_any_##NAME(const TX *const *xr, const TA *a, int64_t K, int64_t j0,     \
+                                  int64_t j1, float *const *hr, int rows) {                    \
         switch (rows) {                                                                        \
-        case 1: shrink_rows_##S(xr, a, K, j0, j1, hr, 1); break;                               \
-        case 2: shrink_rows_##S(xr, a, K, j0, j1, hr, 2); break;                               \
-        case 3: shrink_rows_##S(xr, a, K, j0, j1, hr, 3); break;                               \
-        default: shrink_rows_##S(xr, a, K, j0, j1, hr, 4); break;                              \
+        case 1: shrink_rows_##NAME(xr, a, K, j0, j1, hr, 1); break;                            \
+        case 2: shrink_rows_##NAME(xr, a, K, j0, j1, hr, 2); break;                            \
+        case 3: shrink_rows_##NAME(xr, a, K, j0, j1, hr, 3); break;                            \
+        default: shrink_rows_##NAME(xr, a, K, j0, j1, hr, 4); break;                           \
         }                                                                                      \
     }
 
+DEFINE_SHRINK_ROWS(f32, float, load8_f32, float, load8_f32)
+DEFINE_SHRINK_ROWS(bf16, uint16_t, load8_bf16, uint16_t, load8_bf16)
+DEFINE_SHRINK_ROWS(bf16_f32, uint16_t, load8_bf16, float, load8_f32)
+
+/* In bfloat16, x's rows (each read once per pair of A's rows) are widened once per work item
+ * into a float32 copy on the stack when they fit: up to LORA_WIDE_K features. */
+#define LORA_WIDE_K 4096
+#define DEFINE_SHRINK(S, T) /* shrink_##S: shrink_any_##S, bfloat16 through the widened copy */
+static void shrink_f32(const float *const *xr, const float *a, int64_t K, int64_t j0, int64_t j1,
+                       float *const *hr, int rows) {
+    shrink_any_f32(xr, a, K, j0, j1, hr, rows);
+}
+static void shrink_bf16(const uint16_t *const *xr, const uint16_t *a, int64_t K, int64_t j0,
+                        int64_t j1, float *const *hr, int rows) {
+    if (K > LORA_WIDE_K) {
+        shrink_any_bf16(xr, a, K, j0, j1, hr, rows);
+        return;
+    }
+    float wide[LORA_MT][LORA_WIDE_K];
+    const float *wr[LORA_MT];
+    for (int c = 0; c < rows; c++) {
+        for (int64_t k = 0; k < K; k += 8) _mm256_storeu_ps(wide[c] + k, load8_bf16(xr[c] + k));
+        wr[c] = wide[c];
+    }
+    shrink_any_bf16_f32(wr, a, K, j0, j1, hr, rows);
+}
+
+/* m[0..7] (8 rows of 8) -> its transpose, in place. */
+static inline void transpose8x8(__m256 m[8]) {
+    const __m256 t0 = _mm256_unpacklo_ps(m[0], m[1]), t1 = _mm256_unpackhi_ps(m[0], m[1]);
+    const __m256 t2 = _mm256_unpacklo_ps(m[2], m[3]), t3 = _mm256_unpackhi_ps(m[2], m[3]);
+    const __m256 t4 = _mm256_unpacklo_ps(m[4], m[5]), t5 = _mm256_unpackhi_ps(m[4], m[5]);
+    const __m256 t6 = _mm256_unpacklo_ps(m[6], m[7]), t7 = _mm256_unpackhi_ps(m[6], m[7]);
+    const __m256 s0 = _mm256_shuffle_ps(t0, t2, 0x44), s1 = _mm256_shuffle_ps(t0, t2, 0xee);
+    const __m256 s2 = _mm256_shuffle_ps(t1, t3, 0x44), s3 = _mm256_shuffle_ps(t1, t3, 0xee);
+    const __m256 s4 = _mm256_shuffle_ps(t4, t6, 0x44), s5 = _mm256_shuffle_ps(t4, t6, 0xee);
+    const __m256 s6 = _mm256_shuffle_ps(t5, t7, 0x44), s7 = _mm256_shuffle_ps(t5, t7, 0xee);
+    m[0] = _mm256_permute2f128_ps(s0, s4, 0x20), m[4] = _mm256_permute2f128_ps(s0, s4, 0x31);
+    m[1] = _mm256_permute2f128_ps(s1, s5, 0x20), m[5] = _mm256_permute2f128_ps(s1, s5, 0x31);
+    m[2] = _mm256_permute2f128_ps(s2, s6, 0x20), m[6] = _mm256_permute2f128_ps(s2, s6, 0x31);
+    m[3] = _mm256_permute2f128_ps(s3, s7, 0x20), m[7] = _mm256_permute2f128_ps(s3, s7, 0x31);
+}
+
 /* Expand of one tile into output columns [n0, n1) of one sub (whose rank-R slice of h starts at
- * h_off): per group of 8 columns, their 8 rows of B (8 x R, contiguous) widened to float32 once
- * into `wb`, then per token 8 dot products over R, summed across lanes into one vector, added to
- * out and rounded once. */
+ * h_off), 8 columns at a time: their 8 rows of B (8 x R, contiguous) transposed once into `wb`
+ * as R vectors of 8 columns, then per token out[8 columns] += sum_r h[r] wb[r], broadcast
+ * multiply-adds with no sum across lanes (even and odd r in two chains), rounded once. The
+ * tile's `rows` tokens (a compile-time constant at each call) share each load of wb. */
 #define DEFINE_EXPAND(S, T)                                                                    \
-    static void expand_##S(T *const *outr, const float *const *hr, int rows, const T *b,       \
-                           int64_t R, int64_t n0, int64_t n1, int64_t h_off, float *wb) {      \
+    static inline __attribute__((always_inline)) void expand_rows_##S(                         \
+        T *const *outr, const float *const *hr, const T *b, int64_t R, int64_t n0, int64_t n1, \
+        int64_t h_off, float *wb, const int rows) {                                            \
         for (int64_t n = n0; n < n1; n += 8) {                                                 \
             const T *bn = b + n * R;                                                           \
-            for (int64_t i = 0; i < 8 * R; i += 8) _mm256_storeu_ps(wb + i, load8_##S(bn + i)); \
-            for (int c = 0; c < rows; c++) {                                                   \
-                const float *h = hr[c] + h_off;                                                \
-                __m256 acc[8];                                                                 \
-                for (int q = 0; q < 8; q++) acc[q] = _mm256_setzero_ps();                      \
-                for (int64_t r = 0; r < R; r += 8) {                                           \
-                    const __m256 hv = _mm256_loadu_ps(h + r);                                  \
-                    for (int q = 0; q < 8; q++)                                                \
-                        acc[q] = _mm256_fmadd_ps(_mm256_loadu_ps(wb + q * R + r), hv, acc[q]); \
-                }                                                                              \
-                T *o = outr[c] + n;                                                            \
-                store8_##S(o, _mm256_add_ps(load8_##S(o), sum8x8(acc)));                       \
+            for (int64_t r0 = 0; r0 < R; r0 += 8) {                                            \
+                __m256 m[8];                                                                   \
+                for (int q = 0; q < 8; q++) m[q] = load8_##S(bn + q * R + r0);                 \
+                transpose8x8(m);                                                               \
+                for (int j = 0; j < 8; j++) _mm256_storeu_ps(wb + (r0 + j) * 8, m[j]);         \
             }                                                                                  \
+            __m256 acc[LORA_MT][2];                                                            \
+            for (int c = 0; c < rows; c++) acc[c][0] = acc[c][1] = _mm256_setzero_ps();        \
+            for (int64_t r = 0; r < R; r += 2) {                                               \
+                const __m256 w0 = _mm256_loadu_ps(wb + r * 8);                                 \
+                const __m256 w1 = _mm256_loadu_ps(wb + r * 8 + 8);                             \
+                for (int c = 0; c < rows; c++) {                                               \
+                    const float *h = hr[c] + h_off + r;                                        \
+                    acc[c][0] = _mm256_fmadd_ps(_mm256_broadcast_ss(h), w0, acc[c][0]);        \
+                    acc[c][1] = _mm256_fmadd_ps(_mm256_broadcast_ss(h + 1), w1, acc[c][1]);    \
+                }                                                                              \
+            }                                                                                  \
+            for (int c = 0; c < rows; c++) {                                                   \
+                T *o = outr[c] + n;                                                            \
+                store8_##S(o, _mm256_add_ps(load8_##S(o), _mm256_add_ps(acc[c][0], acc[c][1]))); \
+            }                                                                                  \
+        }                                                                                      \
+    }                                                                                          \
+    static void expand_##S(T *const *outr, const float *const *hr, int rows, const T *b,       \
+                           int64_t R, int64_t n0, int64_t n1, int64_t h_off, float *wb) {      \
+        switch (rows) {                                                                        \
+        case 1: expand_rows_##S(outr, hr, b, R, n0, n1, h_off, wb, 1); break;                  \
+        case 2: expand_rows_##S(outr, hr, b, R, n0, n1, h_off, wb, 2); break;                  \
+        case 3: expand_rows_##S(outr, hr, b, R, n0, n1, h_off, wb, 3); break;                  \
+        default: expand_rows_##S(outr, hr, b, R, n0, n1, h_off, wb, 4); break;                 \
         }                                                                                      \
     }
 #define LORA_VECTOR 1
