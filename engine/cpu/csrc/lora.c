@@ -17,9 +17,11 @@
  * between them (decode batches), and with many each thread walks whole tiles of one slot, whose
  * A and B stay in its L2 from tile to tile (prefill).
  *
- * Numerics: float32 products and sums (bfloat16 operands widened exactly), each dot product in
- * 8 lanes then summed across them, h kept in float32, and one rounding per output element: out
- * is read, the float32 delta added and the sum rounded to out's dtype (to nearest even).
+ * Numerics: float32 products and sums (bfloat16 operands widened exactly): the shrink's dot
+ * products over k in 8 lanes then summed across them, the expand's over the rank in two chains
+ * (even and odd r); h kept in float32, and one rounding per output element: out is read, the
+ * float32 delta added and the sum rounded to out's dtype (to nearest even). The order of every
+ * sum is fixed, whatever the number of threads.
  *
  * The vector path needs AVX2 and FMA (8 float32 lanes: every x86 CPU of the last decade; AVX-512
  * machines run it too) and K, rank and every bound multiples of 8 (the caller checks); without
