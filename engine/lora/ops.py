@@ -121,11 +121,14 @@ def add_lora(
     if not mapping.has_adapters:
         return
     if out.is_cuda:
-        from kvpilot.engine.kernels.lora import add_lora_triton, triton_takes
+        from kvpilot.engine.kernels.runtime import has_triton
 
-        if triton_takes(out, x, lora_a, lora_b, bounds, mapping.token_slots):
-            add_lora_triton(out, x, lora_a, lora_b, bounds, mapping.token_slots)
-            return
+        if has_triton():  # lazy: the kernels' module imports Triton, which a CPU install may lack
+            from kvpilot.engine.kernels.lora import add_lora_triton, triton_takes
+
+            if triton_takes(out, x, lora_a, lora_b, bounds, mapping.token_slots):
+                add_lora_triton(out, x, lora_a, lora_b, bounds, mapping.token_slots)
+                return
     elif out.is_cpu:
         lib = load_library()
         if lib is not None and cpu_lora.add_lora(
