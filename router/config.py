@@ -18,12 +18,17 @@ class RoutingConfig:
     queue_weight: float = 2.0
     kv_weight: float = 2.0
     # A request for a LoRA adapter: what a replica scores for having it resident in one of its
-    # --max-loras slots (above a whole prefix match: the adapter serves at once), or for a free
-    # slot to load it into (no other adapter is evicted). A replica that would have to evict
-    # one scores neither. A resident replica loses to a free slot only when it is the busiest
-    # and the other idle (resident - free_slot = queue_weight), so a hot adapter spreads.
-    lora_resident_weight: float = 4.0
-    lora_free_slot_weight: float = 2.0
+    # --max-loras slots (it serves at once), or for a free slot to load it into (no other
+    # adapter is evicted); one that would have to evict another scores neither. Each step is
+    # worth more than a whole prefix match (prefix_weight), so at equal load residency comes
+    # first, then prefix, then load; the queue and KV terms (up to queue_weight + kv_weight)
+    # overturn one step only between a saturated replica and an idle one, and the bound spreads
+    # a hot adapter before that.
+    lora_resident_weight: float = 7.0
+    lora_free_slot_weight: float = 3.5
+    # Requests above the bound a replica may take for an adapter it can serve without an
+    # eviction, where each replica within the bound would have to evict one.
+    lora_slack: int = 4
 
     def __post_init__(self) -> None:
         if self.load_factor < 1.0:
@@ -37,6 +42,8 @@ class RoutingConfig:
         )
         if min(weights) < 0:
             raise ValueError("routing weights must be >= 0")
+        if self.lora_slack < 0:
+            raise ValueError(f"lora_slack must be >= 0, got {self.lora_slack}")
         if self.lora_free_slot_weight > self.lora_resident_weight:
             raise ValueError("lora_free_slot_weight must not exceed lora_resident_weight")
 

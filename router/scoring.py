@@ -4,7 +4,11 @@
    does (during a rollout that turns adapters on, the others would refuse it).
 1. Bounded load: a replica may take the request only if its in-flight count stays within
    load_factor x the mean (the new request counted), so one hot prefix (or adapter) cannot pile
-   every request onto one replica. The least-loaded replica always qualifies.
+   every request onto one replica. The least-loaded replica always qualifies. Where every
+   replica within it would have to evict another adapter, those that would not (the adapter
+   resident, or a free slot) may take up to lora_slack requests more: at low load the bound is
+   tight (one request above the mean), and each eviction makes the evicted adapter's next
+   request evict another.
 2. Session affinity (`x-session-id`): the session's rendezvous-hash favourite among those allowed.
 3. Otherwise the best score: prefix match (fraction of the prompt's blocks held) against queue
    (relative to the busiest candidate) and KV-cache utilization; for an adapter, plus what its
@@ -66,9 +70,11 @@ def rendezvous(key: str, name: str) -> int:
     return int.from_bytes(digest, "little")
 
 
-def within_bound(candidates: Sequence[Candidate], load_factor: float) -> list[Candidate]:
+def within_bound(
+    candidates: Sequence[Candidate], load_factor: float, slack: int = 0
+) -> list[Candidate]:
     total = sum(c.in_flight for c in candidates) + 1
-    cap = math.ceil(load_factor * total / len(candidates))
+    cap = math.ceil(load_factor * total / len(candidates)) + slack
     return [c for c in candidates if c.in_flight + 1 <= cap]
 
 
@@ -93,6 +99,15 @@ def choose(
         raise ValueError("no candidate replicas")
     serving = [c for c in candidates if c.slot != "off"] or candidates
     allowed = within_bound(serving, config.load_factor)
+    if all(c.slot == "evict" for c in allowed):
+        # Each replica within the bound would evict another adapter (whose next requests then
+        # load it again somewhere, evicting in turn): a replica that holds this adapter, or has
+        # a free slot, may take it up to lora_slack requests above the bound instead.
+        allowed += [
+            c
+            for c in within_bound(serving, config.load_factor, config.lora_slack)
+            if c.slot in ("resident", "free")
+        ]
     if session_id:
         pick = max(allowed, key=lambda c: rendezvous(session_id, c.name))
         return Decision(pick.name, "affinity", pick.matched_blocks, pick.slot)
