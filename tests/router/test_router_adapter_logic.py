@@ -14,6 +14,7 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from kvpilot.contract.block_hash import chain_block_hashes
+from kvpilot.router.cli import parse_args
 from kvpilot.router.cluster import Adapter, ServiceInfo, service_info
 from kvpilot.router.config import RouterConfig, RoutingConfig
 from kvpilot.router.index import BlockIndex
@@ -21,6 +22,7 @@ from kvpilot.router.metrics import RouterMetrics
 from kvpilot.router.model_ids import claim_model_ids
 from kvpilot.router.prompts import block_chain
 from kvpilot.router.registry import Registry
+from kvpilot.router.runtime import static_objects
 from kvpilot.router.scoring import Candidate, Slot, adapter_slot, choose, within_bound
 
 CONFIG = RoutingConfig()
@@ -325,3 +327,14 @@ def test_an_adapter_request_hashes_its_blocks_with_the_adapter_and_a_base_reques
     index = BlockIndex(1 << 10)
     index.reset(base)
     assert (index.matched_blocks(base), index.matched_blocks(sql)) == (10, 0)
+
+
+def test_static_models_take_their_adapters_from_the_command_line() -> None:
+    config = parse_args(["--static", "m=http://10.0.0.7:8000", "--static-adapters", "m=sql,chat"])
+    assert config.static_adapters == (("m", ("sql", "chat")),)
+    services, _ = static_objects(config.static_models, dict(config.static_adapters))
+    assert service_info(services[0]).adapters == (Adapter("sql", ""), Adapter("chat", ""))
+    with pytest.raises(ValueError, match="adapter name '-x'"):
+        parse_args(["--static", "m=http://10.0.0.7:8000", "--static-adapters", "m=-x"])
+    with pytest.raises(ValueError, match="not a static model"):
+        parse_args(["--static", "m=http://10.0.0.7:8000", "--static-adapters", "n=sql"])
