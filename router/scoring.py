@@ -1,7 +1,5 @@
 """Which replica takes a request: pure functions over what the router knows of each candidate.
 
-0. A request for a LoRA adapter goes only to replicas that serve adapters (slots > 0), while any
-   does (during a rollout that turns adapters on, the others would refuse it).
 1. Bounded load: a replica may take the request only if its in-flight count stays within
    load_factor x the mean (the new request counted), so one hot prefix (or adapter) cannot pile
    every request onto one replica. The least-loaded replica always qualifies. Where every
@@ -14,7 +12,10 @@
    (relative to the busiest candidate) and KV-cache utilization; for an adapter, plus what its
    slot state is worth (resident above a whole prefix match; a free slot; nothing where another
    adapter would be evicted), so adapter traffic stays where it is resident, new adapters take
-   free slots instead of thrashing full ones, and the load terms spread a hot adapter. Ties go
+   free slots instead of thrashing full ones, and the bound spreads a hot adapter. A replica
+   that reports no slots scores as one that would evict: it may serve no adapters (a rollout
+   that turns them on), or not have stepped yet (an engine reports its slots with its first
+   step), so it is not excluded. Ties go
    to the rendezvous-hash favourite of the tie key (the request's first block, or its adapter),
    so routers that share no state send a new prefix (or adapter) to the same replica, where the
    next request with it will look.
@@ -97,15 +98,14 @@ def choose(
     """num_blocks: the request's full blocks (0 when it could not be tokenized: `fallback`)."""
     if not candidates:
         raise ValueError("no candidate replicas")
-    serving = [c for c in candidates if c.slot != "off"] or candidates
-    allowed = within_bound(serving, config.load_factor)
-    if all(c.slot == "evict" for c in allowed):
+    allowed = within_bound(candidates, config.load_factor)
+    if all(c.slot in ("evict", "off") for c in allowed):
         # Each replica within the bound would evict another adapter (whose next requests then
         # load it again somewhere, evicting in turn): a replica that holds this adapter, or has
         # a free slot, may take it up to lora_slack requests above the bound instead.
         allowed += [
             c
-            for c in within_bound(serving, config.load_factor, config.lora_slack)
+            for c in within_bound(candidates, config.load_factor, config.lora_slack)
             if c.slot in ("resident", "free")
         ]
     if session_id:

@@ -23,7 +23,14 @@ from kvpilot.router.model_ids import claim_model_ids
 from kvpilot.router.prompts import block_chain
 from kvpilot.router.registry import Registry
 from kvpilot.router.runtime import static_objects
-from kvpilot.router.scoring import Candidate, Slot, adapter_slot, choose, within_bound
+from kvpilot.router.scoring import (
+    Candidate,
+    Slot,
+    adapter_slot,
+    choose,
+    rendezvous,
+    within_bound,
+)
 
 CONFIG = RoutingConfig()
 NO_AFFINITY = RoutingConfig(lora_resident_weight=0.0, lora_free_slot_weight=0.0, lora_slack=0)
@@ -98,11 +105,14 @@ def test_a_busy_resident_replica_yields_to_an_idle_one_with_a_free_slot() -> Non
     assert (decision.name, decision.slot) == ("idle", "free")
 
 
-def test_replicas_without_adapters_are_skipped_while_any_serves_them() -> None:
-    decision = pick([cand("old", "off"), cand("new", "evict", in_flight=3)])
-    assert (decision.name, decision.slot) == ("new", "evict")
-    # Every replica without adapters (the engine answers the request itself).
-    assert pick([cand("a", "off"), cand("b", "off")]).slot == "off"
+def test_a_replica_reporting_no_slots_scores_as_one_that_would_evict() -> None:
+    # Adapters off, or no step yet: below a free slot, not excluded.
+    assert pick([cand("off", "off"), cand("free", "free", waiting=3)]).name == "free"
+    tie = [cand("off", "off"), cand("full", "evict")]
+    assert pick(tie, tie_key="k").name == max(["off", "full"], key=lambda n: rendezvous("k", n))
+    assert pick([cand("off", "off"), cand("full", "evict", waiting=3)]).name == "off"
+    # Within the bound only it and evicting replicas: the resident one may take the slack.
+    assert pick([cand("off", "off"), cand("has", "resident", in_flight=2)]).name == "has"
 
 
 def test_without_a_tokenized_prompt_an_adapter_still_goes_where_it_is_resident() -> None:
