@@ -61,6 +61,12 @@ class OperatorConfig:
     api_timeout_seconds: float = DEFAULT_API_TIMEOUT_SECONDS
     # One scrape of an engine pod's /metrics may take this long before the pod counts as missing.
     scrape_timeout_seconds: float = 1.0
+    # The adapter sync's timer fires this often for every InferenceService with LoRA adapters:
+    # how soon a spec change reaches the replicas, and a new replica gets the adapters.
+    adapter_sync_seconds: float = 10.0
+    # How long the engine may take to load one adapter (downloading an hf:// one included)
+    # before that replica shows it Loading and the next round looks again.
+    adapter_load_timeout_seconds: float = 120.0
     # The operator's own Prometheus /metrics on 0.0.0.0:PORT; 0 serves none.
     metrics_port: int = DEFAULT_METRICS_PORT
     # The engine pods' port the autoscaler scrapes: the engine's, always, in a cluster. A setting
@@ -105,6 +111,14 @@ class OperatorConfig:
             )
         if not 0 < self.api_timeout_seconds < float("inf"):
             raise ValueError(f"API timeout must be > 0 seconds, got {self.api_timeout_seconds}")
+        if not self.adapter_sync_seconds > 0:
+            raise ValueError(
+                f"adapter sync interval must be > 0 seconds, got {self.adapter_sync_seconds}"
+            )
+        if not self.adapter_load_timeout_seconds > 0:
+            raise ValueError(
+                f"adapter load timeout must be > 0 seconds, got {self.adapter_load_timeout_seconds}"
+            )
         if not self.scrape_timeout_seconds > 0:
             raise ValueError(
                 f"scrape timeout must be > 0 seconds, got {self.scrape_timeout_seconds}"
