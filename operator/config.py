@@ -215,6 +215,20 @@ def build_parser() -> argparse.ArgumentParser:
         "default 1)",
     )
     parser.add_argument(
+        "--adapter-sync-interval",
+        type=float,
+        metavar="SECONDS",
+        help="how often the LoRA adapters of each InferenceService with spec.adapters are "
+        "brought into its Ready replicas (env KVPILOT_ADAPTER_SYNC_INTERVAL; default 10)",
+    )
+    parser.add_argument(
+        "--adapter-load-timeout",
+        type=float,
+        metavar="SECONDS",
+        help="how long an engine may take to load one adapter, a download included, before "
+        "the next round looks again (env KVPILOT_ADAPTER_LOAD_TIMEOUT; default 120)",
+    )
+    parser.add_argument(
         "--metrics-port",
         type=int,
         metavar="PORT",
@@ -278,6 +292,18 @@ def config_from(argv: list[str], env: Mapping[str, str]) -> OperatorConfig:
         ),
         ("scrape_timeout_seconds", args.scrape_timeout, "KVPILOT_SCRAPE_TIMEOUT", float),
         ("api_timeout_seconds", args.api_timeout, "KVPILOT_API_TIMEOUT", float),
+        (
+            "adapter_sync_seconds",
+            args.adapter_sync_interval,
+            "KVPILOT_ADAPTER_SYNC_INTERVAL",
+            float,
+        ),
+        (
+            "adapter_load_timeout_seconds",
+            args.adapter_load_timeout,
+            "KVPILOT_ADAPTER_LOAD_TIMEOUT",
+            float,
+        ),
         ("metrics_port", args.metrics_port, "KVPILOT_METRICS_PORT", int),
     ):
         value = given(flag, name)

@@ -12,6 +12,7 @@ name and 409 while in use.
 from __future__ import annotations
 
 import asyncio
+import base64
 import contextlib
 import dataclasses
 import errno
@@ -24,7 +25,7 @@ from aiohttp import web
 from kvpilot.contract.lora import LOAD_LORA_PATH, UNLOAD_LORA_PATH, load_success, unload_success
 from kvpilot.operator.config import OperatorConfig
 
-from .conftest import ISVC_PATH, PODS_PATH, eventually
+from .conftest import ISVC_PATH, NAMESPACE, PODS_PATH, eventually
 from .emulated import DEPLOYMENT, ISVC, api, condition, create_isvc, events, live, reasons
 from .kube_emulator import KubeEmulator
 
@@ -51,6 +52,15 @@ class FakeEngine:
         self.loaded: dict[str, str] = {}
         self.in_use: set[str] = set()
         self.calls: list[tuple[str, str]] = []
+        self.api_key: str | None = None
+
+    @web.middleware
+    async def auth(self, request: web.Request, handler: Any) -> web.StreamResponse:
+        if self.api_key is not None and (
+            request.headers.get("Authorization") != f"Bearer {self.api_key}"
+        ):
+            return error(401, "Invalid API key")
+        return await handler(request)
 
     async def models(self, _: web.Request) -> web.Response:
         data = [{"id": NAME, "object": "model", "parent": None, "root": "/models/base"}]
@@ -97,7 +107,7 @@ async def serve_engines(count: int) -> AsyncIterator[tuple[list[FakeEngine], int
         try:
             port = 0
             for engine in engines:
-                app = web.Application()
+                app = web.Application(middlewares=[engine.auth])
                 app.router.add_get("/v1/models", engine.models)
                 app.router.add_post(LOAD_LORA_PATH, engine.load)
                 app.router.add_post(UNLOAD_LORA_PATH, engine.unload)
@@ -236,3 +246,37 @@ async def test_adapters_come_and_go_in_the_running_replicas_without_a_rollout(
     status = live(kmock, ISVC, NAME)["status"]  # type: ignore[index]
     assert "adapters" not in status and "adapterSummary" not in status
     assert live(kmock, DEPLOYMENT, NAME)["spec"]["template"] == before["spec"]["template"]  # type: ignore[index]
+
+
+@pytest.mark.usefixtures("operator")
+async def test_an_engine_with_an_api_key_is_called_with_it_once_it_can_be_read(
+    kmock: KubeEmulator, engines: tuple[list[FakeEngine], int]
+) -> None:
+    fakes, _ = engines
+    fakes[0].api_key = "s3cret"
+    spec = {**SPEC, "replicas": 1, "engine": {"apiKeySecret": {"name": "engine-key"}}}
+    await create_isvc(kmock, NAME, spec)
+    await eventually(lambda: live(kmock, DEPLOYMENT, NAME))
+    pod = await add_ready_pod(kmock, 0)
+    ready = await eventually(
+        lambda: (
+            (condition(kmock, NAME, "AdaptersReady") or ("", ""))[1] == "ApiKeyUnreadable"
+            and condition(kmock, NAME, "AdaptersReady")
+        )
+    )
+    assert ready[0] == "False"
+    assert "key 'api-key' of Secret serving/engine-key" in ready[2]
+    assert "missing or empty" in ready[2]
+    await eventually(lambda: "ApiKeyUnreadable" in reasons(kmock, NAME))
+    assert fakes[0].calls == []  # never called without the key
+
+    secret = {
+        "apiVersion": "v1",
+        "kind": "Secret",
+        "metadata": {"name": "engine-key"},
+        "data": {"api-key": base64.b64encode(b"s3cret\n").decode()},
+    }
+    await api(kmock, "POST", f"/api/v1/namespaces/{NAMESPACE}/secrets", secret)
+    await eventually(lambda: fakes[0].loaded == {"sql": SQL["uri"]})
+    await eventually(lambda: states(kmock, "sql") == {pod: "Loaded"})
+    assert "s3cret" not in str(live(kmock, ISVC, NAME))
