@@ -3,10 +3,11 @@ cache and by anything outside the engine that predicts what it holds (the router
 
 A block's hash covers its parent block's hash, its token ids, the request's cache_salt and the LoRA
 adapter it was computed with (KV computed under one adapter is another adapter's, or the base
-model's, wrong answer), so equal hashes mean equal prefixes (up to a 64-bit collision, which the engine's prefix cache then
-catches by comparing the stored key). The hash must be the same in every process and on every
-machine: Python's hash() of a str changes with PYTHONHASHSEED, so this uses blake2b over a fixed
-byte layout instead. Change the layout only together with HASH_SCHEME: subscribers compare it.
+model's, wrong answer), so equal hashes mean equal prefixes (up to a 64-bit collision, which the
+engine's prefix cache then catches by comparing the stored key). The hash must be the same in every
+process and on every machine: Python's hash() of a str changes with PYTHONHASHSEED, so this uses
+blake2b over a fixed byte layout instead. Change the layout only together with HASH_SCHEME:
+subscribers compare it.
 """
 
 from __future__ import annotations

@@ -21,6 +21,12 @@ from kvpilot.contract.engine_defaults import (
     DEFAULT_MAX_NUM_BATCHED_TOKENS,
     DEFAULT_MAX_NUM_SEQS,
 )
+from kvpilot.contract.lora import (
+    DEFAULT_MAX_LORA_RANK,
+    DEFAULT_MAX_LORAS,
+    MAX_LORA_RANK_LIMIT,
+    name_problem,
+)
 from kvpilot.contract.sizing import kv_bytes_per_token
 
 if TYPE_CHECKING:
@@ -198,6 +204,42 @@ class SchedulerConfig:
 
 
 @dataclass(frozen=True)
+class LoRAConfig:
+    """LoRA adapters (contract/lora.py): how many a step may use (device slots), how large their
+    rank may be, how many stay read in host memory, the adapters loaded at start, and whether the
+    runtime load/unload API is on."""
+
+    max_loras: int = DEFAULT_MAX_LORAS
+    max_lora_rank: int = DEFAULT_MAX_LORA_RANK
+    max_cpu_loras: int | None = None  # None: max_loras
+    modules: tuple[tuple[str, str], ...] = ()  # (name, path) loaded at start
+    allow_runtime_updating: bool = False
+
+    @property
+    def resolved_max_cpu_loras(self) -> int:
+        return self.max_loras if self.max_cpu_loras is None else self.max_cpu_loras
+
+    def __post_init__(self) -> None:
+        if self.max_loras < 1:
+            raise ValueError(f"max_loras must be >= 1, got {self.max_loras}")
+        if not 1 <= self.max_lora_rank <= MAX_LORA_RANK_LIMIT:
+            raise ValueError(
+                f"max_lora_rank must be in [1, {MAX_LORA_RANK_LIMIT}], got {self.max_lora_rank}"
+            )
+        if self.resolved_max_cpu_loras < self.max_loras:
+            raise ValueError(
+                f"max_cpu_loras ({self.max_cpu_loras}) must be >= max_loras ({self.max_loras})"
+            )
+        names = [name for name, _ in self.modules]
+        for name in names:
+            problem = name_problem(name)
+            if problem:
+                raise ValueError(problem)
+        if len(set(names)) != len(names):
+            raise ValueError("lora modules must have distinct names")
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     model: str | None = None  # HF directory, .gguf file, or None for the bundled SmolLM2
     load_format: str = "auto"
@@ -226,6 +268,8 @@ class EngineConfig:
     # runs while the device computes (vLLM's async scheduling). None: on for one CUDA rank, off
     # on CPU (where the forward runs on the host anyway, and it would only delay outputs a step).
     async_scheduling: bool | None = None
+    # LoRA adapters (--enable-lora); None: off, and the model has no adapter path at all.
+    lora: LoRAConfig | None = None
 
     @property
     def resolved_async_scheduling(self) -> bool:

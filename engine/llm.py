@@ -44,20 +44,36 @@ class LLM:
         params: SamplingParams | Seq[SamplingParams] | None = None,
         *,
         cache_salt: str | None = None,
+        lora_name: str | Seq[str | None] | None = None,
         use_tqdm: bool = False,
     ) -> list[RequestOutput]:
-        """Runs every prompt to completion; outputs in input order."""
+        """Runs every prompt to completion; outputs in input order. lora_name: the adapter of
+        every prompt, or of each (None: the base model)."""
         if isinstance(prompts, str):
             prompts = [prompts]
         params = params or SamplingParams()
         all_params = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
         if len(all_params) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(all_params)} SamplingParams")
+        adapters = (
+            [lora_name] * len(prompts)
+            if lora_name is None or isinstance(lora_name, str)
+            else list(lora_name)
+        )
+        if len(adapters) != len(prompts):
+            raise ValueError(f"{len(prompts)} prompts but {len(adapters)} lora names")
         ids = [f"offline-{next(self._ids)}" for _ in prompts]
         try:
-            for request_id, prompt, p in zip(ids, prompts, all_params, strict=True):
+            for request_id, prompt, p, adapter in zip(
+                ids, prompts, all_params, adapters, strict=True
+            ):
                 self.engine.add_request(
-                    request_id, prompt, p, cache_salt=cache_salt, kind=OutputKind.FINAL_ONLY
+                    request_id,
+                    prompt,
+                    p,
+                    cache_salt=cache_salt,
+                    lora_name=adapter,
+                    kind=OutputKind.FINAL_ONLY,
                 )
             return self._run(ids, use_tqdm)
         except BaseException:

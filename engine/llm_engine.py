@@ -79,6 +79,7 @@ class LLMEngine:
         cache_salt: str | None = None,
         arrival_time: float | None = None,
         kind: OutputKind = OutputKind.CUMULATIVE,
+        lora_name: str | None = None,
     ) -> None:
         """kind: what step() returns for this request (outputs.py's OutputKind)."""
         if isinstance(prompt, str):
@@ -90,7 +91,15 @@ class LLMEngine:
             prompt_text, prompt_ids = None, list(prompt)
         arrival = time.monotonic() if arrival_time is None else arrival_time
         self.core.add_request(
-            AddRequest(request_id, prompt_ids, params, self.eos_token_ids, cache_salt, arrival)
+            AddRequest(
+                request_id,
+                prompt_ids,
+                params,
+                self.eos_token_ids,
+                cache_salt,
+                arrival,
+                lora_name=lora_name,
+            )
         )
         self.processor.add_request(request_id, prompt_text, prompt_ids, params, arrival, kind=kind)
 

@@ -21,6 +21,9 @@ from kvpilot.engine.graph_capture import (
 from kvpilot.engine.host_copy import to_device
 from kvpilot.engine.kv_cache.budget import decide_num_blocks
 from kvpilot.engine.kv_cache.pool import KVLayout, PagedKVPool, bytes_per_block
+from kvpilot.engine.lora.adapter import LoRAAdapter, read_adapter
+from kvpilot.engine.lora.ops import LoRAMapping, build_mapping
+from kvpilot.engine.lora.slots import LoRASlots
 from kvpilot.engine.model.llama import ForwardContext, LlamaForCausalLM
 from kvpilot.engine.model.loader import ResolvedModel
 from kvpilot.engine.model_setup import load_model
@@ -120,6 +123,17 @@ class ModelRunner:
         self.kv_pool = PagedKVPool(
             layout, num_blocks, self.dtype, self.device, with_null_block=use_graphs
         )
+        self.lora_slots: LoRASlots | None = None
+        if config.lora is not None:
+            self.lora_slots = LoRASlots(
+                self.model.model.layers,
+                model_config,
+                self.model.shard,
+                config.lora.max_loras,
+                config.lora.max_lora_rank,
+                self.dtype,
+                self.device,
+            )
         self.default_generator = torch.Generator(device=self.device).manual_seed(config.seed)
         self._last_draws: torch.Tensor | None = None  # the last launched step's tokens [S]
         # CUDA block tables' row stride (a kernel argument) stays in one class: see plan_step.
@@ -168,20 +182,57 @@ class ModelRunner:
             query_lens_cpu=query_lens,
             seq_lens_cpu=tuple(seq_lens),
         )
-        ctx = ForwardContext(tensor(step.positions, torch.int64), meta, self.kv_caches)
+        ctx = ForwardContext(
+            tensor(step.positions, torch.int64), meta, self.kv_caches, self._lora_mapping(step)
+        )
         return PreparedBatch(
             tensor(step.input_ids, torch.int64), ctx, tensor(step.logits_indices, torch.int64)
         )
 
+    def _lora_mapping(self, step: StepInput) -> LoRAMapping | None:
+        """Each token's adapter slot, from its sequence's (None: no token has one)."""
+        if not step.lora_slots:
+            return None
+        token_slots: list[int] = []
+        for slot, start, end in zip(
+            step.lora_slots, step.query_start, step.query_start[1:], strict=False
+        ):
+            token_slots.extend([slot] * (end - start))
+        mapping = build_mapping(token_slots, self.device)
+        return mapping if mapping.has_adapters else None
+
+    def fill_lora_slots(self, fills: list[tuple[int, LoRAAdapter]]) -> None:
+        """Copies adapters into their slots (before the step that first uses them)."""
+        assert self.lora_slots is not None
+        for slot, adapter in fills:
+            self.lora_slots.load(slot, adapter)
+
+    def fill_lora_slots_from_files(self, fills: list[tuple[int, str, str]]) -> None:
+        """The other tensor-parallel ranks' fills: each reads the adapter itself."""
+        lora = self.config.lora
+        assert lora is not None
+        self.fill_lora_slots(
+            [
+                (slot, read_adapter(name, path, self.model_config, lora.max_lora_rank))
+                for slot, name, path in fills
+            ]
+        )
+
     @torch.inference_mode()
     def launch(
-        self, scheduled: list[ScheduledSequence], structured: StructuredOutputs | None = None
+        self,
+        scheduled: list[ScheduledSequence],
+        structured: StructuredOutputs | None = None,
+        lora_fills: list[tuple[int, LoRAAdapter]] | None = None,
     ) -> LaunchedStep:
         """Queues one step's forward pass and sampling on the device; resolve() reads the tokens.
         Constrained sequences' token masks are filled by `structured` while the forward runs.
         Sequences with a pending token (pending_row set) read it from the previous launch's
-        draws on the device."""
+        draws on the device. lora_fills: adapter slots to fill first."""
         step = plan_step(scheduled, self.block_size, self.table_width_multiple)
+        if lora_fills:
+            self.fill_lora_slots(lora_fills)
+            step.lora_fills = [(slot, a.name, a.path) for slot, a in lora_fills]
         pending = pending_inputs(scheduled)
         sampling = [item for item in scheduled if item.will_sample]
         grammars = [item.seq.grammar for item in sampling]
@@ -229,7 +280,8 @@ class ModelRunner:
         """The forward pass of one step: the sampling rows' logits [S_sample, vocab] (on tensor
         parallel rank 0; None on the others, and when nothing samples)."""
         graphs = self.step_graphs
-        shape = graphs.shape_for(step) if graphs is not None else None
+        # Graphs hold no adapter: a step with adapter tokens runs eagerly.
+        shape = graphs.shape_for(step) if graphs is not None and not step.lora_slots else None
         if graphs is not None and shape is not None:
             graphs.load(step, shape)
             self._fill_pending(graphs.input_ids, pending)

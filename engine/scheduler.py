@@ -4,7 +4,8 @@ recompute.
 Each step: running decodes first (a stream never stalls behind a long prompt), then running prefills
 that were cut into chunks, then waiting requests in arrival order, until the token budget
 (max_num_batched_tokens) or max_num_seqs is reached. A waiting request whose grammar is still
-compiling is passed over (it keeps its place) rather than make every step wait for its mask. When
+compiling is passed over (it keeps its place) rather than make every step wait for its mask, and so
+is one whose LoRA adapter is still being read or finds every adapter slot in use. When
 the KV pool runs dry, the newest running sequence is preempted: its blocks go back (its full blocks
 stay in the prefix cache) and it waits at the front of the queue to be recomputed.
 """
@@ -13,11 +14,20 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from kvpilot.engine.config import SchedulerConfig
 from kvpilot.engine.kv_cache.block_manager import BlockManager
 from kvpilot.engine.sequence import Sequence, SequenceStatus
 from kvpilot.engine.structured.manager import SequenceGrammar
+
+
+class AdapterSlots(Protocol):
+    """Where a sequence's LoRA adapter runs (engine/lora/manager.LoRAManager)."""
+
+    def slot_for(self, name: str, busy: set[str]) -> int | None:
+        """Its slot, taking one if it must (never one of an adapter in `busy`); None: wait."""
+        ...
 
 
 @dataclass(frozen=True)
@@ -47,9 +57,15 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, block_manager: BlockManager) -> None:
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        block_manager: BlockManager,
+        adapters: AdapterSlots | None = None,
+    ) -> None:
         self.config = config
         self.block_manager = block_manager
+        self.adapters = adapters
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # admission order: the last is the newest
         self.num_preemptions = 0
@@ -117,6 +133,9 @@ class Scheduler:
             if seq.grammar is not None and not seq.grammar.is_ready:
                 passed_over.append(self.waiting.popleft())
                 continue
+            if seq.lora_name is not None and not self._take_adapter_slot(seq):
+                passed_over.append(self.waiting.popleft())
+                continue
             cached = bm.find_cached_prefix(seq) if not seq.block_table else []
             num_computed = len(cached) * bm.block_size
             num_new = min(seq.num_tokens - num_computed, budget)
@@ -134,6 +153,21 @@ class Scheduler:
             budget -= num_new
         self.waiting.extendleft(reversed(passed_over))
         return budget
+
+    def _take_adapter_slot(self, seq: Sequence) -> bool:
+        """Gives seq its adapter's slot; False while the adapter is being read or every slot
+        holds an adapter that running sequences use (it waits, keeping its place)."""
+        assert self.adapters is not None and seq.lora_name is not None
+        busy = {s.lora_name for s in self.running if s.lora_name is not None}
+        slot = self.adapters.slot_for(seq.lora_name, busy)
+        if slot is None:
+            return False
+        seq.lora_slot = slot
+        return True
+
+    def waits_on_adapters(self) -> bool:
+        """Nothing runs and a waiting sequence's adapter is what holds it back."""
+        return not self.running and any(s.lora_name is not None for s in self.waiting)
 
     def compiling_grammars(self) -> list[SequenceGrammar]:
         """The grammars that hold waiting sequences back, when nothing else can run (empty

@@ -34,6 +34,7 @@ class Sequence:
     params: SamplingParams
     eos_token_ids: tuple[int, ...] = ()
     cache_salt: str | None = None
+    lora_name: str | None = None  # the LoRA adapter it runs with (None: the base model)
     generator: torch.Generator | None = None
     grammar: SequenceGrammar | None = None  # its position in its constraint, if it has one
     seq_id: int = field(default_factory=lambda: next(_seq_counter))
@@ -52,6 +53,8 @@ class Sequence:
     num_pending_tokens: int = 0
     # The pending token's row in the last launched step's samples, while it has one.
     pending_row: int | None = None
+    # The device slot of its adapter while it runs (-1: none); taken again on each admission.
+    lora_slot: int = -1
     # Set when the token just launched reaches max_tokens or the context: nothing is left to
     # schedule; the sequence finishes once that token is read.
     reached_length: bool = False

@@ -27,6 +27,11 @@ class StepInput(msgspec.Struct, array_like=True, gc=False, tag=True):
     seq_lens: list[int]  # [S]
     block_tables: list[list[int]]  # [S, max_blocks], padded with 0
     logits_indices: list[int]  # [S_sample]: flat index of each sampling sequence's last token
+    # [S]: each sequence's LoRA adapter slot, -1 for the base model; empty when none has one.
+    lora_slots: list[int] = []
+    # Slots to fill before this step's forward: (slot, adapter name, adapter path); the other
+    # tensor-parallel ranks read the adapter from the path.
+    lora_fills: list[tuple[int, str, str]] = []
 
 
 def plan_step(
@@ -53,6 +58,8 @@ def plan_step(
         step.seq_lens.append(end)
         if item.will_sample:
             step.logits_indices.append(step.query_start[-1] - 1)
+    if any(item.seq.lora_name is not None for item in scheduled):
+        step.lora_slots.extend(item.seq.lora_slot for item in scheduled)
     max_blocks = max(len(item.seq.block_table) for item in scheduled)
     max_blocks = round_up(max_blocks, table_width_multiple)
     step.block_tables.extend(

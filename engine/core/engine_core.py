@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
+from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -23,13 +24,18 @@ from kvpilot.engine.config import EngineConfig, ModelConfig
 from kvpilot.engine.core.messages import (
     AddRequest,
     EngineStats,
+    LoadLoRA,
+    LoRAReply,
     ModelDescription,
     SeqUpdate,
     StepOutputs,
+    UnloadLoRA,
 )
 from kvpilot.engine.cpu.heap import retain_freed_memory
 from kvpilot.engine.executor.workers import TPWorkers
 from kvpilot.engine.kv_cache.block_manager import BlockManager
+from kvpilot.engine.lora.adapter import AdapterError, AdapterNotFound, LoRAAdapter, read_adapter
+from kvpilot.engine.lora.manager import LoRAManager
 from kvpilot.engine.memory_fit import check_memory_fit, memory_limit
 from kvpilot.engine.model.loader import read_hf_config, resolve_model, set_offline_defaults
 from kvpilot.engine.model_runner import LaunchedStep, ModelRunner
@@ -165,7 +171,12 @@ class EngineCore:
         self.block_manager = BlockManager(
             self.num_blocks, self.block_size, config.cache.enable_prefix_caching
         )
-        self.scheduler = Scheduler(config.scheduler, self.block_manager)
+        self.lora: LoRAManager | None = None
+        # LoadLoRA commands whose adapter is being read: (command, the read).
+        self.lora_reads: list[tuple[LoadLoRA, Future[LoRAAdapter]]] = []
+        if config.lora is not None:
+            self.lora = self._start_adapters(config, config.served_model_name or source.name)
+        self.scheduler = Scheduler(config.scheduler, self.block_manager, self.lora)
         # A sequence can never outgrow the whole pool: it stops with "length" there instead of
         # hanging.
         self.max_seq_len = min(self.max_model_len, self.num_blocks * self.block_size)
@@ -193,6 +204,9 @@ class EngineCore:
             tensor_parallel_size=config.tensor_parallel_size,
             grammar_backend=self.structured.backend_name,
             async_scheduling=self.async_scheduling,
+            max_loras=0 if config.lora is None else config.lora.max_loras,
+            max_lora_rank=0 if config.lora is None else config.lora.max_lora_rank,
+            lora_modules=[] if self.lora is None else list(self.lora.paths.items()),
         )
         log.info(
             "engine core ready in %.1f s: %s%s",
@@ -200,6 +214,94 @@ class EngineCore:
             self.description.model_name,
             " (async scheduling)" if self.async_scheduling else "",
         )
+
+    def _start_adapters(self, config: EngineConfig, model_name: str) -> LoRAManager:
+        """The adapter book, with the --lora-modules adapters read now (a bad one fails the
+        start, as vLLM's does: the operator loads adapters at run time instead)."""
+        lora = config.lora
+        assert lora is not None
+        max_rank = lora.max_lora_rank
+
+        def read(name: str, path: str) -> LoRAAdapter:
+            return read_adapter(name, path, self.model_config, max_rank)
+
+        manager = LoRAManager(lora, read)
+        for name, path in lora.modules:
+            if name == model_name:
+                raise ValueError(f"the adapter name {name!r} is the served model's name")
+            manager.add(read(name, path))
+            log.info("LoRA adapter %s from %s", name, path)
+        return manager
+
+    # ---- adapters --------------------------------------------------------------------------------
+    def load_lora(self, command: LoadLoRA) -> LoRAReply | None:
+        """Starts reading the adapter (the reply comes from finished_lora_reads); a reply now
+        when the command is refused at once."""
+        if self.lora is None:
+            return LoRAReply(
+                command.command_id, 400, "LoRA is not enabled: start with --enable-lora"
+            )
+        if command.name == self.description.model_name:
+            return LoRAReply(
+                command.command_id, 400, f"the adapter name {command.name!r} is the model's name"
+            )
+        if command.replace and self._adapter_in_use(command.name):
+            return LoRAReply(
+                command.command_id,
+                409,
+                f"The lora adapter '{command.name}' is in use by requests; replace it once they "
+                "finish.",
+            )
+        try:
+            read = self.lora.read(command.name, command.path, replace=command.replace)
+        except AdapterError as exc:
+            return LoRAReply(command.command_id, 400, str(exc))
+        self.lora_reads.append((command, read))
+        return None
+
+    def finished_lora_reads(self) -> list[LoRAReply]:
+        """Registers the adapters read since the last call; the replies to their LoadLoRA."""
+        if not self.lora_reads:
+            return []
+        assert self.lora is not None
+        replies, still = [], []
+        for command, read in self.lora_reads:
+            if not read.done():
+                still.append((command, read))
+                continue
+            error = read.exception()
+            if error is None:
+                if command.name in self.lora.paths and not command.replace:
+                    message = f"The lora adapter '{command.name}' has already been loaded."
+                    replies.append(LoRAReply(command.command_id, 400, message))
+                    continue
+                self.lora.add(read.result())
+                log.info("LoRA adapter %s loaded from %s", command.name, command.path)
+                replies.append(LoRAReply(command.command_id, 200, ""))
+            else:
+                status = 404 if isinstance(error, AdapterNotFound) else 400
+                if not isinstance(error, AdapterError):
+                    log.error("reading adapter %s failed", command.name, exc_info=error)
+                replies.append(LoRAReply(command.command_id, status, str(error)))
+        self.lora_reads = still
+        return replies
+
+    def unload_lora(self, command: UnloadLoRA) -> LoRAReply:
+        if self.lora is None or command.name not in self.lora.paths:
+            message = f"The lora adapter '{command.name}' cannot be found."
+            return LoRAReply(command.command_id, 404, message)
+        if self._adapter_in_use(command.name):
+            message = (
+                f"The lora adapter '{command.name}' is in use by requests; unload it once they "
+                "finish."
+            )
+            return LoRAReply(command.command_id, 409, message)
+        self.lora.unregister(command.name)
+        log.info("LoRA adapter %s unloaded", command.name)
+        return LoRAReply(command.command_id, 200, "")
+
+    def _adapter_in_use(self, name: str) -> bool:
+        return any(seq.lora_name == name for seqs in self.requests.values() for seq in seqs)
 
     # ---- requests ------------------------------------------------------------------------------
     def add_request(self, request: AddRequest) -> None:
@@ -216,6 +318,10 @@ class EngineCore:
         )
         params = request.params
         check_logit_bias(params, self.model_config.vocab_size)
+        if request.lora_name is not None and (
+            self.lora is None or request.lora_name not in self.lora.paths
+        ):
+            raise ValueError(f"the LoRA adapter {request.lora_name!r} is not loaded")
         grammars: list[SequenceGrammar | None] = [None] * params.n
         if params.structured is not None:
             grammars = list(self.structured.grammars_for(params.structured, params.n))
@@ -234,6 +340,7 @@ class EngineCore:
                     params=params,
                     eos_token_ids=request.eos_token_ids,
                     cache_salt=request.cache_salt,
+                    lora_name=request.lora_name,
                     generator=generator,
                     grammar=grammars[index],
                 )
@@ -294,6 +401,8 @@ class EngineCore:
             # Every request left waits for its grammar: wait a moment for one rather than have
             # the caller's loop spin (and take the interpreter lock from the compile thread).
             StructuredOutputs.wait_for_any(compiling, GRAMMAR_POLL_S)
+        elif self.scheduler.waits_on_adapters():
+            time.sleep(GRAMMAR_POLL_S)  # their adapters are being read: no spinning meanwhile
         return self.idle_outputs(num_commands_applied)
 
     def _launch_next(self) -> StepInFlight | None:
@@ -309,7 +418,8 @@ class EngineCore:
             for item in plan.scheduled
             if item.seq.index == 0 and item.seq.num_output_tokens == 0
         ]
-        launched = self.runner.launch(plan.scheduled, self.structured)
+        fills = self.lora.take_fills() if self.lora is not None else None
+        launched = self.runner.launch(plan.scheduled, self.structured, fills)
         for item in plan.scheduled:
             item.seq.num_computed_tokens += item.num_new_tokens
         for row, item in enumerate(launched.sampling):
@@ -410,6 +520,8 @@ class EngineCore:
 
     def shutdown(self, timeout_s: float = 10.0) -> None:
         """Stops the other tensor-parallel ranks and leaves their group (nothing to do alone)."""
+        if self.lora is not None:
+            self.lora.close()
         if self.workers is not None:
             from kvpilot.engine.parallel.group import leave_group
 
@@ -431,4 +543,11 @@ class EngineCore:
             num_preemptions=self.scheduler.num_preemptions,
             num_prompt_tokens=self.num_prompt_tokens,
             num_generation_tokens=self.num_generation_tokens,
+            running_loras=_adapters_of(self.scheduler.running),
+            waiting_loras=_adapters_of(self.scheduler.waiting),
+            resident_loras=[] if self.lora is None else self.lora.resident,
         )
+
+
+def _adapters_of(seqs: Iterable[Sequence]) -> list[str]:
+    return sorted({s.lora_name for s in seqs if s.lora_name is not None})

@@ -1,9 +1,11 @@
 """What crosses between the API process and the engine-core process: token ids and numbers, never
 text. msgspec structs, encoded as msgpack arrays (compact, no field names on the wire).
 
-API -> core: AddRequest, Abort, ResetPrefixCache, Shutdown (one tagged union, `Command`).
+API -> core: AddRequest, Abort, ResetPrefixCache, LoadLoRA, UnloadLoRA, Shutdown (one tagged
+union, `Command`).
 Core -> API: CoreReady or CoreFailed once at start, then one StepOutputs per step (or per batch of
-commands applied between steps, so the API side sees the queue move), `CoreEvent`.
+commands applied between steps, so the API side sees the queue move), and a LoRAReply per LoadLoRA
+or UnloadLoRA (`CoreEvent`).
 """
 
 from __future__ import annotations
@@ -30,6 +32,10 @@ class EngineStats(msgspec.Struct, frozen=True, array_like=True):
     num_preemptions: int
     num_prompt_tokens: int
     num_generation_tokens: int
+    # LoRA adapters of the running and the waiting requests, and those in the device's slots.
+    running_loras: list[str] = []
+    waiting_loras: list[str] = []
+    resident_loras: list[str] = []
 
 
 class AddRequest(msgspec.Struct, frozen=True, array_like=True, tag=True):
@@ -40,6 +46,7 @@ class AddRequest(msgspec.Struct, frozen=True, array_like=True, tag=True):
     eos_token_ids: tuple[int, ...]
     cache_salt: str | None = None
     arrival_time: float | None = None
+    lora_name: str | None = None  # a registered adapter (None: the base model)
 
 
 class Abort(msgspec.Struct, frozen=True, array_like=True, tag=True):
@@ -54,11 +61,27 @@ class ResetPrefixCache(msgspec.Struct, frozen=True, array_like=True, tag=True):
     pass
 
 
+class LoadLoRA(msgspec.Struct, frozen=True, array_like=True, tag=True):
+    """Read the adapter at `path` and register it as `name` (answered by a LoRAReply)."""
+
+    command_id: str
+    name: str
+    path: str
+    replace: bool = False
+
+
+class UnloadLoRA(msgspec.Struct, frozen=True, array_like=True, tag=True):
+    """Forget adapter `name` (answered by a LoRAReply; refused while requests use it)."""
+
+    command_id: str
+    name: str
+
+
 class Shutdown(msgspec.Struct, frozen=True, array_like=True, tag=True):
     pass
 
 
-Command = AddRequest | Abort | ResetPrefixCache | Shutdown
+Command = AddRequest | Abort | ResetPrefixCache | LoadLoRA | UnloadLoRA | Shutdown
 
 
 class SeqUpdate(msgspec.Struct, array_like=True, gc=False):
@@ -105,6 +128,9 @@ class ModelDescription(msgspec.Struct, frozen=True, array_like=True):
     tensor_parallel_size: int = 1
     grammar_backend: str = "xgrammar"  # what constrained requests are compiled with
     async_scheduling: bool = False  # steps launched before the previous one's tokens are read
+    max_loras: int = 0  # adapter slots (0: adapters off)
+    max_lora_rank: int = 0
+    lora_modules: list[tuple[str, str]] = []  # (name, path) of the adapters loaded at start
 
 
 class ModelFilesFound(msgspec.Struct, frozen=True, array_like=True, tag=True):
@@ -123,4 +149,12 @@ class CoreFailed(msgspec.Struct, frozen=True, array_like=True, tag=True):
     during_load: bool
 
 
-CoreEvent = StepOutputs | ModelFilesFound | CoreReady | CoreFailed
+class LoRAReply(msgspec.Struct, frozen=True, array_like=True, tag=True):
+    """The answer to a LoadLoRA or UnloadLoRA: an HTTP status (contract/lora.py) and message."""
+
+    command_id: str
+    status: int
+    message: str
+
+
+CoreEvent = StepOutputs | ModelFilesFound | CoreReady | CoreFailed | LoRAReply

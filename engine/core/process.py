@@ -32,10 +32,12 @@ from kvpilot.engine.core.messages import (
     CoreEvent,
     CoreFailed,
     CoreReady,
+    LoadLoRA,
     ModelFilesFound,
     ResetPrefixCache,
     Shutdown,
     StepOutputs,
+    UnloadLoRA,
 )
 from kvpilot.engine.parent_death import die_with_parent
 
@@ -45,6 +47,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("kvpilot.core")
 
 _IDLE_POLL_S = 1.0  # how often an idle core checks that its parent still lives
+_LORA_POLL_S = 0.005  # how often an idle core looks at an adapter being read
 _FLUSH_S = 5  # how long the last messages may take to leave at exit
 
 
@@ -148,8 +151,10 @@ def _step_loop(
     num_applied = 0
     while True:
         busy = core.has_unfinished_requests()
+        # While an adapter is read, look at it often: its LoadLoRA waits for the reply.
+        idle_wait = _LORA_POLL_S if core.lora_reads else _IDLE_POLL_S
         try:
-            command = inbox.get(block=not busy, timeout=None if busy else _IDLE_POLL_S)
+            command = inbox.get(block=not busy, timeout=None if busy else idle_wait)
         except queue.Empty:
             if not busy and os.getppid() != parent_pid:
                 return
@@ -166,6 +171,8 @@ def _step_loop(
                 command = inbox.get_nowait()
             except queue.Empty:
                 command = None
+        for reply in core.finished_lora_reads():
+            outbox.put(reply)
         if core.has_unfinished_requests():
             outputs = core.step(num_applied)
             # A step that scheduled nothing changed nothing the API side could see.
@@ -190,6 +197,12 @@ def _apply(
         core.abort(command.request_id, command.index)
     elif isinstance(command, ResetPrefixCache):
         core.reset_prefix_cache()
+    elif isinstance(command, LoadLoRA):
+        reply = core.load_lora(command)
+        if reply is not None:
+            outbox.put(reply)
+    elif isinstance(command, UnloadLoRA):
+        outbox.put(core.unload_lora(command))
 
 
 def _receive_commands(socket: zmq.Socket, inbox: queue.SimpleQueue[Command]) -> None:

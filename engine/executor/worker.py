@@ -68,6 +68,8 @@ def main(argv: list[str]) -> int:
             message = decoder.decode(data)
             if isinstance(message, StopWorker):
                 break
+            if message.lora_fills:
+                runner.fill_lora_slots_from_files(message.lora_fills)
             runner.forward_step(message)
     except BaseException:
         log.exception("rank %d failed during a step", args.rank)

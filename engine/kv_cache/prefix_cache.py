@@ -1,6 +1,7 @@
 """Prefix caching by chained block hashes (the contract in base.PrefixCache).
 
-A full block's key is (its parent block's hash, its token ids, the request's cache_salt); its hash
+A full block's key is (its parent block's hash, its token ids, the request's cache_salt, its LoRA
+adapter); its hash
 is the contract's hash_block of that key, the same one the router computes to predict hits. A hash
 is only a pointer: a hit is confirmed by comparing the stored key, so a 64-bit collision never
 serves another prompt's KV. Published blocks live in the pool's free queue once unreferenced and
@@ -22,12 +23,15 @@ class BlockKey(NamedTuple):
     parent: int | None
     token_ids: tuple[int, ...]
     cache_salt: str | None
+    lora_name: str | None
 
 
 def block_key(seq: Sequence, index: int, block_size: int) -> BlockKey:
     parent = seq.block_hashes[index - 1] if index > 0 else None
     start = index * block_size
-    return BlockKey(parent, tuple(seq.token_ids[start : start + block_size]), seq.cache_salt)
+    return BlockKey(
+        parent, tuple(seq.token_ids[start : start + block_size]), seq.cache_salt, seq.lora_name
+    )
 
 
 def update_block_hashes(seq: Sequence, block_size: int) -> None:

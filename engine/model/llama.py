@@ -13,6 +13,7 @@ the model is the single-device model, with no collective and no extra op.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 from torch import nn
@@ -20,6 +21,7 @@ from torch import nn
 # Interfaces only: the backends and the kernels are chosen by name elsewhere and passed in.
 from kvpilot.engine.attention.base import AttentionBackend, AttentionMetadata
 from kvpilot.engine.config import ModelConfig
+from kvpilot.engine.lora.ops import LoRAMapping, add_lora_torch
 from kvpilot.engine.model import layers
 from kvpilot.engine.model.layer_ops import LayerOps
 from kvpilot.engine.parallel.group import TPGroup
@@ -35,6 +37,25 @@ class ForwardContext:
     kv_caches: list[
         tuple[torch.Tensor, torch.Tensor]
     ]  # per layer: [num_blocks, block_size, KVH, D] x2
+    # Each token's LoRA adapter slot (None: no token of the step uses an adapter).
+    lora: LoRAMapping | None = None
+
+
+class LoRAStacks(Protocol):
+    """A projection's adapter weights in their slots (engine/lora/slots.LoRAProjection)."""
+
+    lora_a: torch.Tensor
+    lora_b: torch.Tensor
+    bounds: tuple[int, ...]
+
+
+def with_lora(
+    out: torch.Tensor, x: torch.Tensor, stacks: LoRAStacks | None, lora: LoRAMapping | None
+) -> torch.Tensor:
+    """The projection's output `out` of input `x` plus each token's adapter delta (in place)."""
+    if lora is not None and stacks is not None:
+        add_lora_torch(out, x, stacks.lora_a, stacks.lora_b, stacks.bounds, lora)
+    return out
 
 
 class RMSNorm(nn.Module):
@@ -64,6 +85,9 @@ class Attention(nn.Module):
         )
         self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
         self.scale = self.head_dim**-0.5
+        # Set by engine/lora/slots.py when the engine serves adapters.
+        self.qkv_lora: LoRAStacks | None = None
+        self.o_lora: LoRAStacks | None = None
         self.backend = backend
         self.ops = ops
         self.tp = tp
@@ -76,7 +100,8 @@ class Attention(nn.Module):
         cos_sin_cache: torch.Tensor,
     ) -> torch.Tensor:
         num_tokens = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        qkv = with_lora(self.qkv_proj(x), x, self.qkv_lora, ctx.lora)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(num_tokens, self.num_heads, self.head_dim)
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
@@ -84,7 +109,8 @@ class Attention(nn.Module):
         k_cache, v_cache = kv_cache
         self.backend.write_kv(k, v, k_cache, v_cache, ctx.attn.slot_mapping)
         out = self.backend.forward(q, k_cache, v_cache, ctx.attn, self.scale)
-        out = self.o_proj(out.reshape(num_tokens, self.q_size))
+        out = out.reshape(num_tokens, self.q_size)
+        out = with_lora(self.o_proj(out), out, self.o_lora, ctx.lora)
         return out if self.tp is None else self.tp.all_reduce(out)
 
 
@@ -94,15 +120,18 @@ class MLP(nn.Module):
         inter = shard.intermediate_size
         self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * inter, bias=False)
         self.down_proj = nn.Linear(inter, cfg.hidden_size, bias=False)
+        self.gate_up_lora: LoRAStacks | None = None
+        self.down_lora: LoRAStacks | None = None
         self.ops = ops
         self.tp = tp
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.gate_up_proj(x)
-        # On CPU the projection may apply SiLU-and-multiply itself (cpu_linear.PackedSiluGateUp).
+    def forward(self, x: torch.Tensor, lora: LoRAMapping | None = None) -> torch.Tensor:
+        h = with_lora(self.gate_up_proj(x), x, self.gate_up_lora, lora)
+        # On CPU the projection may apply SiLU-and-multiply itself (cpu_linear.PackedSiluGateUp,
+        # never used with adapters: their delta comes before the activation).
         if not getattr(self.gate_up_proj, "fuses_silu_and_mul", False):
             h = self.ops.silu_and_mul(h)
-        out = self.down_proj(h)
+        out = with_lora(self.down_proj(h), h, self.down_lora, lora)
         return out if self.tp is None else self.tp.all_reduce(out)
 
 
@@ -135,7 +164,7 @@ class DecoderLayer(nn.Module):
         h = self.self_attn(h, ctx, kv_cache, cos_sin_cache)
         norm = self.post_attention_layernorm
         h, residual = self.ops.rms_norm(h, norm.weight, norm.eps, residual)
-        return self.mlp(h), residual
+        return self.mlp(h, ctx.lora), residual
 
 
 class LlamaModel(nn.Module):
