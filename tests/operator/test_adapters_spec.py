@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 
 from kvpilot.contract.lora import DEFAULT_MAX_LORA_RANK, RUNTIME_LORA_FLAG
+from kvpilot.engine.server.from_flags import engine_config, parse_flags
 from kvpilot.operator import crdgen
 from kvpilot.operator.builders import Owner, build_deployment, build_engine_args
 from kvpilot.operator.spec import InvalidSpecError, check_adapter_names, parse_spec
@@ -231,3 +232,57 @@ def test_with_lora_the_engine_may_fetch_hf_adapters_with_the_models_token() -> N
     # A read-only pvc:// model: downloads go to the writable /tmp volume.
     pvc = {"model": {"uri": "pvc://weights/llama"}, "engine": {"lora": {}}}
     assert engine_env(pvc)["HF_HOME"] == "/tmp/kvpilot-cache/hf-home"
+
+
+LORA_FLAGS = {"maxLoras": "--max-loras", "maxLoraRank": "--max-lora-rank",
+              "maxCpuLoras": "--max-cpu-loras"}  # fmt: skip
+# Where the CRD is stricter than the engine on purpose: more slots than it allows adapters.
+LORA_STRICTER_THAN_THE_ENGINE = ({"maxLoras": 257}, {"maxLoras": 4, "maxCpuLoras": 1000})
+
+
+def lora_engine_accepts(lora: dict[str, Any]) -> tuple[bool, str]:
+    """`kvpilot serve`'s parser and config on the builder's arguments (or, for a spec the
+    operator refuses, the same fields as flags)."""
+    try:
+        args = build_engine_args(parse_spec(with_adapters(lora=lora)), "chat")[1:]
+    except InvalidSpecError:
+        args = ["--enable-lora", RUNTIME_LORA_FLAG]
+        for field, value in lora.items():
+            args += [LORA_FLAGS[field], str(value)]
+    try:
+        config = engine_config(parse_flags(args))
+    except (ValueError, SystemExit) as error:
+        return False, str(error)
+    assert config.lora is not None and config.lora.allow_runtime_updating
+    return True, ""
+
+
+@pytest.mark.parametrize(
+    "lora",
+    [
+        {},
+        {"maxLoras": 0},
+        {"maxLoras": 1},
+        {"maxLoras": 8},
+        {"maxLoras": 257},
+        {"maxLoraRank": 0},
+        {"maxLoraRank": 1},
+        {"maxLoraRank": 512},
+        {"maxLoraRank": 513},
+        {"maxCpuLoras": 0},
+        {"maxCpuLoras": 1},
+        {"maxLoras": 4, "maxCpuLoras": 2},
+        {"maxLoras": 4, "maxCpuLoras": 4},
+        {"maxLoras": 4, "maxCpuLoras": 1000},
+        {"maxLoras": 2, "maxLoraRank": 64, "maxCpuLoras": 16},
+    ],
+)
+def test_the_crd_admits_exactly_the_lora_limits_the_engine_accepts(lora: dict[str, Any]) -> None:
+    server, operator = refusals(with_adapters(lora=lora))
+    is_admitted = not server and operator is None
+    is_accepted, engine_says = lora_engine_accepts(lora)
+    if lora in LORA_STRICTER_THAN_THE_ENGINE:
+        assert is_accepted and not is_admitted and operator is not None, (server, operator)
+        return
+    assert is_admitted == is_accepted, (server, operator, engine_says)
+    assert (operator is None) == (not server), (server, operator)  # both refuse, or neither
