@@ -10,6 +10,7 @@ Not thread-safe: one thread owns a core.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import Callable, Iterable
@@ -20,7 +21,7 @@ from pathlib import Path
 import torch
 
 from kvpilot.contract import sizing
-from kvpilot.engine.config import EngineConfig, ModelConfig
+from kvpilot.engine.config import EngineConfig, LoRAConfig, ModelConfig
 from kvpilot.engine.core.messages import (
     AddRequest,
     EngineStats,
@@ -103,7 +104,7 @@ def cpu_memory_need(config: EngineConfig, model: ModelConfig) -> sizing.MemoryNe
         kv = cache.kv_cache_bytes
     else:
         kv = int(cache.kv_cache_gib * 2**30)
-    return sizing.cpu_memory_need(
+    need = sizing.cpu_memory_need(
         num_params=model.num_params,
         hidden_size=model.hidden_size,
         intermediate_size=model.intermediate_size,
@@ -112,6 +113,24 @@ def cpu_memory_need(config: EngineConfig, model: ModelConfig) -> sizing.MemoryNe
         kv_cache_bytes=kv,
         max_num_batched_tokens=config.scheduler.max_num_batched_tokens,
         max_num_seqs=config.scheduler.max_num_seqs,
+    )
+    if config.lora is None:
+        return need
+    return dataclasses.replace(need, adapters=adapter_bytes(config.lora, model, itemsize))
+
+
+def adapter_bytes(lora: LoRAConfig, model: ModelConfig, itemsize: int) -> int:
+    """The most this engine's adapters take: its slots and its host-memory LRU (contract)."""
+    return sizing.lora_bytes(
+        num_layers=model.num_hidden_layers,
+        hidden_size=model.hidden_size,
+        q_size=model.num_attention_heads * model.head_dim,
+        kv_size=model.num_key_value_heads * model.head_dim,
+        intermediate_size=model.intermediate_size,
+        max_rank=lora.max_lora_rank,
+        max_loras=lora.max_loras,
+        max_cpu_loras=lora.resolved_max_cpu_loras,
+        itemsize=itemsize,
     )
 
 
