@@ -13,6 +13,7 @@ from kvpilot.contract.lora import DEFAULT_MAX_LORA_RANK, RUNTIME_LORA_FLAG
 from kvpilot.engine.server.from_flags import engine_config, parse_flags
 from kvpilot.operator import crdgen
 from kvpilot.operator.builders import Owner, build_deployment, build_engine_args
+from kvpilot.operator.memory import cpu_memory_need, limit_problem
 from kvpilot.operator.spec import InvalidSpecError, check_adapter_names, parse_spec
 
 from .crd_schema import api_server_errors, crd_schema
@@ -286,3 +287,24 @@ def test_the_crd_admits_exactly_the_lora_limits_the_engine_accepts(lora: dict[st
         return
     assert is_admitted == is_accepted, (server, operator, engine_says)
     assert (operator is None) == (not server), (server, operator)  # both refuse, or neither
+
+
+def test_lora_limits_count_in_the_memory_a_limit_must_hold() -> None:
+    """The engine reserves its LoRA slots and host LRU at start (contract/sizing.lora_bytes): a
+    limit that cannot hold them is InvalidSpec, as the engine would refuse it."""
+    builtin = {"uri": "builtin://smollm2-135m-instruct"}
+    resources = {"limits": {"memory": "8Gi"}}
+    plain = parse_spec({"model": builtin, "resources": resources})
+    assert limit_problem(plain) is None
+    small = parse_spec({"model": builtin, "resources": resources, "engine": {"lora": {}}})
+    assert limit_problem(small) is None
+    assert cpu_memory_need(small) > cpu_memory_need(plain)  # type: ignore[operator]
+    big_lora = {"maxLoras": 16, "maxLoraRank": 512, "maxCpuLoras": 64}
+    big = parse_spec({"model": builtin, "resources": resources, "engine": {"lora": big_lora}})
+    problem = limit_problem(big)
+    assert problem is not None and "LoRA adapters" in problem and "engine.lora" in problem
+    # Which adapters are listed does not change it: the limits do.
+    listed = {"adapters": [{"name": "sql", "uri": "hf://org/sql"}]}
+    assert cpu_memory_need(parse_spec({"model": builtin, **listed})) == cpu_memory_need(
+        parse_spec({"model": builtin, "engine": {"lora": {}}})
+    )

@@ -261,6 +261,8 @@ def test_block_sizes_come_from_the_engine() -> None:
         {},
         {"dtype": "bfloat16", "kvCacheBytes": "768Mi", "maxNumSeqs": 8},
         {"dtype": "float32", "maxNumBatchedTokens": 512, "blockSize": 32},
+        {"lora": {}},
+        {"dtype": "bfloat16", "lora": {"maxLoras": 4, "maxLoraRank": 64, "maxCpuLoras": 16}},
     ],
 )
 def test_the_operator_predicts_the_memory_the_engine_checks(engine: dict[str, Any]) -> None:
