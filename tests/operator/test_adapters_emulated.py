@@ -26,7 +26,17 @@ from kvpilot.contract.lora import LOAD_LORA_PATH, UNLOAD_LORA_PATH, load_success
 from kvpilot.operator.config import OperatorConfig
 
 from .conftest import ISVC_PATH, NAMESPACE, PODS_PATH, eventually
-from .emulated import DEPLOYMENT, ISVC, api, condition, create_isvc, events, live, reasons
+from .emulated import (
+    DEPLOYMENT,
+    ISVC,
+    api,
+    condition,
+    create_isvc,
+    events,
+    live,
+    reasons,
+    status_writes,
+)
 from .kube_emulator import KubeEmulator
 
 pytestmark = pytest.mark.kmock(cls=KubeEmulator)
@@ -233,6 +243,11 @@ async def test_adapters_come_and_go_in_the_running_replicas_without_a_rollout(
     await eventually(lambda: "sql" not in fakes[0].loaded)
     await eventually(lambda: set(adapter_status(kmock)) == {"chat-v2"})
     await eventually(lambda: (condition(kmock, NAME, "AdaptersReady") or ("",))[0] == "True")
+
+    # Nothing changes, nothing is written: rounds that find the replicas as wanted are quiet.
+    writes, calls = status_writes(kmock, NAME), len(fakes[0].calls)
+    await asyncio.sleep(4 * SYNC_S)
+    assert (status_writes(kmock, NAME), len(fakes[0].calls)) == (writes, calls)
 
     # A new replica gets every adapter once it is Ready.
     third = await add_ready_pod(kmock, 2)
