@@ -1,5 +1,5 @@
-"""Compiles csrc/cpu_ops.c and csrc/linear.c into one library for this machine and loads it, once
-per process.
+"""Compiles csrc/cpu_ops.c, csrc/linear.c and csrc/lora.c into one library for this machine and
+loads it, once per process.
 
 The library is cached under the kvpilot cache directory, keyed by the sources, the compiler, the
 flags and the CPU (the build targets -march=native), so a second start and every other process on
