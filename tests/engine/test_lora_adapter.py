@@ -172,3 +172,26 @@ def test_the_memory_the_operator_sizes_is_what_the_engine_allocates(
         num_layers=1, hidden_size=1, q_size=1, kv_size=1, intermediate_size=1,
         max_rank=1, max_loras=0, max_cpu_loras=1, itemsize=2,
     ) == 4 * (3 + 1 + 2 + 1 + 1 + 4 + 2)  # fmt: skip
+
+
+def test_a_request_for_an_adapter_whose_files_went_is_refused_not_left_waiting(
+    base: Path, adapter_dir: Path, tmp_path: Path
+) -> None:
+    import shutil
+
+    from kvpilot.engine import LLM, SamplingParams
+
+    gone, kept = tmp_path / "gone", tmp_path / "kept"
+    shutil.copytree(adapter_dir, gone)
+    shutil.copytree(adapter_dir, kept)
+    # Host memory holds one adapter: "gone", read first, leaves it when "kept" is read.
+    lora = LoRAConfig(
+        max_loras=1, max_cpu_loras=1, modules=(("gone", str(gone)), ("kept", str(kept)))
+    )
+    with LLM(str(base), lora=lora) as llm:
+        shutil.rmtree(gone)
+        with pytest.raises(ValueError, match="'gone' could not be read"):
+            llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2), lora_name="gone")
+        answer = llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2), lora_name="kept")
+        assert len(answer[0].outputs[0].token_ids) == 2
+        assert not llm.engine.core.requests
