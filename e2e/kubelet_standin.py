@@ -4,7 +4,9 @@ kube-apiserver and kube-controller-manager on loopback, with no node agent.
 What a kubelet does for a pod, this does with local processes: it binds each new pod of its
 namespace to a Node object of its own (a Binding, as the scheduler would), runs the pod's one
 container as a process on a loopback address of its own (127.0.0.N), probes the container's
-readinessProbe path and then reports the pod Running and Ready with that podIP. A pod being
+readinessProbe path and then reports the pod Running and Ready with that podIP. It renews its
+Node's Ready heartbeat as a kubelet does (without it, the controller-manager's node lifecycle
+controller marks the node's pods NotReady after 40 s). A pod being
 deleted has its process stopped (SIGTERM, then SIGKILL) and is removed (grace period 0, as a
 kubelet confirms a deletion). How a container becomes a local command is the caller's:
 a `Runtime` turns the container spec and the pod's address into a process.
@@ -33,6 +35,9 @@ logger = logging.getLogger(__name__)
 
 POLL_S = 0.2
 STOP_GRACE_S = 10.0
+# The node lifecycle controller marks every pod of a node NotReady once the node's heartbeat
+# is older than its grace period (40 s by default): the heartbeat is renewed well within it.
+HEARTBEAT_S = 5.0
 
 
 @dataclass(frozen=True)
@@ -79,6 +84,7 @@ class KubeletStandIn:
     _stop: threading.Event = field(default_factory=threading.Event)
     _thread: threading.Thread | None = None
     _next_ip: int = 0
+    _last_heartbeat: float = 0.0
 
     def start(self) -> None:
         from kubernetes import client
@@ -130,6 +136,7 @@ class KubeletStandIn:
             "addresses": [{"type": "InternalIP", "address": "127.0.0.1"}],
         }
         self.core.patch_node_status(self.node_name, {"status": status})
+        self._last_heartbeat = time.monotonic()
 
     def _loop(self) -> None:
         while not self._stop.is_set():
@@ -141,6 +148,8 @@ class KubeletStandIn:
             self._stop.wait(POLL_S)
 
     def _sync(self) -> None:
+        if time.monotonic() - self._last_heartbeat > HEARTBEAT_S:
+            self._report_node_ready()
         pods = self.core.list_namespaced_pod(self.namespace).items
         seen = set()
         for pod in pods:

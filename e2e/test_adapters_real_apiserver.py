@@ -22,6 +22,7 @@ import shutil
 import socket
 import sys
 import threading
+import time
 import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -31,6 +32,7 @@ from typing import Any
 import httpx
 import pytest
 import yaml
+from kubernetes.client.exceptions import ApiException
 
 from kvpilot.operator.cli import run_operator
 from kvpilot.operator.config import OperatorConfig
@@ -94,8 +96,6 @@ def namespace(apis: dict[str, Any]) -> Iterator[str]:
 @pytest.fixture()
 def crd(apis: dict[str, Any]) -> Iterator[None]:
     """crds/ as shipped; removed again when this test installed it."""
-    from kubernetes.client.exceptions import ApiException
-
     body = yaml.safe_load((ROOT / "crds" / f"{CRD_NAME}.yaml").read_text())
     ext = apis["ext"]
     try:
@@ -235,8 +235,6 @@ def operator(
 
 
 def _exists(read: Any, *args: str) -> bool:
-    from kubernetes.client.exceptions import ApiException
-
     try:
         read(*args)
     except ApiException as error:
@@ -356,6 +354,15 @@ def test_spec_changes_load_and_unload_adapters_without_a_new_replicaset(
     assert (ready["status"], ready["reason"]) == ("True", "AdaptersLoaded")
     assert complete(url, "sql").status_code == 200
 
+    # The CRD's CEL rules, run by the API server: refused before the operator or a pod sees it.
+    for bad, says in (
+        ({**chat, "rank": 16}, "an adapter's rank exceeds spec.engine.lora.maxLoraRank"),
+        ({**chat, "name": NAME}, "an adapter may not have the served model's name"),
+    ):
+        with pytest.raises(ApiException) as refused:
+            view.patch_adapters([bad])
+        assert refused.value.status == 422 and says in refused.value.body, refused.value.body
+
     deployment = view.deployment()
     generation = deployment.metadata.generation
     serialize = apis["core"].api_client.sanitize_for_serialization
@@ -380,6 +387,7 @@ def test_spec_changes_load_and_unload_adapters_without_a_new_replicaset(
     (replica,) = view.adapters()["broken"]["replicas"]
     assert replica["message"].startswith("HTTP 400: "), replica
     assert "is not a readable weights file" in replica["message"], replica
+    assert "lastAttemptTime" in replica, replica
     ready = view.until(
         lambda: (c := view.condition("AdaptersReady")).get("status") == "False" and c,
         "AdaptersReady=False",
@@ -389,6 +397,11 @@ def test_spec_changes_load_and_unload_adapters_without_a_new_replicaset(
     (event,) = view.until(lambda: view.events("AdapterFailed"), "an AdapterFailed Event")
     assert event.type == "Warning"
     assert f"the engine in {pod} refused adapter broken" in event.message
+    # Not asked again each round: the refusal's time survives the status round trip through
+    # the API server (a retry would stamp a later second and post another Event).
+    time.sleep(4 * SYNC_S)
+    assert view.adapters()["broken"]["replicas"] == [replica]
+    assert len(view.events("AdapterFailed")) == 1
     assert served(url) == {NAME: None, "chat-v2": NAME}
     answer = complete(url, NAME)
     assert answer.status_code == 200, answer.text
