@@ -408,7 +408,7 @@ def test_spec_changes_load_and_unload_adapters_without_a_new_replicaset(
     assert answer.json()["usage"]["completion_tokens"] == 4
     assert view.states("chat-v2") == {pod: "Loaded"}
 
-    # Through all three changes: the same Deployment generation and template, the same one
+    # Through both changes: the same Deployment generation and template, the same one
     # ReplicaSet, the same Pod.
     after = view.deployment()
     assert after.metadata.generation == generation
