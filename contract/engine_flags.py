@@ -29,6 +29,12 @@ from kvpilot.contract.engine_defaults import (
     DEFAULT_MAX_NUM_SEQS,
 )
 from kvpilot.contract.limits import RequestLimits
+from kvpilot.contract.lora import (
+    DEFAULT_MAX_LORA_RANK,
+    DEFAULT_MAX_LORAS,
+    RUNTIME_LORA_ENV,
+    RUNTIME_LORA_FLAG,
+)
 
 API_KEY_ENV = "KVPILOT_API_KEY"
 
@@ -90,8 +96,11 @@ PARALLELISM = "parallelism"
 REQUEST_LIMITS = "request limits"
 SERVER = "server"
 STRUCTURED = "structured outputs and tools"
+LORA = "LoRA adapters"
 # The --help sections, in the order they are listed.
-GROUPS = (MODEL, HTTP, ENGINE, SCHEDULER, KV_CACHE, PARALLELISM, REQUEST_LIMITS, SERVER, STRUCTURED)
+GROUPS = (
+    MODEL, HTTP, ENGINE, SCHEDULER, KV_CACHE, PARALLELISM, REQUEST_LIMITS, SERVER, STRUCTURED, LORA
+)  # fmt: skip
 
 _LIMITS = RequestLimits()  # the request limits' defaults
 
@@ -180,6 +189,22 @@ FLAGS: tuple[Flag, ...] = (
     flag(STRUCTURED, "--chat-template", type=non_empty, default=None,
          help="a Jinja chat template to use instead of the model's: a file path, or the "
          "template"),
+    flag(LORA, "--enable-lora", action="store_true",
+         help="serve LoRA adapters: a request's `model` names an adapter or the base model"),
+    flag(LORA, "--lora-modules", nargs="+", action="extend", default=None,
+         metavar="NAME=PATH",
+         help="adapters loaded at start: name=path, or JSON {\"name\": ..., \"path\": ..., "
+         "\"base_model_name\": ...}; a path is a PEFT adapter directory or a Hugging Face repo"),
+    flag(LORA, "--max-loras", type=positive_int, default=DEFAULT_MAX_LORAS,
+         help="adapters one step may use (their weights stay on the device)"),
+    flag(LORA, "--max-lora-rank", type=positive_int, default=DEFAULT_MAX_LORA_RANK,
+         help="the largest adapter rank accepted"),
+    flag(LORA, "--max-cpu-loras", type=positive_int, default=None,
+         help="adapters kept read in host memory, least recently used out (None: "
+         "--max-loras)"),
+    flag(LORA, RUNTIME_LORA_FLAG, action="store_true",
+         help="serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter (also "
+         f"{RUNTIME_LORA_ENV}=True)"),
 )  # fmt: skip
 
 

@@ -24,10 +24,32 @@ class MemoryNeed:
     weights: int
     kv_cache: int
     working: int  # runtime + activations
+    adapters: int = 0  # LoRA adapters: their slots and the ones kept read in host memory
 
     @property
     def total(self) -> int:
-        return self.weights + self.kv_cache + self.working
+        return self.weights + self.kv_cache + self.working + self.adapters
+
+
+def lora_bytes(
+    *, num_layers: int, hidden_size: int, q_size: int, kv_size: int, intermediate_size: int,
+    max_rank: int, max_loras: int, max_cpu_loras: int, itemsize: int,
+) -> int:  # fmt: skip
+    """The most LoRA adapters take: max_loras slots at the model's `itemsize` plus max_cpu_loras
+    adapters read in host memory (float32), each of rank max_rank on all seven projections. One
+    adapter's A and B of one layer hold rank x (in + out) numbers per projection."""
+    per_rank = (
+        3 * hidden_size  # q, k, v: A is rank x hidden
+        + q_size
+        + 2 * kv_size  # their B rows
+        + q_size
+        + hidden_size  # o: A over the heads' width, B over hidden
+        + 2 * (hidden_size + intermediate_size)  # gate, up
+        + intermediate_size
+        + hidden_size  # down
+    )
+    one_adapter = num_layers * max_rank * per_rank
+    return one_adapter * (max_loras * itemsize + max_cpu_loras * 4)
 
 
 def kv_bytes_per_token(*, num_layers: int, num_kv_heads: int, head_dim: int, itemsize: int) -> int:

@@ -116,7 +116,12 @@ class LLMEngine:
 
     # ---- the step ------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        processed = self.processor.process(self.core.step())
+        """Raises ValueError for a request the core refused (it is dropped first)."""
+        outputs = self.core.step()
+        for request_id, why in outputs.rejected:
+            self.processor.abort(request_id)
+            raise ValueError(f"request {request_id} refused: {why}")
+        processed = self.processor.process(outputs)
         for request_id, index in processed.stop_hits:
             self.core.abort(request_id, index)
         return processed.outputs

@@ -4,6 +4,7 @@ build has."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass
 
@@ -56,9 +57,12 @@ def load_model(
     """tp: this process's rank when the model is split (None: the whole model)."""
     dtype = config.resolved_dtype
     backend = get_attention_backend(config.resolved_attention_backend)
-    model = build_model(
-        model_config, backend, max_model_len, device, dtype, layer_ops_for(backend.name), tp
-    )
+    ops = layer_ops_for(backend.name)
+    if config.lora is not None:
+        from kvpilot.engine.lora.ops import add_lora
+
+        ops = dataclasses.replace(ops, add_lora=add_lora)
+    model = build_model(model_config, backend, max_model_len, device, dtype, ops, tp)
     bytes_loaded = 0
     if source.load_format == "dummy":
         init_dummy_weights(model, config.seed)

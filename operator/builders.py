@@ -28,6 +28,7 @@ from kvpilot.contract.kube import (
     PART_OF,
     READY_PATH,
 )
+from kvpilot.contract.lora import RUNTIME_LORA_FLAG
 from kvpilot.operator.constants import (
     ENGINE_UID,
     MODEL_CACHE_MOUNT,
@@ -145,7 +146,26 @@ def build_engine_args(spec: InferenceServiceSpec, served_name: str) -> list[str]
     if spec.effective_tensor_parallel_size > 1:
         args += ["--tensor-parallel-size", str(spec.effective_tensor_parallel_size)]
     args += ["--shutdown-timeout", str(spec.drain_seconds)]
-    return args + list(engine.extra_args)
+    return args + build_lora_args(spec) + list(engine.extra_args)
+
+
+def build_lora_args(spec: InferenceServiceSpec) -> list[str]:
+    """LoRA on, runtime loading on, and the limits - never the adapters themselves: the
+    operator loads those through the engine's API, so adding or removing one leaves the pod
+    template (and the ReplicaSet) as it is."""
+    if not spec.is_lora_enabled:
+        return []
+    limits = spec.lora_limits
+    return [
+        "--enable-lora",
+        RUNTIME_LORA_FLAG,
+        "--max-loras",
+        str(limits.max_loras),
+        "--max-lora-rank",
+        str(limits.max_lora_rank),
+        "--max-cpu-loras",
+        str(limits.effective_max_cpu_loras),
+    ]
 
 
 def engine_cache_dir(spec: InferenceServiceSpec) -> str:
@@ -162,14 +182,24 @@ def build_engine_env(spec: InferenceServiceSpec) -> list[dict[str, Any]]:
     # mode keeps tokenizer loading from reaching out to the Hub. HOME on /tmp catches any library
     # that writes under ~ (the root filesystem is read-only). User env overrides by name.
     ours: list[dict[str, Any]] = [
-        {"name": "HF_HUB_OFFLINE", "value": "1"},
         {"name": "HOME", "value": TMP_MOUNT},
         {"name": "KVPILOT_CACHE_DIR", "value": engine_cache_dir(spec)},
         {"name": "TRITON_CACHE_DIR", "value": f"{engine_cache_dir(spec)}/triton"},
     ]
+    if spec.is_lora_enabled:
+        # The engine fetches hf:// adapters itself when it loads them, into the model cache
+        # (the /tmp volume where the model's claim is mounted read-only): online, with the
+        # model's token for private repos. Set by LoRA being on, never by which adapters.
+        ours.append({"name": "HF_HOME", "value": f"{engine_cache_dir(spec)}/hf-home"})
+    else:
+        ours.insert(0, {"name": "HF_HUB_OFFLINE", "value": "1"})
     user = _user_env(spec)
     names = {var["name"] for var in user}
     env = [var for var in ours if var["name"] not in names] + user
+    token = spec.model.token_secret
+    if spec.is_lora_enabled and token is not None and "HF_TOKEN" not in names:
+        ref = {"secretKeyRef": {"name": token.name, "key": token.key}}
+        env.append({"name": "HF_TOKEN", "valueFrom": ref})
     secret = spec.engine.api_key_secret
     if secret is not None:
         # From the Secret at container start: never in the args, the Deployment or an Event.

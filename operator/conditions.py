@@ -22,6 +22,8 @@ STALLED = "Stalled"
 CONDITION_TYPES = (READY, PROGRESSING, DEGRADED, RECONCILING, STALLED)
 # Only on objects whose memory request is (or was) below the engine's need.
 MEMORY_SUFFICIENT = "MemorySufficient"
+# Only on objects with LoRA adapters (in the spec, or still in a replica); the adapter sync's.
+ADAPTERS_READY = "AdaptersReady"
 _CAMEL_CASE = re.compile(r"^[A-Z][A-Za-z0-9]*$")
 
 

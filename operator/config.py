@@ -61,6 +61,12 @@ class OperatorConfig:
     api_timeout_seconds: float = DEFAULT_API_TIMEOUT_SECONDS
     # One scrape of an engine pod's /metrics may take this long before the pod counts as missing.
     scrape_timeout_seconds: float = 1.0
+    # The adapter sync's timer fires this often for every InferenceService with LoRA adapters:
+    # how soon a spec change reaches the replicas, and a new replica gets the adapters.
+    adapter_sync_seconds: float = 10.0
+    # How long the engine may take to load one adapter (downloading an hf:// one included)
+    # before that replica shows it Loading and the next round looks again.
+    adapter_load_timeout_seconds: float = 120.0
     # The operator's own Prometheus /metrics on 0.0.0.0:PORT; 0 serves none.
     metrics_port: int = DEFAULT_METRICS_PORT
     # The engine pods' port the autoscaler scrapes: the engine's, always, in a cluster. A setting
@@ -105,6 +111,14 @@ class OperatorConfig:
             )
         if not 0 < self.api_timeout_seconds < float("inf"):
             raise ValueError(f"API timeout must be > 0 seconds, got {self.api_timeout_seconds}")
+        if not self.adapter_sync_seconds > 0:
+            raise ValueError(
+                f"adapter sync interval must be > 0 seconds, got {self.adapter_sync_seconds}"
+            )
+        if not self.adapter_load_timeout_seconds > 0:
+            raise ValueError(
+                f"adapter load timeout must be > 0 seconds, got {self.adapter_load_timeout_seconds}"
+            )
         if not self.scrape_timeout_seconds > 0:
             raise ValueError(
                 f"scrape timeout must be > 0 seconds, got {self.scrape_timeout_seconds}"
@@ -201,6 +215,20 @@ def build_parser() -> argparse.ArgumentParser:
         "default 1)",
     )
     parser.add_argument(
+        "--adapter-sync-interval",
+        type=float,
+        metavar="SECONDS",
+        help="how often the LoRA adapters of each InferenceService with spec.adapters are "
+        "brought into its Ready replicas (env KVPILOT_ADAPTER_SYNC_INTERVAL; default 10)",
+    )
+    parser.add_argument(
+        "--adapter-load-timeout",
+        type=float,
+        metavar="SECONDS",
+        help="how long an engine may take to load one adapter, a download included, before "
+        "the next round looks again (env KVPILOT_ADAPTER_LOAD_TIMEOUT; default 120)",
+    )
+    parser.add_argument(
         "--metrics-port",
         type=int,
         metavar="PORT",
@@ -264,6 +292,18 @@ def config_from(argv: list[str], env: Mapping[str, str]) -> OperatorConfig:
         ),
         ("scrape_timeout_seconds", args.scrape_timeout, "KVPILOT_SCRAPE_TIMEOUT", float),
         ("api_timeout_seconds", args.api_timeout, "KVPILOT_API_TIMEOUT", float),
+        (
+            "adapter_sync_seconds",
+            args.adapter_sync_interval,
+            "KVPILOT_ADAPTER_SYNC_INTERVAL",
+            float,
+        ),
+        (
+            "adapter_load_timeout_seconds",
+            args.adapter_load_timeout,
+            "KVPILOT_ADAPTER_LOAD_TIMEOUT",
+            float,
+        ),
         ("metrics_port", args.metrics_port, "KVPILOT_METRICS_PORT", int),
     ):
         value = given(flag, name)

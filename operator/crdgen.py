@@ -53,6 +53,8 @@ PRINTER_COLUMNS = [
     # The URL users call: the router's when the chart runs one (status.url: the Service's own).
     {"name": "URL", "type": "string", "jsonPath": ".status.endpoint"},
     {"name": "Reason", "type": "string", "jsonPath": f"{READY}.reason"},
+    # `kubectl get -o wide`: "loaded/wanted" adapter replicas, e.g. 6/6; empty without adapters.
+    {"name": "Adapters", "type": "string", "jsonPath": ".status.adapterSummary", "priority": 1},
     {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
 ]
 
@@ -133,7 +135,15 @@ def build_crd() -> dict[str, Any]:
                 "message": "metadata.name must be a DNS-1035 label (lowercase letters, digits "
                 f"and '-', starting with a letter, at most {MAX_NAME_LENGTH} characters): it "
                 "names the Service",
-            }
+            },
+            {
+                # Here, not on spec: the served name defaults to metadata.name.
+                "rule": "!has(self.spec.adapters) || self.spec.adapters.all(a, a.name != "
+                "(has(self.spec.model.servedName) ? self.spec.model.servedName : "
+                "self.metadata.name))",
+                "message": "spec.adapters: an adapter may not have the served model's name "
+                "(spec.model.servedName, else metadata.name): requests could not tell them apart",
+            },
         ],
     }
     return {

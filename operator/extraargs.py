@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from kvpilot.contract.cpus import whole_cpus
 from kvpilot.contract.engine_flags import FlagError, read_flags
 from kvpilot.contract.kube import ENGINE_PORT
+from kvpilot.contract.lora import RUNTIME_LORA_FLAG
 from kvpilot.engine.server.from_flags import engine_config, parse_flags
 
 # `kvpilot serve` option (argparse dest) -> (its flag, what sets it instead). The builder's own
@@ -60,6 +61,20 @@ SET_BY_THE_OPERATOR: dict[str, tuple[str, str]] = {
     "shutdown_timeout": (
         "--shutdown-timeout",
         "set spec.drainSeconds (the pod's grace period follows it)",
+    ),
+    # LoRA: on, with its limits, from spec.engine.lora / spec.adapters; the adapters themselves
+    # are loaded through the engine's API, so that adding one restarts no pod.
+    "enable_lora": ("--enable-lora", "set spec.engine.lora or spec.adapters"),
+    "max_loras": ("--max-loras", "set spec.engine.lora.maxLoras"),
+    "max_lora_rank": ("--max-lora-rank", "set spec.engine.lora.maxLoraRank"),
+    "max_cpu_loras": ("--max-cpu-loras", "set spec.engine.lora.maxCpuLoras"),
+    "allow_runtime_lora_updating": (
+        RUNTIME_LORA_FLAG,
+        "the operator sets it with spec.engine.lora or spec.adapters",
+    ),
+    "lora_modules": (
+        "--lora-modules",
+        "list them in spec.adapters: the operator loads them into the running replicas",
     ),
     "api_key": (
         "--api-key",

@@ -22,6 +22,9 @@ from kvpilot.contract.kube import (
     PLURAL,
     VERSION,
 )
+from kvpilot.operator.adapter_client import AdapterClient, AdapterClientTimeouts
+from kvpilot.operator.adapter_sync import AdapterSync
+from kvpilot.operator.adapters import needs_sync
 from kvpilot.operator.autoscaler import Autoscaler
 from kvpilot.operator.autoscaling.metrics import OperatorMetrics
 from kvpilot.operator.autoscaling.routers import RouterLoad
@@ -81,12 +84,19 @@ def is_autoscaled(spec: kopf.Spec, **_: Any) -> bool:
     return bool(spec.get("autoscaling"))
 
 
+def has_adapters(spec: kopf.Spec, status: kopf.Status, **_: Any) -> bool:
+    """kopf filter: the adapter timer runs for InferenceServices with adapters to sync."""
+    return needs_sync(spec, status)
+
+
 class _Parts:
     """What the handlers share, built at startup inside kopf's event loop."""
 
     reconciler: Reconciler
     autoscaler: Autoscaler
+    adapter_sync: AdapterSync
     scraper: MetricsScraper | None = None
+    adapter_client: AdapterClient | None = None
 
 
 def build_registry(
@@ -136,6 +146,16 @@ def build_registry(
             engine_metrics_port=config.engine_metrics_port,
             routers=routers,
         )
+        parts.adapter_client = AdapterClient(
+            timeouts=AdapterClientTimeouts(load_s=config.adapter_load_timeout_seconds)
+        )
+        parts.adapter_sync = AdapterSync(
+            kube,
+            parts.reconciler,
+            parts.adapter_client,
+            post_kopf_event,
+            engine_port=config.engine_metrics_port,
+        )
         scope = ", ".join(config.namespaces) or "all namespaces"
         logger.info("kvpilot operator watching %s; engine image %s", scope, config.engine_image)
 
@@ -143,6 +163,8 @@ def build_registry(
     async def operator_cleanup(**_: Any) -> None:
         if parts.scraper is not None:
             await parts.scraper.aclose()
+        if parts.adapter_client is not None:
+            await parts.adapter_client.aclose()
 
     @kopf.on.resume(GROUP, VERSION, PLURAL, id="reconcile", registry=registry)
     @kopf.on.create(GROUP, VERSION, PLURAL, id="reconcile", registry=registry)
@@ -169,6 +191,20 @@ def build_registry(
     )
     async def inferenceservice_autoscale(body: kopf.Body, **_: Any) -> None:
         await parts.autoscaler.run(body)
+
+    # Adapters are loaded into the running replicas through the engine's API (adapter_sync.py
+    # says why a timer of its own); it also runs while removed adapters are still loaded.
+    @kopf.timer(
+        GROUP,
+        VERSION,
+        PLURAL,
+        id="adapters",
+        interval=config.adapter_sync_seconds,
+        when=has_adapters,
+        registry=registry,
+    )
+    async def inferenceservice_adapters(body: kopf.Body, **_: Any) -> None:
+        await parts.adapter_sync.run(body)
 
     # A router holds requests for it at zero replicas: one replica now, not at the next tick.
     @kopf.on.field(

@@ -8,6 +8,7 @@ and what drift detection compares.
 
 from __future__ import annotations
 
+import base64
 import json
 import os
 from collections.abc import Callable
@@ -51,6 +52,9 @@ API_CALLS = (
     (GROUP, PLURAL, "get"),
     (GROUP, f"{PLURAL}/status", "patch"),
 )
+# Only where the chart grants it (rbac.readApiKeySecrets): the adapter sync reads the engine's
+# API key (spec.engine.apiKeySecret) to call the adapter API of a service that has one.
+OPTIONAL_API_CALLS = (("", "secrets", "get"),)
 
 
 class KubeError(RuntimeError):
@@ -226,6 +230,19 @@ class KubeApi:
                 for key, value in selector.items()
             )
         ]
+
+    def read_secret_key(self, namespace: str, name: str, key: str) -> str | None:
+        """One key of a Secret, decoded (None when the Secret or the key is missing)."""
+        secret = _call_or_none(
+            lambda: self._core.read_namespaced_secret(name, namespace, **self._raw)
+        )
+        encoded = ((secret or {}).get("data") or {}).get(key)
+        if encoded is None:
+            return None
+        try:
+            return base64.b64decode(encoded).decode("utf-8").strip()
+        except (ValueError, UnicodeDecodeError):
+            return None
 
     # -- the InferenceService ----------------------------------------------------------------
 

@@ -31,17 +31,38 @@ def cpu_memory_need(spec: InferenceServiceSpec) -> int | None:
     shape = BUILTIN_MODELS[source.name]
     engine = spec.engine
     dtype = engine.dtype or "auto"
+    itemsize = DTYPE_ITEMSIZE[AUTO_DTYPE["cpu"] if dtype == "auto" else dtype]
     need = sizing.cpu_memory_need(
         num_params=shape.num_params,
         hidden_size=shape.hidden_size,
         intermediate_size=shape.intermediate_size,
         vocab_size=shape.vocab_size,
-        itemsize=DTYPE_ITEMSIZE[AUTO_DTYPE["cpu"] if dtype == "auto" else dtype],
+        itemsize=itemsize,
         kv_cache_bytes=spec.kv_cache_bytes or DEFAULT_KV_CACHE_BYTES,
         max_num_batched_tokens=engine.max_num_batched_tokens or DEFAULT_MAX_NUM_BATCHED_TOKENS,
         max_num_seqs=engine.max_num_seqs or DEFAULT_MAX_NUM_SEQS,
     )
-    return need.total
+    return need.total + _adapter_bytes(spec, itemsize)
+
+
+def _adapter_bytes(spec: InferenceServiceSpec, itemsize: int) -> int:
+    """What LoRA's limits reserve (the engine counts it at start): by the limits, not by the
+    adapters listed, which come and go at run time."""
+    source = spec.model.source
+    if not spec.is_lora_enabled or not isinstance(source, BuiltinModel):
+        return 0
+    shape, limits = BUILTIN_MODELS[source.name], spec.lora_limits
+    return sizing.lora_bytes(
+        num_layers=shape.num_layers,
+        hidden_size=shape.hidden_size,
+        q_size=shape.num_heads * shape.head_dim,
+        kv_size=shape.num_kv_heads * shape.head_dim,
+        intermediate_size=shape.intermediate_size,
+        max_rank=limits.max_lora_rank,
+        max_loras=limits.max_loras,
+        max_cpu_loras=limits.effective_max_cpu_loras,
+        itemsize=itemsize,
+    )
 
 
 def limit_problem(spec: InferenceServiceSpec) -> str | None:
@@ -49,11 +70,14 @@ def limit_problem(spec: InferenceServiceSpec) -> str | None:
     need, limit = cpu_memory_need(spec), spec.memory_limit
     if need is None or limit is None or need <= limit:
         return None
+    parts, knobs = "weights, KV cache and working memory", "maxNumSeqs or maxNumBatchedTokens"
+    if spec.is_lora_enabled:
+        parts = "weights, KV cache, LoRA adapters and working memory"
+        knobs = "maxNumSeqs, maxNumBatchedTokens or engine.lora's limits"
     return (
         f"resources.limits.memory ({limit / 2**30:.2f} GiB) is below what the engine needs "
-        f"for this model and settings ({need / 2**30:.2f} GiB: weights, KV cache and working "
-        "memory); raise the limit or lower engine.kvCacheBytes, maxNumSeqs or "
-        "maxNumBatchedTokens"
+        f"for this model and settings ({need / 2**30:.2f} GiB: {parts}); raise the limit or "
+        f"lower engine.kvCacheBytes, {knobs}"
     )
 
 

@@ -27,6 +27,14 @@ URI_PATTERN = (
 )
 
 
+# An adapter comes from the same places as a model, bar builtin:// (no adapter is bundled).
+ADAPTER_URI_PATTERN = (
+    rf"^(hf://{HF_PART}/{HF_PART}(@{REVISION})?"
+    rf"|pvc://{DNS_LABEL}(/[^\s]*)?"
+    r"|file:///[^\s]+)$"
+)
+
+
 _ACCEPTED = (
     "use hf://org/name[@revision], pvc://claim/path, file:///path or "
     f"builtin://{next(iter(BUILTIN_MODELS))}"
@@ -111,6 +119,17 @@ def parse_model_uri(uri: str) -> ModelSource:
             )
         return BuiltinModel(name=rest)
     raise ValueError(f"model uri {uri!r} has the unknown scheme {scheme!r}: {_ACCEPTED}")
+
+
+def parse_adapter_uri(uri: str) -> HfModel | PvcModel | FileModel:
+    """Parses spec.adapters[].uri: a model URI of any scheme but builtin://."""
+    source = parse_model_uri(uri)
+    if isinstance(source, BuiltinModel):
+        raise ValueError(
+            f"adapter uri {uri!r}: no adapter is bundled with the engine: use "
+            "hf://org/name[@revision], pvc://claim/path or file:///path"
+        )
+    return source
 
 
 def _parse_hf(uri: str, rest: str) -> HfModel:

@@ -27,6 +27,7 @@ from kvpilot.operator.builders import (
     service_url,
 )
 from kvpilot.operator.conditions import (
+    ADAPTERS_READY,
     DEGRADED,
     MEMORY_SUFFICIENT,
     Condition,
@@ -46,7 +47,13 @@ from kvpilot.operator.drift import (
 from kvpilot.operator.kube import KubeApi, KubeError
 from kvpilot.operator.memory import limit_problem, request_shortfall
 from kvpilot.operator.policies import build_network_policy, build_pod_disruption_budget
-from kvpilot.operator.spec import InferenceServiceSpec, InvalidSpecError, parse_spec, validate_name
+from kvpilot.operator.spec import (
+    InferenceServiceSpec,
+    InvalidSpecError,
+    check_adapter_names,
+    parse_spec,
+    validate_name,
+)
 from kvpilot.operator.status import (
     Observed,
     build_blocked_status,
@@ -252,14 +259,57 @@ class Reconciler:
                 )
             return bounded
 
+    def apply_adapter_status(
+        self,
+        namespace: str,
+        name: str,
+        uid: str,
+        adapters: list[dict[str, Any]] | None,
+        summary: str | None,
+        condition: Condition | None,
+    ) -> Mapping[str, Any] | None:
+        """The adapter sync's hook: write status.adapters, status.adapterSummary and the
+        AdaptersReady condition (None: removed), under this object's lock, into the conditions
+        as they are now (a merge patch replaces the whole list: reconcile's own must survive).
+        Returns the object as it was before the write; None (nothing written) when it is gone,
+        going, or another object of that name."""
+        with self._lock(namespace, name):
+            body = self._api.get_inferenceservice(namespace, name)
+            if (
+                body is None
+                or body["metadata"].get("uid") != uid
+                or body["metadata"].get("deletionTimestamp")
+            ):
+                return None
+            previous = body.get("status") or {}
+            conditions = list(previous.get("conditions") or [])
+            if condition is not None:
+                conditions = set_condition(
+                    conditions,
+                    condition,
+                    generation=body["metadata"].get("generation"),
+                    now=self._clock(),
+                )
+            else:
+                conditions = [c for c in conditions if c.get("type") != ADAPTERS_READY]
+            patch = {"adapters": adapters, "adapterSummary": summary, "conditions": conditions}
+            is_same = all(
+                (previous.get(key) or None) == (value or None) for key, value in patch.items()
+            )
+            if not is_same:
+                self._api.patch_inferenceservice_status(namespace, name, patch)
+            return body
+
     def _reconcile(self, body: Mapping[str, Any]) -> Outcome:
         metadata = body["metadata"]
         namespace, name = metadata["namespace"], metadata["name"]
         generation = metadata.get("generation")
         previous = dict(body.get("status") or {})
+        owner = Owner(name=name, namespace=namespace, uid=metadata["uid"])
         try:
             validate_name(name)
             spec = parse_spec(body.get("spec"))
+            check_adapter_names(spec, served_model_name(owner, spec))
             check_memory_limit(spec)
         except InvalidSpecError as error:
             message = str(error)
@@ -267,7 +317,6 @@ class Reconciler:
             self._write_status(body, previous, status)
             return Outcome(invalid=message)
 
-        owner = Owner(name=name, namespace=namespace, uid=metadata["uid"])
         live_deployment = self._api.get("Deployment", namespace, name)
         live_service = self._api.get("Service", namespace, name)
         optional = {

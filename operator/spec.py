@@ -21,6 +21,15 @@ from pydantic import (
 )
 
 from kvpilot.contract.kube import LABEL_INSTANCE, LABEL_NAME
+from kvpilot.contract.lora import (
+    DEFAULT_MAX_LORA_RANK,
+    DEFAULT_MAX_LORAS,
+    MAX_LORA_RANK_LIMIT,
+    NAME_MAX_LENGTH,
+    TARGET_MODULES,
+    name_problem,
+)
+from kvpilot.contract.lora import NAME_PATTERN as ADAPTER_NAME_PATTERN
 from kvpilot.contract.sizing import tensor_parallel_sizes
 from kvpilot.operator.autoscaling.spec import AutoscalingSpec
 from kvpilot.operator.builtin_models import BUILTIN_MODELS
@@ -36,7 +45,17 @@ from kvpilot.operator.kubetypes import (
     SecretKeyRef,
     Toleration,
 )
-from kvpilot.operator.modeluri import URI_PATTERN, BuiltinModel, ModelSource, parse_model_uri
+from kvpilot.operator.modeluri import (
+    ADAPTER_URI_PATTERN,
+    URI_PATTERN,
+    BuiltinModel,
+    FileModel,
+    HfModel,
+    ModelSource,
+    PvcModel,
+    parse_adapter_uri,
+    parse_model_uri,
+)
 
 # A namespace's name: a DNS-1123 label.
 NAMESPACE_PATTERN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
@@ -48,6 +67,10 @@ RESERVED_LABELS = (LABEL_NAME, LABEL_INSTANCE)
 API_KEY_ENV = "KVPILOT_API_KEY"
 MIN_KV_CACHE_BYTES = 2**20
 DEFAULT_DRAIN_SECONDS = 300
+# contract.lora.TARGET_MODULES as a type: the CRD's enum, so kubectl refuses any other target.
+TargetModule = Literal[TARGET_MODULES]  # type: ignore[valid-type]
+# Bounds the CEL rules' cost over spec.adapters (the API server refuses unbounded loops).
+MAX_ADAPTERS = 256
 
 
 class InvalidSpecError(ValueError):
@@ -135,6 +158,113 @@ class ApiKeySecret(KubeModel):
     key: str = Field(
         default="api-key", min_length=1, description="Key in the Secret that holds the API key."
     )
+
+
+class LoraSpec(KubeModel):
+    """The engine's LoRA limits. Present (or any spec.adapters), the engine starts with LoRA
+    and runtime adapter loading on; adapters then come and go without restarting a pod."""
+
+    model_config = ConfigDict(
+        json_schema_extra={
+            "x-kubernetes-validations": [
+                {
+                    "rule": "!has(self.maxCpuLoras) || self.maxCpuLoras >= "
+                    f"(has(self.maxLoras) ? self.maxLoras : {DEFAULT_MAX_LORAS})",
+                    "message": "engine.lora.maxCpuLoras cannot be below maxLoras: an adapter "
+                    "in a batch is also kept in host memory",
+                }
+            ]
+        }
+    )
+
+    max_loras: int = Field(
+        default=DEFAULT_MAX_LORAS,
+        ge=1,
+        le=MAX_ADAPTERS,
+        description="Adapters one batch may use at once, each in a GPU (or CPU) slot "
+        f"(--max-loras). Default: {DEFAULT_MAX_LORAS}.",
+    )
+    max_lora_rank: int = Field(
+        default=DEFAULT_MAX_LORA_RANK,
+        ge=1,
+        le=MAX_LORA_RANK_LIMIT,
+        description="Highest rank an adapter may have (--max-lora-rank); the slots are sized "
+        f"by it. Default: {DEFAULT_MAX_LORA_RANK}.",
+    )
+    max_cpu_loras: int | None = Field(
+        default=None,
+        ge=1,
+        le=MAX_ADAPTERS,
+        description="Adapters kept in host memory, least recently used evicted first "
+        "(--max-cpu-loras). Default: maxLoras.",
+    )
+
+    @model_validator(mode="after")
+    def _cpu_holds_the_slots(self) -> LoraSpec:
+        if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
+            raise ValueError(
+                f"engine.lora.maxCpuLoras {self.max_cpu_loras} cannot be below maxLoras "
+                f"{self.max_loras}: an adapter in a batch is also kept in host memory"
+            )
+        return self
+
+    @property
+    def effective_max_cpu_loras(self) -> int:
+        return self.max_loras if self.max_cpu_loras is None else self.max_cpu_loras
+
+
+class AdapterSpec(KubeModel):
+    """A LoRA adapter (PEFT format) served on top of the model: requests name it as `model`.
+    Added or removed, it is loaded or unloaded in the running replicas, with no restart."""
+
+    name: Annotated[
+        str,
+        WithJsonSchema(
+            {"type": "string", "pattern": ADAPTER_NAME_PATTERN, "maxLength": NAME_MAX_LENGTH}
+        ),
+    ] = Field(
+        description="The `model` clients ask for: letters, digits, '.', '_' and '-', starting "
+        f"and ending with a letter or digit, at most {NAME_MAX_LENGTH} characters; not the "
+        "served model's name.",
+    )
+    uri: Annotated[str, WithJsonSchema({"type": "string", "pattern": ADAPTER_URI_PATTERN})] = Field(
+        description="Where the adapter comes from: hf://org/name[@revision] (the engine "
+        "downloads it when it loads it), pvc://claim/path (the claim must be the model "
+        "cache's: spec.model.cache.claimName, or the pvc:// model's own claim) or "
+        "file:///path (inside the image)."
+    )
+    rank: int | None = Field(
+        default=None,
+        ge=1,
+        le=MAX_LORA_RANK_LIMIT,
+        description="The adapter's rank (r), when known: refused above "
+        "engine.lora.maxLoraRank before any pod sees it.",
+    )
+    target_modules: list[TargetModule] | None = Field(
+        default=None,
+        min_length=1,
+        max_length=len(TARGET_MODULES),
+        description="The layers the adapter changes, when known: any of "
+        f"{', '.join(TARGET_MODULES)}.",
+    )
+
+    @field_validator("name")
+    @classmethod
+    def _valid_name(cls, name: str) -> str:
+        problem = name_problem(name)
+        if problem is not None:
+            raise ValueError(problem)
+        return name
+
+    @field_validator("uri")
+    @classmethod
+    def _valid_uri(cls, uri: str) -> str:
+        parse_adapter_uri(uri)
+        return uri
+
+    @property
+    def source(self) -> HfModel | PvcModel | FileModel:
+        return parse_adapter_uri(self.uri)
 
 
 class EngineSpec(KubeModel):
@@ -245,6 +375,7 @@ class EngineSpec(KubeModel):
         default_factory=list,
         description="Environment of the engine container and the model download.",
     )
+    lora: LoraSpec | None = Field(default=None, description=LoraSpec.__doc__)
     startup_timeout_seconds: int = Field(
         default=1800,
         ge=10,
@@ -349,6 +480,14 @@ class InferenceServiceSpec(KubeModel):
                     "message": "spec.engine.tensorParallelSize cannot exceed spec.gpus: each "
                     "rank needs a GPU of its own",
                 },
+                {
+                    "rule": "!has(self.adapters) || self.adapters.all(a, !has(a.rank) || "
+                    "a.rank <= (has(self.engine) && has(self.engine.lora) && "
+                    "has(self.engine.lora.maxLoraRank) ? self.engine.lora.maxLoraRank : "
+                    f"{DEFAULT_MAX_LORA_RANK}))",
+                    "message": "an adapter's rank exceeds spec.engine.lora.maxLoraRank "
+                    f"(default {DEFAULT_MAX_LORA_RANK}): raise the limit or use another adapter",
+                },
             ]
         }
     )
@@ -407,6 +546,17 @@ class InferenceServiceSpec(KubeModel):
     )
     autoscaling: AutoscalingSpec | None = Field(default=None, description=AutoscalingSpec.__doc__)
     rollout: RolloutSpec = Field(default_factory=RolloutSpec, description=RolloutSpec.__doc__)
+    adapters: list[AdapterSpec] = Field(
+        default_factory=list,
+        max_length=MAX_ADAPTERS,
+        json_schema_extra={
+            "x-kubernetes-list-type": "map",
+            "x-kubernetes-list-map-keys": ["name"],
+        },
+        description="LoRA adapters served on top of the model, each under its own name. "
+        "Adding or removing one loads or unloads it in the running replicas (no rollout); "
+        "status.adapters says where each is loaded.",
+    )
     drain_seconds: int = Field(
         default=DEFAULT_DRAIN_SECONDS,
         ge=0,
@@ -451,6 +601,7 @@ class InferenceServiceSpec(KubeModel):
                 f"engine.env may not set {API_KEY_ENV} together with engine.apiKeySecret"
             )
         check_tensor_parallel_size(self)
+        check_adapters(self)
         check_placement(
             self.engine.extra_args,
             gpus=self.gpus,
@@ -500,6 +651,25 @@ class InferenceServiceSpec(KubeModel):
         return size if size is not None else max(1, self.gpus)
 
     @property
+    def is_lora_enabled(self) -> bool:
+        """Whether the engine starts with LoRA on: engine.lora set, or any adapter. The pod
+        depends on this and the limits only, never on which adapters there are."""
+        return self.engine.lora is not None or bool(self.adapters)
+
+    @property
+    def lora_limits(self) -> LoraSpec:
+        return self.engine.lora or LoraSpec()
+
+    @property
+    def model_cache_claim(self) -> str | None:
+        """The PersistentVolumeClaim mounted at the model cache, if one is."""
+        source = self.model.source
+        if isinstance(source, PvcModel):
+            return source.claim
+        cache = self.model.cache
+        return None if cache is None else cache.claim_name
+
+    @property
     def effective_replicas(self) -> int:
         """The replica count of a fixed-size service (1 when neither field is set)."""
         return 1 if self.replicas is None else self.replicas
@@ -526,6 +696,46 @@ def check_tensor_parallel_size(spec: InferenceServiceSpec) -> None:
             f"({shape.num_heads} attention heads, {shape.num_kv_heads} KV heads): it takes "
             f"{allowed}; set engine.tensorParallelSize"
         )
+
+
+def check_adapters(spec: InferenceServiceSpec) -> None:
+    """ValueError for adapters no engine of this spec could load: a repeated name, a rank above
+    engine.lora.maxLoraRank, a pvc:// claim the pod does not mount."""
+    names = [adapter.name for adapter in spec.adapters]
+    repeated = sorted({name for name in names if names.count(name) > 1})
+    if repeated:
+        raise ValueError(f"adapters: names must be unique, repeated: {', '.join(repeated)}")
+    limit = spec.lora_limits.max_lora_rank
+    claim = spec.model_cache_claim
+    for adapter in spec.adapters:
+        if adapter.rank is not None and adapter.rank > limit:
+            raise ValueError(
+                f"adapter {adapter.name!r} has rank {adapter.rank}, above "
+                f"engine.lora.maxLoraRank {limit}: raise the limit or use another adapter"
+            )
+        source = adapter.source
+        if isinstance(source, PvcModel) and source.claim != claim:
+            mounted = (
+                f"the model cache mounts the claim {claim!r}"
+                if claim is not None
+                else "no claim is mounted (set spec.model.cache.claimName)"
+            )
+            raise ValueError(
+                f"adapter {adapter.name!r}: {adapter.uri} is on the claim {source.claim!r}, "
+                f"but {mounted}: adapters on a claim must be on the model cache's, so that "
+                "adding one never changes the pods"
+            )
+
+
+def check_adapter_names(spec: InferenceServiceSpec, served_name: str) -> None:
+    """InvalidSpecError for an adapter named like the served model (a request's `model`
+    could not tell them apart)."""
+    for adapter in spec.adapters:
+        if adapter.name == served_name:
+            raise InvalidSpecError(
+                f"spec.adapters: adapter {adapter.name!r} has the served model's name: "
+                "requests could not tell them apart; rename the adapter"
+            )
 
 
 def validate_name(name: str) -> None:

@@ -22,7 +22,8 @@ from kvpilot.operator.diagnose import PodProblem, most_pressing
 from kvpilot.operator.kubetypes import FreeForm, KubeModel
 
 # The status keys reconcile owns. The autoscaler owns `autoscaling` (and `desiredReplicas`
-# while autoscaling is on); status writes are merge patches of only one's own keys.
+# while autoscaling is on), the adapter sync `adapters`, `adapterSummary` and the AdaptersReady
+# condition; status writes are merge patches of only one's own keys.
 OWNED_KEYS = (
     "observedGeneration",
     "conditions",
@@ -42,12 +43,20 @@ class StatusCondition(KubeModel):
     """One aspect of the service's state, as Kubernetes conditions are."""
 
     type: Literal[
-        "Ready", "Progressing", "Degraded", "Reconciling", "Stalled", "MemorySufficient"
+        "Ready",
+        "Progressing",
+        "Degraded",
+        "Reconciling",
+        "Stalled",
+        "MemorySufficient",
+        "AdaptersReady",
     ] = Field(
         description="Ready: serving requests. Progressing: a rollout or scale is under way. "
         "Degraded: something needs attention. Reconciling and Stalled: kstatus' names of "
         "Progressing and Degraded (for Flux, kpt, kubectl wait). MemorySufficient (only when it "
-        "was ever False): resources.requests.memory covers what the engine needs."
+        "was ever False): resources.requests.memory covers what the engine needs. "
+        "AdaptersReady (only with spec.adapters): every adapter is loaded in every Ready "
+        "replica; False says which the engine refused and why (the base model serves on)."
     )
     status: Literal["True", "False", "Unknown"] = Field(description="True, False or Unknown.")
     reason: str = Field(description="CamelCase reason, e.g. Serving, CrashLoopBackOff.")
@@ -58,6 +67,39 @@ class StatusCondition(KubeModel):
     )
     observed_generation: int | None = Field(
         default=None, description="metadata.generation this condition was computed for."
+    )
+
+
+class AdapterReplicaStatus(KubeModel):
+    """One adapter in one Ready replica."""
+
+    pod: str = Field(description="The replica's pod.")
+    state: Literal["Loaded", "Loading", "Failed", "Unloading", "Unknown"] = Field(
+        description="Loaded; Loading (asked, not listed yet); Failed (the engine refused it: "
+        "see message; tried again after a while or when its uri changes); Unloading (removed "
+        "from the spec, still in use: retried); Unknown (the replica did not answer)."
+    )
+    message: str | None = Field(default=None, description="Why, when not Loaded.")
+    last_attempt_time: str | None = Field(
+        default=None,
+        json_schema_extra={"format": "date-time"},
+        description="When the engine last refused it (Failed only).",
+    )
+
+
+class AdapterStatus(KubeModel):
+    """One adapter across the replicas."""
+
+    name: str = Field(description="The adapter's name (the `model` requests ask for).")
+    uri: str | None = Field(default=None, description="Its uri (absent once removed).")
+    state: Literal["Loaded", "Loading", "Failed", "Unloading", "Unknown", "Pending"] = Field(
+        description="The worst of its replicas' states; Pending while no replica is Ready."
+    )
+    loaded_replicas: int = Field(description="Replicas that hold it.")
+    replicas: list[AdapterReplicaStatus] = Field(
+        default_factory=list,
+        json_schema_extra={"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["pod"]},
+        description="Its state in each Ready replica.",
     )
 
 
@@ -101,6 +143,17 @@ class InferenceServiceStatus(KubeModel):
     )
     autoscaling: FreeForm | None = Field(
         default=None, description="The autoscaler's state and recent decisions."
+    )
+    adapters: list[AdapterStatus] | None = Field(
+        default=None,
+        json_schema_extra={"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["name"]},
+        description="Each LoRA adapter's state in each Ready replica (spec.adapters, and "
+        "removed ones until every replica has unloaded them).",
+    )
+    adapter_summary: str | None = Field(
+        default=None,
+        description="Adapter loads in place out of those wanted (adapters x Ready replicas), "
+        "e.g. 6/6.",
     )
 
 

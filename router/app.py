@@ -96,6 +96,8 @@ def add_index_route(app: FastAPI, runtime: RouterRuntime) -> None:
                         "in_flight": r.in_flight,
                         "num_waiting": r.load.num_waiting,
                         "kv_cache_usage": r.load.kv_cache_usage,
+                        "resident_loras": r.load.resident_loras,
+                        "max_loras": r.load.max_loras,
                     }
                     for name, r in pool.replicas.items()
                 }
@@ -105,35 +107,42 @@ def add_index_route(app: FastAPI, runtime: RouterRuntime) -> None:
 
 
 def add_model_routes(app: FastAPI, runtime: RouterRuntime, *, created: int) -> None:
-    """The models this router serves, one card per InferenceService."""
+    """The models this router serves: one card per InferenceService and one per LoRA adapter
+    (with `parent`, its base model, as vLLM lists adapters)."""
 
     def card(model: str) -> dict[str, Any]:
-        pool = runtime.registry.pools[model]
+        route = runtime.registry.routes[model]
+        pool, adapter = route.pool, route.adapter
+        routable = pool.routable(time.monotonic(), runtime.config.dead_after_s)
+        extra: dict[str, Any] = {
+            "namespace": pool.service.namespace,
+            "inferenceService": pool.service.name,
+            "replicas": len(routable),
+            # Until it is, requests are routed by load alone (`fallback`).
+            "tokenizerLoaded": pool.tokenizer is not None,
+        }
+        if adapter is not None:
+            # Those that serve it at once; the others load it into a slot first.
+            extra["residentReplicas"] = sum(adapter.name in r.load.resident_loras for r in routable)
         return {
             "id": model,
             "object": "model",
             "created": created,
             "owned_by": "kvpilot",
-            "root": model,
-            "parent": None,
-            "kvpilot": {
-                "namespace": pool.service.namespace,
-                "inferenceService": pool.service.name,
-                "replicas": len(pool.routable(time.monotonic(), runtime.config.dead_after_s)),
-                # Until it is, requests are routed by load alone (`fallback`).
-                "tokenizerLoaded": pool.tokenizer is not None,
-            },
+            "root": model if adapter is None else adapter.uri or adapter.name,
+            "parent": None if adapter is None else pool.service.model,
+            "kvpilot": extra,
         }
 
     @app.get("/v1/models")
     async def list_models() -> Response:
         return JSONResponse(
-            {"object": "list", "data": [card(m) for m in sorted(runtime.registry.pools)]}
+            {"object": "list", "data": [card(m) for m in sorted(runtime.registry.routes)]}
         )
 
     @app.get("/v1/models/{model:path}")
     async def get_model(model: str) -> Response:
-        if model not in runtime.registry.pools:
+        if model not in runtime.registry.routes:
             raise errors.APIError(
                 404, f"The model `{model}` does not exist.", type="not_found_error", param="model"
             )

@@ -36,6 +36,13 @@ def parse_args(argv: list[str]) -> RouterConfig:
         metavar="MODEL=URL[,URL...]",
         help="serve MODEL from these engine URLs, without Kubernetes (development, benchmarks)",
     )
+    parser.add_argument(
+        "--static-adapters",
+        action="append",
+        default=[],
+        metavar="MODEL=NAME[,NAME...]",
+        help="the LoRA adapters the engines of static MODEL serve (requests name them in `model`)",
+    )
     parser.add_argument("--host", default="0.0.0.0")
     parser.add_argument("--port", type=int, default=8080, help="0 picks a free port")
     parser.add_argument("--load-factor", type=float, default=RoutingConfig.load_factor)
@@ -61,6 +68,12 @@ def parse_args(argv: list[str]) -> RouterConfig:
         if not model or not urls:
             parser.error(f"--static {item!r}: expected MODEL=URL[,URL...]")
         static.append((model, tuple(u.rstrip("/") for u in urls.split(","))))
+    static_adapters = []
+    for item in args.static_adapters:
+        model, _, names = item.partition("=")
+        if not model or not names:
+            parser.error(f"--static-adapters {item!r}: expected MODEL=NAME[,NAME...]")
+        static_adapters.append((model, tuple(names.split(","))))
     if not namespaces and not static:
         parser.error(
             "give --namespace (repeatable, or $KVPILOT_NAMESPACES), --all-namespaces or --static"
@@ -89,6 +102,7 @@ def parse_args(argv: list[str]) -> RouterConfig:
         engine_api_key=key,
         router_name=os.environ.get("POD_NAME", "kvpilot-router"),
         static_models=tuple(static),
+        static_adapters=tuple(static_adapters),
     )
 
 

@@ -1,5 +1,6 @@
 """What the router needs from Kubernetes objects, as pure functions: an InferenceService's served
-model name and scale-to-zero setting, and an engine pod's address and readiness."""
+model name, its LoRA adapters and scale-to-zero setting, and an engine pod's address and
+readiness."""
 
 from __future__ import annotations
 
@@ -15,11 +16,18 @@ from kvpilot.contract.kube import (
     LABEL_INSTANCE,
     LABEL_NAME,
 )
+from kvpilot.contract.lora import name_problem
 
 ENGINE_POD_SELECTOR = f"{LABEL_NAME}={ENGINE_APP_NAME}"
 # Per InferenceService: how long the router holds its requests while it has no ready replica
 # (a big model loads for minutes, a small one for seconds).
 HOLD_TIMEOUT_ANNOTATION = f"{GROUP}/hold-timeout-seconds"
+
+
+@dataclass(frozen=True)
+class Adapter:
+    name: str  # the `model` id (contract.lora NAME_PATTERN)
+    uri: str
 
 
 @dataclass(frozen=True)
@@ -33,6 +41,8 @@ class ServiceInfo:
     # The weights (spec.model.uri): the tokenizer the router loaded stays valid while it is the
     # same, also at zero replicas; another one is loaded afresh.
     model_uri: str = ""
+    # spec.adapters: each a `model` id of its own, served by this service's replicas.
+    adapters: tuple[Adapter, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -58,7 +68,21 @@ def service_info(obj: dict[str, Any]) -> ServiceInfo:
         meta.get("creationTimestamp") or "",
         hold_timeout((meta.get("annotations") or {}).get(HOLD_TIMEOUT_ANNOTATION)),
         str((spec.get("model") or {}).get("uri") or ""),
+        adapters(spec.get("adapters"), model),
     )
+
+
+def adapters(items: Any, model: str) -> tuple[Adapter, ...]:
+    """spec.adapters as the router may route them: entries with a valid name, other than the
+    served model's, each name once (the first). The CRD refuses the others; the router does not
+    trust that an object it reads went through it."""
+    found: dict[str, Adapter] = {}
+    for item in items if isinstance(items, list) else []:
+        name = item.get("name") if isinstance(item, dict) else None
+        if not isinstance(name, str) or name_problem(name) or name == model or name in found:
+            continue
+        found[name] = Adapter(name, str(item.get("uri") or ""))
+    return tuple(found.values())
 
 
 def hold_timeout(value: str | None) -> float | None:

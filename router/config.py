@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from kvpilot.contract.lora import name_problem
+
 
 @dataclass(frozen=True)
 class RoutingConfig:
@@ -15,12 +17,35 @@ class RoutingConfig:
     prefix_weight: float = 3.0
     queue_weight: float = 2.0
     kv_weight: float = 2.0
+    # A request for a LoRA adapter: what a replica scores for having it resident in one of its
+    # --max-loras slots (it serves at once), or for a free slot to load it into (no other
+    # adapter is evicted); one that would have to evict another scores neither. Each step is
+    # worth more than a whole prefix match (prefix_weight), so at equal load residency comes
+    # first, then prefix, then load; the queue and KV terms (up to queue_weight + kv_weight)
+    # overturn one step only between a saturated replica and an idle one, and the bound spreads
+    # a hot adapter before that.
+    lora_resident_weight: float = 7.0
+    lora_free_slot_weight: float = 3.5
+    # Requests above the bound a replica may take for an adapter it can serve without an
+    # eviction, where each replica within the bound would have to evict one.
+    lora_slack: int = 4
 
     def __post_init__(self) -> None:
         if self.load_factor < 1.0:
             raise ValueError(f"load_factor must be >= 1, got {self.load_factor}")
-        if min(self.prefix_weight, self.queue_weight, self.kv_weight) < 0:
+        weights = (
+            self.prefix_weight,
+            self.queue_weight,
+            self.kv_weight,
+            self.lora_resident_weight,
+            self.lora_free_slot_weight,
+        )
+        if min(weights) < 0:
             raise ValueError("routing weights must be >= 0")
+        if self.lora_slack < 0:
+            raise ValueError(f"lora_slack must be >= 0, got {self.lora_slack}")
+        if self.lora_free_slot_weight > self.lora_resident_weight:
+            raise ValueError("lora_free_slot_weight must not exceed lora_resident_weight")
 
 
 @dataclass(frozen=True)
@@ -60,6 +85,8 @@ class RouterConfig:
     router_name: str = "kvpilot-router"
     # Without Kubernetes (development, benchmarks): model -> replica URLs, fixed.
     static_models: tuple[tuple[str, tuple[str, ...]], ...] = ()
+    # ... and the LoRA adapters each of those models' engines serves: model -> adapter names.
+    static_adapters: tuple[tuple[str, tuple[str, ...]], ...] = ()
 
     def __post_init__(self) -> None:
         if not self.namespaces and not self.static_models:
@@ -68,3 +95,11 @@ class RouterConfig:
             raise ValueError("dead_after_s must be > 0")
         if self.max_attempts < 1:
             raise ValueError("max_attempts must be >= 1")
+        static = {model for model, _ in self.static_models}
+        for model, names in self.static_adapters:
+            if model not in static:
+                raise ValueError(f"adapters of {model!r}, which is not a static model")
+            for name in names:
+                problem = name_problem(name)
+                if problem:
+                    raise ValueError(problem)

@@ -15,7 +15,7 @@ HOLD_BUCKETS = (0.1, 0.5, 1, 2, 5, 10, 20, 30, 60, 120, 300, 600)
 DECISIONS = Family(
     Counter,
     "kvpilot_router_decisions",
-    "Routing decisions, by why the replica was chosen (prefix, load, affinity, fallback)",
+    "Routing decisions, by why the replica was chosen (prefix, adapter, load, affinity, fallback)",
     ("model", "reason"),
 )
 PREFIX_MATCH_TOKENS = Family(
@@ -24,6 +24,13 @@ PREFIX_MATCH_TOKENS = Family(
     "Prompt tokens the chosen replica already held in its prefix cache",
     ("model",),
     buckets=PREFIX_BUCKETS,
+)
+ADAPTER_ROUTES = Family(
+    Counter,
+    "kvpilot_router_adapter_routes",
+    "Requests for LoRA adapters, by the adapter's state on the chosen replica "
+    "(resident, free, evict, off)",
+    ("model", "slot"),
 )
 # The InferenceService's labels: the operator's autoscaler adds these to its queue.
 HELD_REQUESTS = ROUTER_HELD_REQUESTS
@@ -68,6 +75,7 @@ class RouterMetrics:
         self.registry = registry
         self.decisions = DECISIONS.declare(registry)
         self.prefix_match_tokens = PREFIX_MATCH_TOKENS.declare(registry)
+        self.adapter_routes = ADAPTER_ROUTES.declare(registry)
         self.held = HELD_REQUESTS.declare(registry)
         self.hold_seconds = HOLD_SECONDS.declare(registry)
         self.hold_rejections = HOLD_REJECTIONS.declare(registry)
@@ -78,9 +86,11 @@ class RouterMetrics:
         # Every routed request counts its decision: the labelled children are looked up once
         # per (model, reason), not per request (labels() validates and locks each time).
         self._decision_children: dict[tuple[str, str], tuple[Any, Any]] = {}
+        self._slot_children: dict[tuple[str, str], Any] = {}
 
-    def decided(self, model: str, reason: str, prefix_tokens: int) -> None:
-        """One routing decision, and the prompt tokens its replica already held."""
+    def decided(self, model: str, reason: str, prefix_tokens: int, slot: str | None = None) -> None:
+        """One routing decision, and the prompt tokens its replica already held; for a request
+        naming an adapter (`model` is the adapter's name), the adapter's slot state there."""
         children = self._decision_children.get((model, reason))
         if children is None:
             children = self._decision_children[(model, reason)] = (
@@ -89,3 +99,10 @@ class RouterMetrics:
             )
         children[0].inc()
         children[1].observe(prefix_tokens)
+        if slot is not None:
+            counter = self._slot_children.get((model, slot))
+            if counter is None:
+                counter = self._slot_children[(model, slot)] = self.adapter_routes.labels(
+                    model, slot
+                )
+            counter.inc()

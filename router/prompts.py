@@ -53,8 +53,15 @@ def prompt_token_ids(parsed: ParsedRequest, tokenizer: Any) -> list[int] | None:
     return prompts[0].token_ids if prompts else None
 
 
-def block_chain(token_ids: list[int] | None, block_size: int | None, salt: str | None) -> list[int]:
-    """The hashes of the blocks the engine could reuse: never the one holding the last token."""
+def block_chain(
+    token_ids: list[int] | None,
+    block_size: int | None,
+    salt: str | None,
+    lora_name: str | None = None,
+) -> list[int]:
+    """The hashes of the blocks the engine could reuse: never the one holding the last token.
+    lora_name: the adapter the request names (None: the base model); its blocks are the
+    adapter's own, shared with no other adapter and not with the base model."""
     if not token_ids or not block_size:
         return []
-    return chain_block_hashes(token_ids[:-1], block_size, salt)
+    return chain_block_hashes(token_ids[:-1], block_size, salt, lora_name=lora_name)

@@ -28,7 +28,7 @@ from kvpilot.router.metrics import RouterMetrics
 from kvpilot.router.prompts import ParsedRequest, block_chain, prompt_token_ids
 from kvpilot.router.registry import ModelPool, Registry
 from kvpilot.router.replica import Replica
-from kvpilot.router.scoring import Candidate, choose
+from kvpilot.router.scoring import Candidate, Decision, adapter_slot, choose
 from kvpilot.router.upstream import BrokenResponse, ConnectError, UpstreamPool, UpstreamResponse
 
 log = logging.getLogger("kvpilot.router")
@@ -74,8 +74,8 @@ class Proxy:
         self, kind: RequestKind, parsed: ParsedRequest, body: bytes, headers: Mapping[str, str]
     ) -> Response:
         model = parsed.model or ""
-        pool = self.registry.pools.get(model)
-        if pool is None:
+        route = self.registry.resolve(model)
+        if route is None:
             raise errors.APIError(
                 404,
                 f"The model `{model}` does not exist. GET /v1/models lists the served models.",
@@ -83,6 +83,8 @@ class Proxy:
                 param="model",
                 code="model_not_found",
             )
+        pool = route.pool
+        adapter = route.adapter.name if route.adapter is not None else None
         replicas = await self._routable_replicas(pool)
         # Without the tokenizer (still loading): routed by load, never held for it.
         self.registry.ensure_tokenizer(pool, replicas[0])
@@ -92,17 +94,19 @@ class Proxy:
             candidates = [r for r in replicas if r.name not in tried]
             if not candidates:
                 break
-            replica, reason, matched = self._choose(pool, candidates, token_ids, parsed, headers)
+            replica, decision = self._choose(pool, candidates, token_ids, parsed, headers, adapter)
             tried.add(replica.name)
             response = await self._forward(
                 pool, replica, kind, body, headers, is_stream=parsed.request.stream
             )
             if response is not None:
+                tokens = decision.matched_blocks * (replica.block_size or 0)
+                route_header = f"{decision.reason}; prefix-tokens={tokens}"
+                if decision.slot is not None:
+                    route_header += f"; adapter={decision.slot}"
                 response.headers["x-kvpilot-replica"] = replica.name
-                response.headers["x-kvpilot-route"] = (
-                    f"{reason}; prefix-tokens={matched * (replica.block_size or 0)}"
-                )
-                self.metrics.decided(model, reason, matched * (replica.block_size or 0))
+                response.headers["x-kvpilot-route"] = route_header
+                self.metrics.decided(model, decision.reason, tokens, decision.slot)
                 return response
             replicas = pool.routable(time.monotonic(), self.config.dead_after_s)
         raise unavailable(model, "every replica tried failed", self.config.hold.retry_after_s)
@@ -177,9 +181,11 @@ class Proxy:
         token_ids: list[int] | None,
         parsed: ParsedRequest,
         headers: Mapping[str, str],
-    ) -> tuple[Replica, str, int]:
+        adapter: str | None,
+    ) -> tuple[Replica, Decision]:
+        """adapter: the LoRA adapter the request names (None: the base model)."""
         block_size = next((r.block_size for r in replicas if r.block_size), None)
-        chain = block_chain(token_ids, block_size, parsed.request.cache_salt)
+        chain = block_chain(token_ids, block_size, parsed.request.cache_salt, adapter)
         candidates = [
             Candidate(
                 r.name,
@@ -187,10 +193,18 @@ class Proxy:
                 r.in_flight,
                 r.load.num_waiting,
                 r.load.kv_cache_usage,
+                None
+                if adapter is None
+                else adapter_slot(adapter, r.load.resident_loras, r.load.max_loras),
             )
             for r in replicas
         ]
-        tie_key = str(chain[0]) if chain else str(token_ids[:64] if token_ids else "")
+        if adapter is not None:
+            # Routers that share nothing place an adapter resident nowhere yet on the same
+            # replica, so it is loaded once, not once per router.
+            tie_key = adapter
+        else:
+            tie_key = str(chain[0]) if chain else str(token_ids[:64] if token_ids else "")
         decision = choose(
             candidates,
             num_blocks=len(chain) if token_ids else 0,
@@ -200,16 +214,20 @@ class Proxy:
         )
         if log.isEnabledFor(logging.DEBUG):
             log.debug(
-                "route %s -> %s (%s): %d/%d blocks matched; candidates %s",
-                pool.service.model,
+                "route %s -> %s (%s): %d/%d blocks matched, adapter %s; candidates %s",
+                adapter or pool.service.model,
                 decision.name,
                 decision.reason,
                 decision.matched_blocks,
                 len(chain),
-                [(c.name, c.matched_blocks, c.in_flight, c.num_waiting) for c in candidates],
+                decision.slot,
+                [
+                    (c.name, c.matched_blocks, c.in_flight, c.num_waiting, c.slot)
+                    for c in candidates
+                ],
             )
         chosen = next(r for r in replicas if r.name == decision.name)
-        return chosen, decision.reason, decision.matched_blocks
+        return chosen, decision
 
     # ---- forwarding ----
     async def _forward(

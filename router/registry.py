@@ -1,7 +1,9 @@
 """The router's view of the cluster: InferenceServices (by served model name) and their Ready
-engine pods, each followed through its block-event stream. Fed by the Kubernetes watches; every
-change re-derives the pools from the latest objects (level-based, so a missed event heals at the
-next one)."""
+engine pods, each followed through its block-event stream, and which service every `model` id
+(a served model name or a LoRA adapter's name) goes to. Fed by the Kubernetes watches; every
+change re-derives the pools and the routes from the latest objects (level-based, so a missed event
+heals at the next one).
+Which service keeps a `model` id that several claim: kvpilot.router.model_ids."""
 
 from __future__ import annotations
 
@@ -14,11 +16,12 @@ from typing import Any
 import aiohttp
 import httpx
 
-from kvpilot.router.cluster import Endpoint, ServiceInfo, endpoint, service_info
+from kvpilot.router.cluster import Adapter, Endpoint, ServiceInfo, endpoint, service_info
 from kvpilot.router.config import RouterConfig
 from kvpilot.router.hold import HoldQueue
 from kvpilot.router.index import BlockIndex
 from kvpilot.router.metrics import RouterMetrics
+from kvpilot.router.model_ids import ServiceKey, claim_model_ids
 from kvpilot.router.replica import Replica, follow
 from kvpilot.router.tokenizer import fetch_tokenizer
 
@@ -48,6 +51,15 @@ class ModelPool:
         return [r for r in self.replicas.values() if r.is_routable(now, dead_after_s)]
 
 
+@dataclass(frozen=True)
+class Route:
+    """Where requests for one `model` id go: a pool, and the adapter they name (None: its base
+    model)."""
+
+    pool: ModelPool
+    adapter: Adapter | None = None
+
+
 class Registry:
     def __init__(
         self, config: RouterConfig, engines: httpx.AsyncClient, metrics: RouterMetrics
@@ -59,7 +71,13 @@ class Registry:
         self.streams: aiohttp.ClientSession | None = None
         self.services: dict[tuple[str, str], ServiceInfo] = {}
         self.endpoints: dict[tuple[str, str], Endpoint] = {}
-        self.pools: dict[str, ModelPool] = {}
+        self.pools: dict[str, ModelPool] = {}  # by served model name
+        self.routes: dict[str, Route] = {}  # by `model` id: served names and adapters
+        self._conflicts: frozenset[tuple[str, ServiceKey, ServiceKey]] = frozenset()
+
+    def resolve(self, model: str) -> Route | None:
+        """The pool (and adapter) a request's `model` goes to; None for an unknown id."""
+        return self.routes.get(model)
 
     # ---- watch callbacks ----
     def services_listed(self, namespace: str, items: list[dict[str, Any]]) -> None:
@@ -101,19 +119,14 @@ class Registry:
 
     # ---- derived state ----
     def sync(self) -> None:
-        by_model: dict[str, ServiceInfo] = {}
-        for info in sorted(self.services.values(), key=lambda s: (s.created, s.namespace)):
-            if info.model in by_model:
-                log.warning(
-                    "model %r is served by both %s/%s and %s/%s: routing to the older one",
-                    info.model,
-                    by_model[info.model].namespace,
-                    by_model[info.model].name,
-                    info.namespace,
-                    info.name,
-                )
-                continue
-            by_model[info.model] = info
+        claims = claim_model_ids(self.services.values())
+        for model_id, winner, loser in sorted(claims.conflicts - self._conflicts):
+            log.warning(
+                "model %r is claimed by both %s/%s and %s/%s: routing it to %s/%s",
+                model_id, *winner, *loser, *winner,
+            )  # fmt: skip
+        self._conflicts = claims.conflicts
+        by_model = claims.models
         for model in list(self.pools):
             if model not in by_model:
                 self._drop_pool(self.pools.pop(model))
@@ -141,6 +154,10 @@ class Registry:
             for name, found in wanted.items():
                 if name not in pool.replicas:
                     self._add_replica(pool, found)
+        routes = {model: Route(pool) for model, pool in self.pools.items()}
+        for name, (info, adapter) in claims.adapters.items():
+            routes[name] = Route(self.pools[info.model], adapter)
+        self.routes = routes
 
     def _add_replica(self, pool: ModelPool, found: Endpoint) -> None:
         assert self.streams is not None, "RouterRuntime.start() gives the streams their session"
@@ -227,3 +244,4 @@ class Registry:
         for pool in self.pools.values():
             self._drop_pool(pool)
         self.pools.clear()
+        self.routes.clear()

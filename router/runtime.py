@@ -60,7 +60,9 @@ class RouterRuntime:
             timeout=aiohttp.ClientTimeout(total=None, sock_connect=5.0)
         )
         if self.config.static_models:
-            services, pods = static_objects(self.config.static_models)
+            services, pods = static_objects(
+                self.config.static_models, dict(self.config.static_adapters)
+            )
             self.registry.services_listed(STATIC_NAMESPACE, services)
             self.registry.pods_listed(STATIC_NAMESPACE, pods)
             return
@@ -117,12 +119,18 @@ STATIC_NAMESPACE = "static"
 
 def static_objects(
     models: tuple[tuple[str, tuple[str, ...]], ...],
+    adapters: dict[str, tuple[str, ...]],
 ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
-    """InferenceServices and Ready engine pods, as the API would list them, for fixed URLs."""
+    """InferenceServices and Ready engine pods, as the API would list them, for fixed URLs
+    (adapters: model -> the names of the LoRA adapters its engines serve)."""
     services, pods = [], []
     for model, urls in models:
         meta = {"name": model, "namespace": STATIC_NAMESPACE}
-        services.append({"metadata": meta, "spec": {"model": {"servedName": model}}})
+        spec = {
+            "model": {"servedName": model},
+            "adapters": [{"name": name, "uri": ""} for name in adapters.get(model, ())],
+        }
+        services.append({"metadata": meta, "spec": spec})
         for i, url in enumerate(urls):
             parsed = urlsplit(url)
             pods.append(

@@ -10,6 +10,7 @@ Not thread-safe: one thread owns a core.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import Callable, Iterable
@@ -20,7 +21,7 @@ from pathlib import Path
 import torch
 
 from kvpilot.contract import sizing
-from kvpilot.engine.config import EngineConfig, ModelConfig
+from kvpilot.engine.config import EngineConfig, LoRAConfig, ModelConfig
 from kvpilot.engine.core.messages import (
     AddRequest,
     EngineStats,
@@ -41,7 +42,7 @@ from kvpilot.engine.model.loader import read_hf_config, resolve_model, set_offli
 from kvpilot.engine.model_runner import LaunchedStep, ModelRunner
 from kvpilot.engine.sampling_params import SamplingParams
 from kvpilot.engine.scheduler import ScheduledSequence, Scheduler
-from kvpilot.engine.sequence import PENDING_TOKEN, Sequence
+from kvpilot.engine.sequence import PENDING_TOKEN, Sequence, SequenceStatus
 from kvpilot.engine.structured.backend import resolve_backend
 from kvpilot.engine.structured.manager import SequenceGrammar, StructuredOutputs
 
@@ -103,7 +104,7 @@ def cpu_memory_need(config: EngineConfig, model: ModelConfig) -> sizing.MemoryNe
         kv = cache.kv_cache_bytes
     else:
         kv = int(cache.kv_cache_gib * 2**30)
-    return sizing.cpu_memory_need(
+    need = sizing.cpu_memory_need(
         num_params=model.num_params,
         hidden_size=model.hidden_size,
         intermediate_size=model.intermediate_size,
@@ -112,6 +113,24 @@ def cpu_memory_need(config: EngineConfig, model: ModelConfig) -> sizing.MemoryNe
         kv_cache_bytes=kv,
         max_num_batched_tokens=config.scheduler.max_num_batched_tokens,
         max_num_seqs=config.scheduler.max_num_seqs,
+    )
+    if config.lora is None:
+        return need
+    return dataclasses.replace(need, adapters=adapter_bytes(config.lora, model, itemsize))
+
+
+def adapter_bytes(lora: LoRAConfig, model: ModelConfig, itemsize: int) -> int:
+    """The most this engine's adapters take: its slots and its host-memory LRU (contract)."""
+    return sizing.lora_bytes(
+        num_layers=model.num_hidden_layers,
+        hidden_size=model.hidden_size,
+        q_size=model.num_attention_heads * model.head_dim,
+        kv_size=model.num_key_value_heads * model.head_dim,
+        intermediate_size=model.intermediate_size,
+        max_rank=lora.max_lora_rank,
+        max_loras=lora.max_loras,
+        max_cpu_loras=lora.resolved_max_cpu_loras,
+        itemsize=itemsize,
     )
 
 
@@ -300,6 +319,25 @@ class EngineCore:
         log.info("LoRA adapter %s unloaded", command.name)
         return LoRAReply(command.command_id, 200, "")
 
+    def refuse_unreadable_adapters(self) -> list[tuple[str, str]]:
+        """Requests that wait on an adapter whose files could no longer be read (it had left host
+        memory): refused with the reason, instead of waiting for ever. (request id, why)."""
+        if self.lora is None or not self.lora.unreadable:
+            return []
+        unreadable, self.lora.unreadable = self.lora.unreadable, {}
+        refused = []
+        for request_id, seqs in list(self.requests.items()):
+            name = seqs[0].lora_name
+            if name in unreadable and all(s.status is SequenceStatus.WAITING for s in seqs):
+                for seq in seqs:
+                    seq.finish_reason = "abort"
+                    self.scheduler.finish(seq)
+                del self.requests[request_id]
+                refused.append(
+                    (request_id, f"the LoRA adapter {name!r} could not be read: {unreadable[name]}")
+                )
+        return refused
+
     def _adapter_in_use(self, name: str) -> bool:
         return any(seq.lora_name == name for seqs in self.requests.values() for seq in seqs)
 
@@ -376,7 +414,15 @@ class EngineCore:
     def step(self, num_commands_applied: int = 0) -> StepOutputs:
         """Runs a step and returns the tokens read. With async scheduling a call launches the next
         step before it reads the one in flight, so the host's scheduling and input building
-        overlap the device's work; tokens then arrive one call after their step was launched."""
+        overlap the device's work; tokens then arrive one call after their step was launched.
+        Requests refused meanwhile (an adapter that can no longer be read) are in `rejected`."""
+        outputs = self._step(num_commands_applied)
+        refused = self.refuse_unreadable_adapters()
+        if refused:
+            outputs.rejected = [*outputs.rejected, *refused]
+        return outputs
+
+    def _step(self, num_commands_applied: int) -> StepOutputs:
         if not self.async_scheduling:
             launched = self._launch_next()
             if launched is None:

@@ -173,6 +173,7 @@ def _step_loop(
                 command = None
         for reply in core.finished_lora_reads():
             outbox.put(reply)
+
         if core.has_unfinished_requests():
             outputs = core.step(num_applied)
             # A step that scheduled nothing changed nothing the API side could see.

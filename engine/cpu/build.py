@@ -1,5 +1,5 @@
-"""Compiles csrc/cpu_ops.c and csrc/linear.c into one library for this machine and loads it, once
-per process.
+"""Compiles csrc/cpu_ops.c, csrc/linear.c and csrc/lora.c into one library for this machine and
+loads it, once per process.
 
 The library is cached under the kvpilot cache directory, keyed by the sources, the compiler, the
 flags and the CPU (the build targets -march=native), so a second start and every other process on
@@ -25,7 +25,7 @@ import torch
 log = logging.getLogger("kvpilot")
 
 CSRC = Path(__file__).with_name("csrc")
-SOURCES = (CSRC / "cpu_ops.c", CSRC / "linear.c")
+SOURCES = (CSRC / "cpu_ops.c", CSRC / "linear.c", CSRC / "lora.c")
 BASE_FLAGS = (
     "-O3",
     "-march=native",
@@ -71,6 +71,10 @@ TYPED: dict[str, Signature] = {
     # x, packed weight, bias (NULL: none), y; M, N, K, x_stride, y_stride -> 0, or 1 when this
     # build has no kernel for the dtype (linear.c)
     "linear": ([_PTR] * 4 + [_I64] * 5, _INT),
+    # out, x, lora_a, lora_b, token_slots, bounds; tokens, num_slots, num_sub, rank, K, N,
+    # x_stride, out_stride -> 0, 1 for a slot outside the stack or a rank above 256, or 2 when
+    # its scratch memory could not be allocated (lora.c)
+    "lora_add": ([_PTR] * 6 + [_I64] * 8, _INT),
 }
 UNTYPED: dict[str, Signature] = {
     "kvpilot_openmp_threads": ([], _INT),

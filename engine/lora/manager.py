@@ -35,6 +35,9 @@ class LoRAManager:
         self._slot_use: list[int] = [0] * config.max_loras  # last use, for LRU among idle slots
         self._uses = 0
         self._fills: list[tuple[int, LoRAAdapter]] = []
+        # Adapters whose files could not be read again after they left host memory (name ->
+        # why): the core refuses the requests waiting on them instead of letting them wait.
+        self.unreadable: dict[str, str] = {}
 
     # ---- registration --------------------------------------------------------------------------
     def read(self, name: str, path: str, *, replace: bool = False) -> Future[LoRAAdapter]:
@@ -60,6 +63,7 @@ class LoRAManager:
         self._forget(name)
 
     def _forget(self, name: str) -> None:
+        self.unreadable.pop(name, None)
         self._host.pop(name, None)
         self._reading.pop(name, None)
         for slot, held in enumerate(self.slots):
@@ -82,6 +86,7 @@ class LoRAManager:
         del self._reading[name]
         if future.exception() is not None:  # its files changed since it was registered
             log.warning("adapter %s could not be read again: %s", name, future.exception())
+            self.unreadable[name] = str(future.exception())
             return False
         self._keep(future.result())
         return True

@@ -23,6 +23,9 @@ from dataclasses import dataclass
 
 import torch
 
+from kvpilot.engine.cpu import lora as cpu_lora
+from kvpilot.engine.cpu.build import load_library
+
 
 @dataclass(frozen=True)
 class LoRAMapping:
@@ -99,3 +102,37 @@ def add_lora_torch(
                 h[:, i * rank : (i + 1) * rank], lora_b[slot, lo:hi].t(), out=delta[:, lo:hi]
             )
         out.index_add_(0, rows, delta)
+
+
+def add_lora(
+    out: torch.Tensor,
+    x: torch.Tensor,
+    lora_a: torch.Tensor,
+    lora_b: torch.Tensor,
+    bounds: Sequence[int],
+    mapping: LoRAMapping,
+) -> None:
+    """Adds every token's adapter delta to `out` in place (the module docstring's definition):
+    x [T, K], out [T, N], lora_a [num_slots, num_sub, max_rank, K], lora_b [num_slots, N,
+    max_rank], bounds the subs' first rows in N and N itself. CPU tensors the C kernel takes go to
+    it (kvpilot.engine.cpu.lora), CUDA tensors to the Triton kernel (kvpilot.engine.kernels.lora),
+    anything else (or a machine without a C compiler) to add_lora_torch. A batch without adapter
+    tokens leaves `out` untouched."""
+    if not mapping.has_adapters:
+        return
+    if out.is_cuda:
+        from kvpilot.engine.kernels.runtime import has_triton
+
+        if has_triton():  # lazy: the kernels' module imports Triton, which a CPU install may lack
+            from kvpilot.engine.kernels.lora import add_lora_triton, triton_takes
+
+            if triton_takes(out, x, lora_a, lora_b, bounds, mapping.token_slots):
+                add_lora_triton(out, x, lora_a, lora_b, bounds, mapping.token_slots)
+                return
+    elif out.is_cpu:
+        lib = load_library()
+        if lib is not None and cpu_lora.add_lora(
+            lib, out, x, lora_a, lora_b, bounds, mapping.token_slots
+        ):
+            return
+    add_lora_torch(out, x, lora_a, lora_b, bounds, mapping)

@@ -7,8 +7,9 @@ depend on it without depending on each other.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -25,3 +26,9 @@ class LayerOps:
     silu_and_mul: Callable[[torch.Tensor], torch.Tensor] = layers.silu_and_mul
     apply_rotary: Callable[..., tuple[torch.Tensor, torch.Tensor]] = layers.apply_rotary
     argmax_rows: Callable[[torch.Tensor], torch.Tensor] = layers.argmax_rows
+    # add_lora(out, x, lora_a, lora_b, bounds, mapping): each token's adapter delta added to a
+    # projection's output (engine/lora/ops.py); set where the engine serves adapters.
+    add_lora: (
+        Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, Sequence[int], Any], None]
+        | None
+    ) = None

@@ -13,7 +13,7 @@ the model is the single-device model, with no collective and no extra op.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 from torch import nn
@@ -21,7 +21,6 @@ from torch import nn
 # Interfaces only: the backends and the kernels are chosen by name elsewhere and passed in.
 from kvpilot.engine.attention.base import AttentionBackend, AttentionMetadata
 from kvpilot.engine.config import ModelConfig
-from kvpilot.engine.lora.ops import LoRAMapping, add_lora_torch
 from kvpilot.engine.model import layers
 from kvpilot.engine.model.layer_ops import LayerOps
 from kvpilot.engine.parallel.group import TPGroup
@@ -37,8 +36,9 @@ class ForwardContext:
     kv_caches: list[
         tuple[torch.Tensor, torch.Tensor]
     ]  # per layer: [num_blocks, block_size, KVH, D] x2
-    # Each token's LoRA adapter slot (None: no token of the step uses an adapter).
-    lora: LoRAMapping | None = None
+    # Each token's LoRA adapter slot (engine/lora/ops.LoRAMapping; None: no token of the step
+    # uses an adapter), read by LayerOps.add_lora.
+    lora: Any = None
 
 
 class LoRAStacks(Protocol):
@@ -50,11 +50,13 @@ class LoRAStacks(Protocol):
 
 
 def with_lora(
-    out: torch.Tensor, x: torch.Tensor, stacks: LoRAStacks | None, lora: LoRAMapping | None
+    ops: LayerOps, out: torch.Tensor, x: torch.Tensor, stacks: LoRAStacks | None, lora: Any
 ) -> torch.Tensor:
     """The projection's output `out` of input `x` plus each token's adapter delta (in place)."""
     if lora is not None and stacks is not None:
-        add_lora_torch(out, x, stacks.lora_a, stacks.lora_b, stacks.bounds, lora)
+        if ops.add_lora is None:
+            raise RuntimeError("a step maps tokens to adapters, but the model has no add_lora")
+        ops.add_lora(out, x, stacks.lora_a, stacks.lora_b, stacks.bounds, lora)
     return out
 
 
@@ -100,7 +102,7 @@ class Attention(nn.Module):
         cos_sin_cache: torch.Tensor,
     ) -> torch.Tensor:
         num_tokens = x.shape[0]
-        qkv = with_lora(self.qkv_proj(x), x, self.qkv_lora, ctx.lora)
+        qkv = with_lora(self.ops, self.qkv_proj(x), x, self.qkv_lora, ctx.lora)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(num_tokens, self.num_heads, self.head_dim)
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
@@ -110,7 +112,7 @@ class Attention(nn.Module):
         self.backend.write_kv(k, v, k_cache, v_cache, ctx.attn.slot_mapping)
         out = self.backend.forward(q, k_cache, v_cache, ctx.attn, self.scale)
         out = out.reshape(num_tokens, self.q_size)
-        out = with_lora(self.o_proj(out), out, self.o_lora, ctx.lora)
+        out = with_lora(self.ops, self.o_proj(out), out, self.o_lora, ctx.lora)
         return out if self.tp is None else self.tp.all_reduce(out)
 
 
@@ -125,13 +127,13 @@ class MLP(nn.Module):
         self.ops = ops
         self.tp = tp
 
-    def forward(self, x: torch.Tensor, lora: LoRAMapping | None = None) -> torch.Tensor:
-        h = with_lora(self.gate_up_proj(x), x, self.gate_up_lora, lora)
+    def forward(self, x: torch.Tensor, lora: Any = None) -> torch.Tensor:
+        h = with_lora(self.ops, self.gate_up_proj(x), x, self.gate_up_lora, lora)
         # On CPU the projection may apply SiLU-and-multiply itself (cpu_linear.PackedSiluGateUp,
         # never used with adapters: their delta comes before the activation).
         if not getattr(self.gate_up_proj, "fuses_silu_and_mul", False):
             h = self.ops.silu_and_mul(h)
-        out = with_lora(self.down_proj(h), h, self.down_lora, lora)
+        out = with_lora(self.ops, self.down_proj(h), h, self.down_lora, lora)
         return out if self.tp is None else self.tp.all_reduce(out)
 
 

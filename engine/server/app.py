@@ -19,6 +19,7 @@ from kvpilot.contract.http_errors import ErrorObserver, install_error_handlers
 from kvpilot.contract.kv_events import KV_EVENTS_PATH, TOKENIZER_FILE_PATH, TOKENIZER_FILES
 from kvpilot.contract.openai import PATHS, ChatCompletionRequest, CompletionRequest
 from kvpilot.engine.server.kv_events import KvEventHub, encode_lines
+from kvpilot.engine.server.lora_routes import adapter_cards, add_lora_routes
 from kvpilot.engine.server.request_id import HEADER, RequestIdMiddleware, request_id_of
 from kvpilot.engine.server.serving import create_chat_completion, create_completion
 from kvpilot.engine.server.state import ServerState
@@ -178,18 +179,22 @@ def add_openai_routes(app: FastAPI, state: ServerState, *, created: int) -> None
             "max_model_len": info.max_model_len,
         }
 
+    def model_cards() -> list[dict[str, object]]:
+        return [model_card(), *adapter_cards(state, created)]
+
     @app.get("/v1/models")
     async def list_models(request: Request) -> Response:
         check_auth(request)
-        return JSONResponse({"object": "list", "data": [model_card()]})
+        return JSONResponse({"object": "list", "data": model_cards()})
 
     @app.get("/v1/models/{model:path}")
     async def get_model(model: str, request: Request) -> Response:
         check_auth(request)
-        card = model_card()
-        if model != card["id"]:
-            raise errors.model_not_found(model, str(card["id"]))
-        return JSONResponse(card)
+        cards = model_cards()
+        for card in cards:
+            if card["id"] == model:
+                return JSONResponse(card)
+        raise errors.model_not_found(model, str(cards[0]["id"]))
 
     @app.post(PATHS["completion"], openapi_extra=request_body_schema(CompletionRequest))
     async def completions(request: Request) -> Response:
@@ -200,3 +205,7 @@ def add_openai_routes(app: FastAPI, state: ServerState, *, created: int) -> None
     async def chat_completions(request: Request) -> Response:
         check_auth(request)
         return await create_chat_completion(state, request)
+
+    lora = state.engine.config.lora
+    if lora is not None and lora.allow_runtime_updating:
+        add_lora_routes(app, state, check_auth)

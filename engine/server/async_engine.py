@@ -24,6 +24,7 @@ import logging
 import queue
 import threading
 import time
+import uuid
 from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -41,9 +42,12 @@ from kvpilot.engine.core.messages import (
     AddRequest,
     CoreFailed,
     CoreReady,
+    LoadLoRA,
+    LoRAReply,
     ModelDescription,
     ModelFilesFound,
     StepOutputs,
+    UnloadLoRA,
 )
 from kvpilot.engine.gc_freeze import freeze_startup_objects
 from kvpilot.engine.llm_engine import eos_token_ids
@@ -141,6 +145,7 @@ class _Live:
 
     stream: RequestStream
     params: SamplingParams | None = None  # for the request_params_* metrics
+    lora_name: str | None = None  # for the per-adapter metrics
 
 
 # Threads of the API process that parse and tokenize requests (state.py runs them).
@@ -176,8 +181,16 @@ class ModelInfo:
     spare_tokenizers: queue.SimpleQueue[Any] = field(default_factory=queue.SimpleQueue)
     grammar_backend: str = "xgrammar"  # the core's, which request constraints are checked with
     async_scheduling: bool = False  # the core's: tokens arrive a step after their step launched
+    max_loras: int = 0  # adapter slots (0: adapters off)
+    max_lora_rank: int = 0
 
-    def limits(self, requests: RequestLimits, chat: ChatOptions | None = None) -> PromptLimits:
+    def limits(
+        self,
+        requests: RequestLimits,
+        chat: ChatOptions | None = None,
+        adapters: frozenset[str] = frozenset(),
+    ) -> PromptLimits:
+        """adapters: the LoRA adapters a request's `model` may name besides the model."""
         return PromptLimits(
             self.model_name,
             self.max_model_len,
@@ -186,6 +199,7 @@ class ModelInfo:
             requests,
             chat or ChatOptions(),
             self.grammar_backend,
+            adapters,
         )
 
     def check_prompt_fits(self, num_tokens: int) -> None:
@@ -235,6 +249,16 @@ def _deliver(items: list[tuple[RequestStream, RequestOutput]]) -> None:
         stream._put(output)
 
 
+def _resolve(future: asyncio.Future[LoRAReply], reply: LoRAReply) -> None:
+    if not future.done():
+        future.set_result(reply)
+
+
+def _fail_future(future: asyncio.Future[LoRAReply], exc: BaseException) -> None:
+    if not future.done():
+        future.set_exception(exc)
+
+
 def _fail_streams(streams: list[RequestStream], exc: BaseException) -> None:
     for stream in streams:
         stream._fail(exc)
@@ -269,6 +293,11 @@ class AsyncEngine:
         self._num_commands_sent = 0
         self._pending_adds: deque[int] = deque()  # command numbers of adds the core has not seen
         self._state = StateSnapshot()
+        # LoRA adapters as the core has them (name -> path), and the replies awaited.
+        self.adapters: dict[str, str] = {}
+        self._lora_waiters: dict[
+            str, tuple[LoadLoRA | UnloadLoRA, asyncio.AbstractEventLoop, asyncio.Future[LoRAReply]]
+        ] = {}
         self._stopping = False
         self.info: ModelInfo | None = None
         self.kv_events: KvEventHub | None = None  # set once loaded
@@ -341,6 +370,7 @@ class AsyncEngine:
         cache_salt: str | None = None,
         arrival_time: float | None = None,
         kind: OutputKind = OutputKind.CUMULATIVE,
+        lora_name: str | None = None,
     ) -> RequestStream:
         """Hand a request to the core; ValueError when it cannot run (a client error).
         kind: DELTA for a stream (each output holds what is new), FINAL_ONLY for a response that
@@ -352,7 +382,13 @@ class AsyncEngine:
         stream = RequestStream(request_id, asyncio.get_running_loop(), self, kind)
         arrival = time.monotonic() if arrival_time is None else arrival_time
         command = AddRequest(
-            request_id, prompt_ids, params, info.eos_token_ids, cache_salt, arrival
+            request_id,
+            prompt_ids,
+            params,
+            info.eos_token_ids,
+            cache_salt,
+            arrival,
+            lora_name=lora_name,
         )
         with self._lock:
             if self.error is not None:
@@ -360,7 +396,7 @@ class AsyncEngine:
             self._processor.add_request(
                 request_id, prompt_text, prompt_ids, params, arrival, kind=kind
             )
-            self._live[request_id] = _Live(stream, params)
+            self._live[request_id] = _Live(stream, params, lora_name)
             # Numbered and sent under the lock, so numbers follow the order the core sees.
             self._num_commands_sent += 1
             self._pending_adds.append(self._num_commands_sent)
@@ -377,10 +413,40 @@ class AsyncEngine:
                 self.metrics.request_success["abort"].inc()
             self._send(Abort(request_id))
 
-    def _send(self, command: Abort) -> None:
+    def _send(self, command: Abort | LoadLoRA | UnloadLoRA) -> None:
         """Under the lock."""
         self._num_commands_sent += 1
         self._client.send(command)
+
+    async def load_lora(self, name: str, path: str, *, replace: bool = False) -> LoRAReply:
+        """The core reads the adapter and registers it; its reply (an HTTP status and message)."""
+        return await self._lora_command(LoadLoRA(uuid.uuid4().hex, name, path, replace))
+
+    async def unload_lora(self, name: str) -> LoRAReply:
+        return await self._lora_command(UnloadLoRA(uuid.uuid4().hex, name))
+
+    async def _lora_command(self, command: LoadLoRA | UnloadLoRA) -> LoRAReply:
+        loop = asyncio.get_running_loop()
+        reply: asyncio.Future[LoRAReply] = loop.create_future()
+        with self._lock:
+            if not self.is_alive:
+                raise EngineDeadError("the engine is not running")
+            self._lora_waiters[command.command_id] = (command, loop, reply)
+            self._send(command)
+        return await reply
+
+    def _on_lora_reply(self, reply: LoRAReply) -> None:
+        with self._lock:
+            waiter = self._lora_waiters.pop(reply.command_id, None)
+            if waiter is None:
+                return
+            command, loop, future = waiter
+            if reply.status == 200 and isinstance(command, LoadLoRA):
+                self.adapters[command.name] = command.path
+            elif reply.status == 200:
+                self.adapters.pop(command.name, None)
+        with contextlib.suppress(RuntimeError):  # that event loop is closed
+            loop.call_soon_threadsafe(_resolve, future, reply)
 
     # ---- the output thread ----
 
@@ -397,6 +463,8 @@ class AsyncEngine:
                     raise
                 if isinstance(event, StepOutputs):
                     self._on_step(event)
+                elif isinstance(event, LoRAReply):
+                    self._on_lora_reply(event)
                 elif isinstance(event, CoreFailed):
                     raise RuntimeError(event.message)
         except BaseException as exc:
@@ -438,7 +506,7 @@ class AsyncEngine:
     def _on_loaded(self, model: ModelDescription, tokenizers: Tokenizers) -> None:
         tokenizer = tokenizers.detokenizer
         self._processor = OutputProcessor(tokenizer)
-        self.kv_events = KvEventHub(model.model_name, model.block_size)
+        self.kv_events = KvEventHub(model.model_name, model.block_size, max_loras=model.max_loras)
         if self.registry is not None:
             self.metrics = ServerMetrics(
                 self.registry,
@@ -449,6 +517,7 @@ class AsyncEngine:
                 max_model_len=model.max_model_len,
                 vllm_names=self._vllm_metrics,
                 tensor_parallel_size=model.tensor_parallel_size,
+                max_loras=model.max_loras,
             )
             self.metrics.bind_engine_state(
                 lambda: self.num_waiting, lambda: self.num_running, lambda: self.kv_cache_usage
@@ -467,7 +536,10 @@ class AsyncEngine:
             grammar_backend=model.grammar_backend,
             async_scheduling=model.async_scheduling,
             max_chars_per_token=tokenizers.max_chars_per_token,
+            max_loras=model.max_loras,
+            max_lora_rank=model.max_lora_rank,
         )
+        self.adapters = dict(model.lora_modules)
         # Everything this process keeps is loaded now: a full collection walking it would stall
         # the event loop (and /health) for 100+ ms under load.
         freeze_startup_objects("API process")
@@ -483,10 +555,18 @@ class AsyncEngine:
             stats = step.stats
             self._state = StateSnapshot(stats.num_waiting, stats.num_running, stats.kv_cache_usage)
             if self.kv_events is not None:
-                load = Load(self.num_waiting, stats.num_running, stats.kv_cache_usage)
+                load = Load(
+                    self.num_waiting,
+                    stats.num_running,
+                    stats.kv_cache_usage,
+                    stats.resident_loras,
+                    self.info.max_loras if self.info is not None else 0,
+                )
                 self.kv_events.publish(step.kv_events, load)
             if metrics is not None:
                 metrics.record_counters(EngineCounters.of(stats))
+                if metrics.max_loras:
+                    metrics.record_loras(stats.running_loras, stats.waiting_loras, time.time())
                 if step.step_duration is not None:
                     metrics.engine_step_duration.observe(step.step_duration)
             for request_id, why in step.rejected:
@@ -513,6 +593,15 @@ class AsyncEngine:
                             entry.params,
                             processed.generated.get(output.request_id),
                         )
+                        if entry.lora_name is not None:
+                            generated = processed.generated.get(output.request_id)
+                            metrics.record_adapter_request(
+                                entry.lora_name,
+                                len(output.prompt_token_ids),
+                                sum(generated)
+                                if generated is not None
+                                else sum(len(o.token_ids) for o in output.outputs),
+                            )
                 by_loop.setdefault(entry.stream.loop, []).append((entry.stream, output))
         for stream, exc in failed:
             with contextlib.suppress(RuntimeError):
@@ -533,6 +622,10 @@ class AsyncEngine:
         with self._lock:
             live, self._live = self._live, {}
             self._pending_adds.clear()
+            waiters, self._lora_waiters = self._lora_waiters, {}
+        for _, loop, future in waiters.values():
+            with contextlib.suppress(RuntimeError):
+                loop.call_soon_threadsafe(_fail_future, future, exc)
         by_loop: dict[asyncio.AbstractEventLoop, list[RequestStream]] = {}
         for entry in live.values():
             by_loop.setdefault(entry.stream.loop, []).append(entry.stream)

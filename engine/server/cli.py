@@ -30,7 +30,11 @@ from kvpilot.engine.cpu.affinity import bind_this_process, place
 from kvpilot.engine.cpu.threads import read_cpu_limit
 from kvpilot.engine.server.app import create_app
 from kvpilot.engine.server.async_engine import AsyncEngine
-from kvpilot.engine.server.from_flags import engine_config, server_settings
+from kvpilot.engine.server.from_flags import (
+    engine_config,
+    server_settings,
+    with_runtime_lora_env,
+)
 from kvpilot.engine.server.settings import ChatOptions, ServerSettings
 from kvpilot.engine.server.state import ServerState
 
@@ -80,7 +84,7 @@ def startup_settings(args: argparse.Namespace) -> tuple[EngineConfig, ServerSett
     """Everything `kvpilot serve` checks before it starts the engine (ValueError): the flags'
     values (as parse_flags checks them, in engine/server/from_flags.py), then what only this machine
     can tell: its GPUs and CPUs, the model's shape, the files named."""
-    config = engine_config(args)
+    config = with_runtime_lora_env(engine_config(args), os.environ)
     check_placement(config)
     cpu_placement = place(
         os.sched_getaffinity(0),

@@ -11,11 +11,13 @@ pod can tell (the model, files, the GPUs it sees) is checked by `kvpilot serve` 
 from __future__ import annotations
 
 import argparse
-from collections.abc import Sequence
+import dataclasses
+from collections.abc import Mapping, Sequence
 
 from kvpilot.contract.engine_flags import FlagError, read_flags
 from kvpilot.contract.limits import RequestLimits
-from kvpilot.engine.config import CacheConfig, EngineConfig, SchedulerConfig
+from kvpilot.contract.lora import RUNTIME_LORA_ENV, is_truthy, parse_lora_module
+from kvpilot.engine.config import CacheConfig, EngineConfig, LoRAConfig, SchedulerConfig
 from kvpilot.engine.cpu.affinity import CpuPlacement
 from kvpilot.engine.server.settings import ChatOptions, ServerSettings
 
@@ -47,6 +49,33 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         scheduler=SchedulerConfig(
             max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs
         ),
+        lora=lora_config(args),
+    )
+
+
+def lora_config(args: argparse.Namespace) -> LoRAConfig | None:
+    """The adapter settings of --enable-lora (None without it; ValueError for adapter flags given
+    without it, or a --lora-modules value that does not parse)."""
+    if not args.enable_lora:
+        if args.lora_modules or args.allow_runtime_lora_updating:
+            raise ValueError("--lora-modules and --allow-runtime-lora-updating need --enable-lora")
+        return None
+    modules = tuple(parse_lora_module(value)[:2] for value in args.lora_modules or ())
+    return LoRAConfig(
+        max_loras=args.max_loras,
+        max_lora_rank=args.max_lora_rank,
+        max_cpu_loras=args.max_cpu_loras,
+        modules=modules,
+        allow_runtime_updating=args.allow_runtime_lora_updating,
+    )
+
+
+def with_runtime_lora_env(config: EngineConfig, env: Mapping[str, str]) -> EngineConfig:
+    """Runtime adapter loading switched on by vLLM's environment variable, as vLLM does."""
+    if config.lora is None or not is_truthy(env.get(RUNTIME_LORA_ENV)):
+        return config
+    return dataclasses.replace(
+        config, lora=dataclasses.replace(config.lora, allow_runtime_updating=True)
     )
 
 

@@ -24,14 +24,23 @@ HEARTBEAT_S = 0.5
 
 
 class KvEventHub:
-    def __init__(self, model_name: str, block_size: int, *, log_length: int = _LOG_LENGTH) -> None:
+    def __init__(
+        self,
+        model_name: str,
+        block_size: int,
+        *,
+        log_length: int = _LOG_LENGTH,
+        max_loras: int = 0,
+    ) -> None:
+        """max_loras: the engine's adapter slots, in the load from the first message on (a
+        router tells a replica with free slots from one without adapters before any step)."""
         self.model_name = model_name
         self.block_size = block_size
         self._lock = threading.Lock()
         self._hashes: set[int] = set()
         self._seq = 0
         self._log: deque[KvUpdate] = deque(maxlen=log_length)
-        self._load = Load()
+        self._load = Load(max_loras=max_loras)
         self._waiters: set[tuple[asyncio.AbstractEventLoop, asyncio.Event]] = set()
 
     # ---- the output thread ----

@@ -18,7 +18,7 @@ import contextlib
 import math
 import os
 import threading
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -62,6 +62,8 @@ class PromptLimits:
     requests: RequestLimits = field(default_factory=RequestLimits)
     chat: ChatOptions = field(default_factory=ChatOptions)
     grammar_backend: str = "xgrammar"  # the engine core's: constraints are checked with it
+    # LoRA adapters a request's `model` may name besides model_name (contract/lora.py).
+    adapter_names: frozenset[str] = frozenset()
 
 
 @dataclass(frozen=True)
@@ -133,7 +135,11 @@ def _check_request(
 
 
 def _check_model(requested: str | None, limits: PromptLimits) -> None:
-    if requested is not None and requested != limits.model_name:
+    if (
+        requested is not None
+        and requested != limits.model_name
+        and requested not in limits.adapter_names
+    ):
         raise errors.model_not_found(requested, limits.model_name)
 
 
@@ -260,5 +266,9 @@ def init_worker(hf_dir: str | None, limits: PromptLimits, parent_pid: int) -> No
     _worker["limits"] = limits
 
 
-def preprocess_in_worker(kind: RequestKind, body: bytes) -> Preprocessed:
-    return preprocess(kind, body, _worker["tokenizer"], _worker["limits"])
+def preprocess_in_worker(
+    kind: RequestKind, body: bytes, adapter_names: frozenset[str] = frozenset()
+) -> Preprocessed:
+    """adapter_names: the adapters as of this request (they change after the worker starts)."""
+    limits = replace(_worker["limits"], adapter_names=adapter_names)
+    return preprocess(kind, body, _worker["tokenizer"], limits)

@@ -153,6 +153,7 @@ async def start_generation(
     logit_bias: tuple[tuple[int, float], ...] = (),
     constraint: StructuredSpec | None = None,
 ) -> Generation:
+    """The request's prompts added to the engine, with the LoRA adapter its `model` names."""
     info = state.engine.info
     assert info is not None
     is_chat = isinstance(request, ChatCompletionRequest)
@@ -188,6 +189,7 @@ async def start_generation(
                     cache_salt=request.cache_salt,
                     arrival_time=arrival_time,
                     kind=OutputKind.DELTA if request.stream else OutputKind.FINAL_ONLY,
+                    lora_name=adapter_of(state, request.model),
                 )
             )
     except BaseException as exc:
@@ -202,13 +204,30 @@ async def start_generation(
     return Generation(streams, ticket)
 
 
+def adapter_of(state: ServerState, model: str | None) -> str | None:
+    """The LoRA adapter a request's `model` names (None: the base model)."""
+    info = state.engine.info
+    if model is None or info is None or model == info.model_name:
+        return None
+    return model if model in state.engine.adapters else None
+
+
+def answered_model(state: ServerState, model: str | None) -> str:
+    """The `model` a response names: the adapter's name for an adapter's request, as vLLM."""
+    info = state.engine.info
+    assert info is not None
+    return adapter_of(state, model) or info.model_name
+
+
 async def create_completion(state: ServerState, http: Request) -> Response:
     arrival = time.monotonic()
     info = state.model_info()  # 503 while loading or draining, before reading anything
     pre = await state.preprocess(info, "completion", http)
     request, prompts = pre.request, pre.prompts
     assert isinstance(request, CompletionRequest)
-    header = render.ResponseHeader(f"cmpl-{uuid.uuid4().hex}", int(time.time()), info.model_name)
+    header = render.ResponseHeader(
+        f"cmpl-{uuid.uuid4().hex}", int(time.time()), answered_model(state, request.model)
+    )
     generation = await start_generation(
         state, request, prompts, header.id, arrival, pre.logit_bias, pre.constraint
     )
@@ -292,7 +311,7 @@ async def create_chat_completion(state: ServerState, http: Request) -> Response:
     request, prompts = pre.request, pre.prompts
     assert isinstance(request, ChatCompletionRequest)
     header = render.ResponseHeader(
-        f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), info.model_name
+        f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), answered_model(state, request.model)
     )
     generation = await start_generation(
         state, request, prompts, header.id, arrival, pre.logit_bias, pre.constraint

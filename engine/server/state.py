@@ -97,10 +97,11 @@ class ServerState:
         the client's faults (a wrong model is counted as such)."""
         body = await self.read_body(http)
         loop = asyncio.get_running_loop()
+        adapters = frozenset(self.engine.adapters)
         try:
             if len(body) > BIG_BODY_BYTES:
                 return await loop.run_in_executor(
-                    self._big_body_executor(info), preprocess_in_worker, kind, body
+                    self._big_body_executor(info), preprocess_in_worker, kind, body, adapters
                 )
             return await loop.run_in_executor(
                 self._tokenizer_pool,
@@ -108,7 +109,7 @@ class ServerState:
                     kind,
                     body,
                     self._thread_tokenizer(info),
-                    info.limits(self.settings.limits, self.settings.chat),
+                    info.limits(self.settings.limits, self.settings.chat, adapters),
                 ),
             )
         except errors.APIError as exc:

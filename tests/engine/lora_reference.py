@@ -61,6 +61,29 @@ def peft_greedy(model: object, prompt_ids: list[int], max_new_tokens: int) -> Re
     return reference_greedy(model, prompt_ids, max_new_tokens)
 
 
+class PeftReferences:
+    """The base model loaded once with every adapter beside it (PEFT's multi-adapter model):
+    greedy(name, ...) runs one adapter, or the base model with name None."""
+
+    def __init__(self, base_dir: Path, adapters: dict[str, Path]) -> None:
+        from peft import PeftModel
+        from transformers import AutoModelForCausalLM
+
+        base = AutoModelForCausalLM.from_pretrained(str(base_dir), dtype=torch.float32)
+        first, *rest = adapters
+        self.model = PeftModel.from_pretrained(base, str(adapters[first]), adapter_name=first)
+        for name in rest:
+            self.model.load_adapter(str(adapters[name]), adapter_name=name)
+        self.model.eval()
+
+    def greedy(self, name: str | None, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
+        if name is None:
+            with self.model.disable_adapter():
+                return reference_greedy(self.model, prompt_ids, max_new_tokens).token_ids
+        self.model.set_adapter(name)
+        return reference_greedy(self.model, prompt_ids, max_new_tokens).token_ids
+
+
 def merged_dir(base_dir: Path, adapter_dir: Path, out_dir: Path) -> Path:
     """The base model with the adapter merged into its weights, saved as a plain HF model."""
     model = peft_model(base_dir, adapter_dir).merge_and_unload()

@@ -13,7 +13,7 @@ import pytest
 from kvpilot.engine import LLM, SamplingParams
 from kvpilot.engine.config import LoRAConfig
 
-from .lora_reference import make_peft_adapter, merged_dir, peft_greedy, peft_model
+from .lora_reference import PeftReferences, make_peft_adapter, merged_dir, peft_greedy, peft_model
 from .reference import reference_greedy, save_tiny_hf_model
 from .test_parity_tiny_models import llama_config
 
@@ -58,12 +58,9 @@ def test_one_batch_of_base_and_three_adapters_follows_peft_token_for_token(
         outputs = llm.generate(
             batch, SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS), lora_name=names
         )
-    references = {None: reference_greedy_model(base)} | {
-        name: peft_model(base, path) for name, path in adapters.items()
-    }
+    references = PeftReferences(base, adapters)
     for prompt, name, output in zip(batch, names, outputs, strict=True):
-        expected = peft_greedy(references[name], prompt, NEW_TOKENS).token_ids
-        assert output.outputs[0].token_ids == expected, name
+        assert output.outputs[0].token_ids == references.greedy(name, prompt, NEW_TOKENS), name
     base_tokens = [o.outputs[0].token_ids for o, n in zip(outputs, names, strict=True) if n is None]
     adapter_tokens = [o.outputs[0].token_ids for o, n in zip(outputs, names, strict=True) if n]
     # The adapters change the answers (a B of zeros would pass the parity above trivially).
@@ -113,3 +110,93 @@ def test_a_prefix_shared_across_adapters_is_never_served_from_another_adapters_k
     # Each first run of a model computes the whole prompt; a second run of the same one hits.
     assert cached == [0, 0, 0, 16, 16, 0]
     assert again.outputs[0].token_ids == alone["rank8"]
+
+
+def test_tensor_parallel_ranks_split_the_adapters_like_their_layers(
+    models: tuple[Path, dict[str, Path]],
+) -> None:
+    """TP=2 on CPU (gloo): each rank holds its slice of every adapter (B's rows for q/k/v and
+    gate/up, A's columns for o and down), and the batch's tokens are those of PEFT."""
+    base, adapters = models
+    names = [None, "rank8", "rank64", "qv-rslora"]
+    batch = prompts()[:4]
+    with engine(base, adapters, tensor_parallel_size=2, dtype="float32") as llm:
+        outputs = llm.generate(
+            batch, SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS), lora_name=names
+        )
+    references = PeftReferences(base, adapters)
+    for prompt, name, output in zip(batch, names, outputs, strict=True):
+        assert output.outputs[0].token_ids == references.greedy(name, prompt, NEW_TOKENS), name
+
+
+def test_preempted_adapter_sequences_resume_with_their_adapter(
+    models: tuple[Path, dict[str, Path]],
+) -> None:
+    """A pool too small for the batch: sequences are preempted and recomputed, and each comes
+    back with its own adapter (possibly in another slot) and PEFT's tokens."""
+    base, adapters = models
+    names = ["rank8", "rank64", None, "qv-rslora", "rank8", "rank64"]
+    batch = prompts()[:6]
+    with engine(base, adapters, num_blocks=8, max_num_batched_tokens=64) as llm:
+        outputs = llm.generate(
+            batch, SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS), lora_name=names
+        )
+        preemptions = llm.engine.stats().num_preemptions
+    assert preemptions > 0
+    references = PeftReferences(base, adapters)
+    for prompt, name, output in zip(batch, names, outputs, strict=True):
+        assert output.outputs[0].token_ids == references.greedy(name, prompt, NEW_TOKENS), name
+
+
+def test_more_adapters_than_slots_wait_their_turn_and_all_answer(
+    models: tuple[Path, dict[str, Path]],
+) -> None:
+    """max_loras 1 and three adapters in one batch: a step runs one adapter (and the base
+    model); the others wait for the slot, keeping their place, and every answer is PEFT's."""
+    base, adapters = models
+    lora = LoRAConfig(
+        max_loras=1, max_lora_rank=64, modules=tuple((n, str(p)) for n, p in adapters.items())
+    )
+    names = ["rank8", "rank64", "qv-rslora", None]
+    batch = prompts()[:4]
+    with LLM(str(base), lora=lora, block_size=16) as llm:
+        outputs = llm.generate(
+            batch, SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS), lora_name=names
+        )
+    references = PeftReferences(base, adapters)
+    for prompt, name, output in zip(batch, names, outputs, strict=True):
+        assert output.outputs[0].token_ids == references.greedy(name, prompt, NEW_TOKENS), name
+
+
+def test_smollm2_serves_the_base_and_three_adapters_in_one_batch_as_peft_does(
+    tmp_path: Path,
+) -> None:
+    """The real model: SmolLM2-135M-Instruct (its GGUF dequantized), three PEFT adapters of
+    ranks 8, 8 and 64 beside the base model in one batch of chat prompts, with chunked prefill."""
+    from kvpilot.engine.model.gguf_convert import gguf_to_hf_dir
+    from kvpilot.engine.model.loader import bundled_gguf_path
+
+    from .reference import CHAT_QUESTIONS, chat_prompt_ids, smollm2_reference
+
+    base = gguf_to_hf_dir(bundled_gguf_path())
+    specs = {
+        "a8": dict(rank=8, seed=11),
+        "b8": dict(rank=8, seed=12),
+        "c64": dict(rank=64, seed=13),
+    }
+    adapters = {
+        name: make_peft_adapter(base, tmp_path / name, scale=0.5, **spec)
+        for name, spec in specs.items()
+    }
+    _, tokenizer = smollm2_reference()
+    batch = chat_prompt_ids(tokenizer, CHAT_QUESTIONS[1:5])
+    names = [None, "a8", "b8", "c64"]
+    with engine(base, adapters, max_num_batched_tokens=64, dtype="float32") as llm:
+        outputs = llm.generate(
+            batch, SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS), lora_name=names
+        )
+    references = PeftReferences(base, adapters)
+    for prompt, name, output in zip(batch, names, outputs, strict=True):
+        assert output.outputs[0].token_ids == references.greedy(name, prompt, NEW_TOKENS), name
+    answers = {n: o.outputs[0].token_ids for n, o in zip(names, outputs, strict=True)}
+    assert len({tuple(answers[n]) for n in ("a8", "b8", "c64")}) == 3

@@ -43,6 +43,7 @@ RESOURCES = (
     ("policy/v1/poddisruptionbudgets", "PodDisruptionBudget", True, {"status"}),
     ("networking.k8s.io/v1/networkpolicies", "NetworkPolicy", True, set()),
     ("v1/pods", "Pod", True, {"status"}),
+    ("v1/secrets", "Secret", True, set()),
     ("v1/events", "Event", True, set()),
     ("v1/namespaces", "Namespace", False, {"status"}),
     ("apiextensions.k8s.io/v1/customresourcedefinitions", "CustomResourceDefinition", False, set()),

@@ -10,7 +10,7 @@ import yaml
 
 from kvpilot.operator import crdgen
 from kvpilot.operator.config import OperatorConfig, config_from
-from kvpilot.operator.kube import API_CALLS
+from kvpilot.operator.kube import API_CALLS, OPTIONAL_API_CALLS
 
 from .chart import CHART, of_kind, operator_rules, rbac_allows, render
 
@@ -105,10 +105,12 @@ def test_values_reach_the_operator() -> None:
             "resyncSeconds": 10,
             "apiTimeoutSeconds": 5,
             "autoscaler": {"intervalSeconds": 2, "scrapeTimeoutSeconds": 0.5},
+            "adapters": {"syncIntervalSeconds": 3, "loadTimeoutSeconds": 600},
             "metricsPort": 9100,
         }
     )
     assert (config.autoscale_interval_seconds, config.scrape_timeout_seconds) == (2, 0.5)
+    assert (config.adapter_sync_seconds, config.adapter_load_timeout_seconds) == (3, 600)
     assert config.metrics_port == 9100
     assert config.namespaces == ("team-a", "team-b")
     assert config.engine_image == "mirror.example/kvpilot:gpu"
@@ -154,6 +156,12 @@ def test_cluster_role_covers_the_operators_own_calls() -> None:
     rules = operator_rules()
     missing = [call for call in API_CALLS if not rbac_allows(rules, *call)]
     assert missing == []
+
+
+def test_reading_api_key_secrets_is_granted_only_when_asked() -> None:
+    rules = operator_rules({"rbac": {"readApiKeySecrets": True}})
+    assert all(rbac_allows(rules, *call) for call in (*API_CALLS, *OPTIONAL_API_CALLS))
+    assert not rbac_allows(rules, "", "secrets", "list")  # one named Secret at a time
 
 
 def test_cluster_role_grants_nothing_it_does_not_need() -> None:

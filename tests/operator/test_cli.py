@@ -59,6 +59,8 @@ def test_environment_then_flags() -> None:
         (["--autoscale-interval", "0"], {}, "autoscale interval must be > 0 seconds"),
         ([], {"KVPILOT_SCRAPE_TIMEOUT": "-1"}, "scrape timeout must be > 0 seconds"),
         (["--api-timeout", "0"], {}, "API timeout must be > 0 seconds"),
+        (["--adapter-sync-interval", "0"], {}, "adapter sync interval must be > 0 seconds"),
+        ([], {"KVPILOT_ADAPTER_LOAD_TIMEOUT": "-1"}, "adapter load timeout must be > 0 seconds"),
         ([], {"KVPILOT_API_TIMEOUT": "inf"}, "API timeout must be > 0 seconds"),
         ([], {"KVPILOT_API_TIMEOUT": "soon"}, "KVPILOT_API_TIMEOUT must be a number"),
         (["--metrics-port", "70000"], {}, r"metrics port must be in \[0, 65535\]"),

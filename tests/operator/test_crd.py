@@ -96,7 +96,9 @@ def test_names_subresources_and_printer_columns() -> None:
         },
     }
     columns = [c["name"].upper() for c in version["additionalPrinterColumns"]]
-    assert columns == ["READY", "REPLICAS", "DESIRED", "MODEL", "URL", "REASON", "AGE"]
+    assert columns == [
+        "READY", "REPLICAS", "DESIRED", "MODEL", "URL", "REASON", "ADAPTERS", "AGE"
+    ]  # fmt: skip
     # Every printer column and the scale paths point at fields the schema has.
     schema = crd_schema(CRD)
     for path in [c["jsonPath"] for c in version["additionalPrinterColumns"]] + [

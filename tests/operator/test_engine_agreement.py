@@ -64,6 +64,8 @@ CONTAINER_SETTINGS = {
     "startupTimeoutSeconds",
     "apiKeySecret",
 }
+# Engine settings of several fields, probed both ways in a test of their own: field -> where.
+PROBED_ELSEWHERE = {"lora": "test_adapters_spec.py"}
 # Where the CRD or the operator is stricter than the engine's config on purpose, because the
 # engine's own limit needs the model: a KV budget below one block (the engine would accept the
 # flag and fail at load), or a KV fraction that leaves nothing of the memory limit for the weights
@@ -84,7 +86,8 @@ def engine_properties() -> set[str]:
 
 
 def test_every_engine_field_of_the_crd_is_classified() -> None:
-    assert engine_properties() == set(ENGINE_SETTINGS) | CONTAINER_SETTINGS
+    classified = set(ENGINE_SETTINGS) | CONTAINER_SETTINGS | set(PROBED_ELSEWHERE)
+    assert engine_properties() == classified
 
 
 def admitted(spec: dict[str, Any]) -> tuple[bool, str]:
@@ -258,6 +261,8 @@ def test_block_sizes_come_from_the_engine() -> None:
         {},
         {"dtype": "bfloat16", "kvCacheBytes": "768Mi", "maxNumSeqs": 8},
         {"dtype": "float32", "maxNumBatchedTokens": 512, "blockSize": 32},
+        {"lora": {}},
+        {"dtype": "bfloat16", "lora": {"maxLoras": 4, "maxLoraRank": 64, "maxCpuLoras": 16}},
     ],
 )
 def test_the_operator_predicts_the_memory_the_engine_checks(engine: dict[str, Any]) -> None:

@@ -178,6 +178,7 @@ EVERY_FIELD = {
     "enablePrefixCaching": False, "dtype": "bfloat16", "gpuMemoryUtilization": 0.8,
     "kvCacheBytes": "1Gi", "tensorParallelSize": 2, "structuredOutputsBackend": "xgrammar",
     "toolCallParser": "hermes", "chatTemplate": "{{ messages }}",
+    "lora": {"maxLoras": 2, "maxLoraRank": 64, "maxCpuLoras": 4},
 }  # fmt: skip
 
 

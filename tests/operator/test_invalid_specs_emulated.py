@@ -103,6 +103,21 @@ TABLE: list[tuple[str, dict[str, Any], str, str]] = [
     ("memory-limit-below-kv", {"engine": {"kvCacheBytes": "4Gi"},
                                "resources": {"limits": {"memory": "4Gi"}}}, "operator",
      "below what the engine needs"),
+    # LoRA adapters: refused before any pod sees them.
+    ("adapter-name", {"adapters": [{"name": "-sql", "uri": "hf://o/a"}]}, "api", "name"),
+    ("adapter-builtin", {"adapters": [{"name": "sql", "uri": BUILTIN["uri"]}]}, "api", "uri"),
+    ("adapter-target", {"adapters": [{"name": "sql", "uri": "hf://o/a",
+                                      "targetModules": ["lm_head"]}]}, "api", "targetModules"),
+    ("adapter-rank", {"adapters": [{"name": "sql", "uri": "hf://o/a", "rank": 64}]}, "api",
+     "an adapter's rank exceeds spec.engine.lora.maxLoraRank"),
+    ("adapter-served-name", {"adapters": [{"name": "adapter-served-name", "uri": "hf://o/a"}]},
+     "api", "may not have the served model's name"),
+    ("adapter-claim", {"adapters": [{"name": "sql", "uri": "pvc://loras/sql"}]}, "operator",
+     "adapters on a claim must be on the model cache's"),
+    ("lora-cpu-below-slots", {"engine": {"lora": {"maxLoras": 4, "maxCpuLoras": 2}}}, "api",
+     "maxCpuLoras cannot be below maxLoras"),
+    ("extra-args-lora-modules", {"engine": {"extraArgs": ["--lora-modules", "sql=/a"]}},
+     "operator", "list them in spec.adapters"),
 ]  # fmt: skip
 
 

@@ -34,10 +34,10 @@ ENGINE_ARGS = (
 )  # fmt: skip
 
 
-def start_serve(served_name: str) -> ServeProcess:
+def start_serve(served_name: str, *args: str) -> ServeProcess:
     """`kvpilot serve` with one torch thread; not waited for (see wait_ready)."""
     cmd = [sys.executable, "-m", "kvpilot.cli", "serve", "--port", "0", "--log-level", "info"]
-    cmd += ["--served-model-name", served_name, *ENGINE_ARGS]
+    cmd += ["--served-model-name", served_name, *ENGINE_ARGS, *args]
     proc = subprocess.Popen(
         cmd,
         stderr=subprocess.PIPE,
@@ -110,9 +110,12 @@ async def create_isvc(
     *,
     min_replicas: int | None = None,
     annotations: dict[str, str] | None = None,
+    adapters: dict[str, Path] | None = None,
 ) -> None:
     spec: dict[str, Any] = {"model": {"uri": "builtin://smollm2-135m-instruct"}}
     spec["model"]["servedName"] = served_name
+    if adapters:
+        spec["adapters"] = [{"name": n, "uri": f"file://{p}"} for n, p in adapters.items()]
     if min_replicas is not None:
         spec["autoscaling"] = {"minReplicas": min_replicas, "maxReplicas": 2}
     body = {

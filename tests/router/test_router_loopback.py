@@ -10,13 +10,18 @@ KV pools, so eviction happens), discovering them through kmock's Kubernetes API 
 - a model at zero replicas: requests are held, the InferenceService is annotated for the operator
   within 2 s, and they are served once a replica is Ready; a hold that times out is a 503;
 - held requests go as soon as the replica is routable, not after the router fetched and loaded
-  its tokenizer (routed by load meanwhile), and a model woken again keeps the tokenizer.
+  its tokenizer (routed by load meanwhile), and a model woken again keeps the tokenizer;
+- LoRA adapters (made by PEFT, one slot per engine): a request naming one goes to a free slot,
+  then to the replica where it is resident, whose engine confirms the prefix hit the router
+  predicted with the adapter's hashes; another adapter takes another replica's free slot
+  instead of evicting the first.
 """
 
 from __future__ import annotations
 
 import asyncio
 import random
+import shutil
 import time
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
@@ -25,9 +30,12 @@ import httpx
 import openai
 import pytest
 
+from kvpilot.engine.model.gguf_convert import gguf_to_hf_dir
+from kvpilot.engine.model.loader import bundled_gguf_path
 from kvpilot.router.kube import WAKE_ANNOTATION
 from kvpilot.router.scoring import rendezvous
 
+from ..engine.lora_reference import make_peft_adapter
 from ..operator.conftest import NAMESPACE, PODS_PATH
 from ..operator.emulated import api
 from ..operator.kube_emulator import KubeEmulator
@@ -50,6 +58,7 @@ from .loopback import (
 pytestmark = [pytest.mark.slow, pytest.mark.kmock(cls=KubeEmulator), pytest.mark.timeout(300)]
 
 MODEL = "smollm"
+ADAPTERS = ("team-a", "team-b")
 PODS = ("engine-a", "engine-b", "engine-c")
 TENANT = (
     "You are the support assistant of Tenant One, a company that rents bicycles in Lisbon. "
@@ -62,8 +71,24 @@ TENANT = (
 
 
 @pytest.fixture(scope="module")
-def replicas() -> Iterator[dict[str, ServeProcess]]:
-    started = {pod: start_serve(MODEL) for pod in PODS}
+def adapters(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """One PEFT adapter under each name: routing does not look at the weights, and making one
+    takes seconds."""
+    root = tmp_path_factory.mktemp("router-adapters")
+    first = make_peft_adapter(
+        gguf_to_hf_dir(bundled_gguf_path()), root / ADAPTERS[0], rank=8, seed=0, scale=0.5
+    )
+    for name in ADAPTERS[1:]:
+        shutil.copytree(first, root / name)
+    return {name: root / name for name in ADAPTERS}
+
+
+@pytest.fixture(scope="module")
+def replicas(adapters: dict[str, Path]) -> Iterator[dict[str, ServeProcess]]:
+    # One slot each: a second adapter on a replica evicts the first.
+    lora = ["--enable-lora", "--max-loras", "1", "--max-cpu-loras", "2", "--lora-modules"]
+    lora += [f"{name}={path}" for name, path in adapters.items()]
+    started = {pod: start_serve(MODEL, *lora) for pod in PODS}
     try:
         asyncio.run(asyncio.wait_for(_all_ready(list(started.values())), 300))
         yield started
@@ -78,9 +103,12 @@ async def _all_ready(served: list[ServeProcess]) -> None:
 
 @pytest.fixture()
 async def router(
-    kmock: KubeEmulator, kubeconfig: Path, replicas: dict[str, ServeProcess]
+    kmock: KubeEmulator,
+    kubeconfig: Path,
+    replicas: dict[str, ServeProcess],
+    adapters: dict[str, Path],
 ) -> AsyncIterator[RouterProcess]:
-    await create_isvc(kmock, MODEL, MODEL)
+    await create_isvc(kmock, MODEL, MODEL, adapters=adapters)
     for pod, served in replicas.items():
         if served.proc.poll() is None:
             assert served.port is not None
@@ -111,10 +139,12 @@ def client(router: RouterProcess) -> openai.AsyncOpenAI:
     return openai.AsyncOpenAI(base_url=f"{router.url}/v1", api_key="unused", max_retries=0)
 
 
-async def ask(router: RouterProcess, question: str, **extra: object) -> tuple[str, str, int]:
+async def ask(
+    router: RouterProcess, question: str, model: str = MODEL, **extra: object
+) -> tuple[str, str, int]:
     """(replica, route header, cached prompt tokens the engine reports) for one chat turn."""
     raw = await client(router).chat.completions.with_raw_response.create(
-        model=MODEL,
+        model=model,
         messages=[{"role": "system", "content": TENANT}, {"role": "user", "content": question}],
         max_tokens=2,
         temperature=0,
@@ -151,7 +181,7 @@ async def test_prefix_routing_eviction_restart_and_streaming(
     replicas: dict[str, ServeProcess],
 ) -> None:
     models = await client(router).models.list()
-    assert [m.id for m in models.data] == [MODEL]
+    assert [m.id for m in models.data] == [MODEL, *ADAPTERS]
     with pytest.raises(openai.NotFoundError) as missing:
         await client(router).chat.completions.create(
             model="no-such-model", messages=[{"role": "user", "content": "hi"}], max_tokens=1
@@ -198,6 +228,54 @@ async def test_prefix_routing_eviction_restart_and_streaming(
         await check_streaming(restarted, replicas)
     finally:
         stop(restarted.proc)
+
+
+async def test_adapters_go_to_a_free_slot_then_where_they_are_resident(
+    router: RouterProcess, replicas: dict[str, ServeProcess]
+) -> None:
+    async def resident() -> dict[str, list[str]]:
+        index = (await router_index(router))[MODEL]
+        return {pod: r["resident_loras"] for pod, r in index.items()}
+
+    async def slots_known() -> bool:
+        index = (await router_index(router))[MODEL]
+        return all(r["max_loras"] == 1 for r in index.values())
+
+    # An engine reports its slots from its first step on.
+    for served in replicas.values():
+        await ask_direct(served.url, "Hello?")
+    await eventually_async(slots_known)
+    before = await resident()
+    question = "Which bicycle suits a child?"
+    # Resident nowhere yet (or where an earlier test left it): a free slot or its replica.
+    first, route, _ = await ask(router, question, "team-a")
+    assert route.endswith("adapter=free") or route.endswith("adapter=resident"), route
+    assert (route.endswith("adapter=resident")) == ("team-a" in before[first])
+
+    async def team_a_resident() -> bool:
+        return "team-a" in (await resident())[first]
+
+    await eventually_async(team_a_resident)
+    # Now resident there, and its blocks hashed with the adapter are there too: the engine
+    # reports the prefix the router predicted as cached.
+    replica, route, cached = await ask(router, question, "team-a")
+    assert (replica, route.split(";")[0], route.split("; ")[2]) == (
+        first, "prefix", "adapter=resident",
+    ), route  # fmt: skip
+    predicted = int(route.split("prefix-tokens=")[1].split(";")[0])
+    assert predicted >= 96 and cached >= predicted
+
+    # Another adapter: a replica whose one slot is free, not an eviction of team-a.
+    others = [p for p, held in (await resident()).items() if not held]
+    assert others, await resident()
+    replica, route, _ = await ask(router, question, "team-b")
+    assert replica in others and route.endswith("adapter=free"), (replica, route)
+    async with httpx.AsyncClient(timeout=10) as http:
+        cards = {m["id"]: m for m in (await http.get(f"{router.url}/v1/models")).json()["data"]}
+        metrics = (await http.get(f"{router.url}/metrics")).text
+    assert {m: cards[m]["parent"] for m in ADAPTERS} == {"team-a": MODEL, "team-b": MODEL}
+    labels = 'model="team-a",slot="resident"'
+    assert metric(metrics, f"kvpilot_router_adapter_routes_total{{{labels}}}") >= 1
 
 
 async def ask_direct(url: str, question: str) -> None:

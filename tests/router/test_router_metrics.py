@@ -13,8 +13,16 @@ ROUTER_FAMILIES: dict[str, tuple[str, str, str, tuple[str, ...]]] = {
     "decisions": (
         "kvpilot_router_decisions",
         "counter",
-        "Routing decisions, by why the replica was chosen (prefix, load, affinity, fallback)",
+        "Routing decisions, by why the replica was chosen (prefix, adapter, load, affinity, "
+        "fallback)",
         ("model", "reason"),
+    ),
+    "adapter_routes": (
+        "kvpilot_router_adapter_routes",
+        "counter",
+        "Requests for LoRA adapters, by the adapter's state on the chosen replica "
+        "(resident, free, evict, off)",
+        ("model", "slot"),
     ),
     "prefix_match_tokens": (
         "kvpilot_router_prefix_match_tokens",

@@ -54,7 +54,9 @@ def test_kv_events_carry_the_prompts_chained_hashes(server: InProcessServer) -> 
     assert (snapshot["block_size"], snapshot["hash_scheme"]) == (info.block_size, HASH_SCHEME)
     seqs = [m["seq"] for m in messages if m["kind"] == "update"]
     assert seqs == list(range(snapshot["seq"] + 1, snapshot["seq"] + 1 + len(seqs)))
-    assert set(messages[-1]["load"]) == {"num_waiting", "num_running", "kv_cache_usage"}
+    assert set(messages[-1]["load"]) == {
+        "num_waiting", "num_running", "kv_cache_usage", "resident_loras", "max_loras"
+    }  # fmt: skip
 
 
 def test_tokenizer_files_are_served(server: InProcessServer) -> None:
