@@ -171,21 +171,7 @@ class LoRAWorker(OfflineWorker):
     def __init__(
         self, system: str, python: str, config: dict[str, Any], env: dict[str, str], log: Path
     ) -> None:
-        self.system = system
-        self.log = log
-        log.parent.mkdir(parents=True, exist_ok=True)
-        self._log_file = log.open("w")
-        cmd = [python, str(WORKER_SCRIPT), "--worker", system, json.dumps(config)]
-        self.proc = subprocess.Popen(
-            cmd,
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=self._log_file,
-            env=env,
-            text=True,
-            start_new_session=True,  # its own group: stop() ends vLLM's children with it
-        )
-        self.info: dict[str, Any] = {}
+        super().__init__(system, python, config, env, log, script=WORKER_SCRIPT)
 
 
 def engine_config(args: argparse.Namespace, lora: bool, adapters: list[tuple[str, str]]) -> dict:

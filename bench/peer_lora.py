@@ -174,19 +174,10 @@ def result(outputs: list[list[int]], max_tokens: list[int], seconds: float) -> d
 
 
 def worker_main(system: str, config: dict[str, Any]) -> None:
-    """Answers one JSON line on the original stdout per JSON command line on stdin."""
-    # vLLM logs to stdout, and so may anything else: the protocol keeps the original stdout to
-    # itself and fd 1 (inherited by vLLM's own child processes too) goes to stderr, the log.
-    reply = os.fdopen(os.dup(1), "w", buffering=1)
-    os.dup2(2, 1)
-    worker = KvpilotWorker(config) if system == "kvpilot" else VllmWorker(config)
-    reply.write(json.dumps({"ready": worker.describe()}) + "\n")
-    for line in sys.stdin:
-        command = json.loads(line)
-        op = command.pop("op")
-        if op == "stop":
-            break
-        reply.write(json.dumps({"result": getattr(worker, op)(**command)}) + "\n")
+    # The protocol of peer_offline.py (beside this file: on the path of a script run from here).
+    from peer_offline import serve_worker
+
+    serve_worker(lambda: KvpilotWorker(config) if system == "kvpilot" else VllmWorker(config))
 
 
 def main(argv: list[str] | None = None) -> int:

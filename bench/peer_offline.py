@@ -137,12 +137,17 @@ class VllmWorker:
 
 
 def worker_main(system: str, config: dict[str, Any]) -> None:
-    """Answers one JSON line on the original stdout per JSON command line on stdin."""
+    serve_worker(lambda: KvpilotWorker(config) if system == "kvpilot" else VllmWorker(config))
+
+
+def serve_worker(make_worker: Any) -> None:
+    """Answers one JSON line on the original stdout per JSON command line on stdin, each a call
+    of the worker make_worker() builds (its describe() first, as the ready line)."""
     # vLLM logs to stdout, and so may anything else: the protocol keeps the original stdout to
     # itself and fd 1 (inherited by vLLM's own child processes too) goes to stderr, the log.
     reply = os.fdopen(os.dup(1), "w", buffering=1)
     os.dup2(2, 1)
-    worker = KvpilotWorker(config) if system == "kvpilot" else VllmWorker(config)
+    worker = make_worker()
     reply.write(json.dumps({"ready": worker.describe()}) + "\n")
     for line in sys.stdin:
         command = json.loads(line)

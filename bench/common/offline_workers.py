@@ -41,13 +41,21 @@ class OfflineWorker:
     """One system's worker process; calls block until it answers."""
 
     def __init__(
-        self, system: str, python: str, config: dict[str, Any], env: dict[str, str], log: Path
+        self,
+        system: str,
+        python: str,
+        config: dict[str, Any],
+        env: dict[str, str],
+        log: Path,
+        *,
+        script: Path = WORKER_SCRIPT,
     ) -> None:
+        """script: the worker's program (peer_offline.py's protocol: `--worker SYSTEM CONFIG`)."""
         self.system = system
         self.log = log
         log.parent.mkdir(parents=True, exist_ok=True)
         self._log_file = log.open("w")
-        cmd = [python, str(WORKER_SCRIPT), "--worker", system, json.dumps(config)]
+        cmd = [python, str(script), "--worker", system, json.dumps(config)]
         self.proc = subprocess.Popen(
             cmd,
             stdin=subprocess.PIPE,
