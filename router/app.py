@@ -9,7 +9,7 @@ import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
-from fastapi import FastAPI
+from fastapi import FastAPI, Request
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.responses import JSONResponse, Response
 
@@ -18,6 +18,7 @@ from kvpilot.contract.http_errors import install_error_handlers
 from kvpilot.engine.gc_freeze import freeze_startup_objects
 from kvpilot.router.openai_routes import OpenAIRoutes, unexpected_error
 from kvpilot.router.runtime import RouterRuntime
+from kvpilot.router.tenants import check_grant, is_route_granted, not_granted
 
 log = logging.getLogger("kvpilot.router")
 
@@ -134,16 +135,29 @@ def add_model_routes(app: FastAPI, runtime: RouterRuntime, *, created: int) -> N
             "kvpilot": extra,
         }
 
+    def visible(request: Request, model: str) -> bool:
+        """With tenants: whether the caller's tenant may use the model (401 without a key)."""
+        tenant = runtime.proxy.authenticate(request.headers)
+        if tenant is None:
+            return True
+        route = runtime.registry.routes[model]
+        return is_route_granted(tenant, model, is_adapter=route.adapter is not None)
+
     @app.get("/v1/models")
-    async def list_models() -> Response:
-        return JSONResponse(
-            {"object": "list", "data": [card(m) for m in sorted(runtime.registry.routes)]}
-        )
+    async def list_models(request: Request) -> Response:
+        runtime.proxy.authenticate(request.headers)
+        models = [m for m in sorted(runtime.registry.routes) if visible(request, m)]
+        return JSONResponse({"object": "list", "data": [card(m) for m in models]})
 
     @app.get("/v1/models/{model:path}")
-    async def get_model(model: str) -> Response:
+    async def get_model(request: Request, model: str) -> Response:
+        tenant = runtime.proxy.authenticate(request.headers)
+        if tenant is not None:
+            check_grant(tenant, model)  # 403 alike for a model that does not exist
         if model not in runtime.registry.routes:
             raise errors.APIError(
                 404, f"The model `{model}` does not exist.", type="not_found_error", param="model"
             )
+        if not visible(request, model):
+            raise not_granted(model)
         return JSONResponse(card(model))

@@ -10,7 +10,7 @@ import sys
 
 import uvicorn
 
-from kvpilot.router.config import HoldConfig, RouterConfig, RoutingConfig
+from kvpilot.router.config import HoldConfig, RouterConfig, RoutingConfig, TenancyConfig
 
 
 def parse_args(argv: list[str]) -> RouterConfig:
@@ -43,6 +43,48 @@ def parse_args(argv: list[str]) -> RouterConfig:
         metavar="MODEL=NAME[,NAME...]",
         help="the LoRA adapters the engines of static MODEL serve (requests name them in `model`)",
     )
+    parser.add_argument(
+        "--static-shared-prefix",
+        action="append",
+        default=[],
+        metavar="MODEL=FILE",
+        help="a text (in FILE) whose KV the tenants of static MODEL share (repeatable)",
+    )
+    tenancy = parser.add_argument_group(
+        "tenants", "API keys per team, grants, quotas, priority and fair sharing"
+    )
+    tenancy.add_argument(
+        "--tenancy",
+        action="store_true",
+        help="require a tenant's key on every request (Tenants and their Secrets in the watched "
+        "namespaces, or --tenants-file)",
+    )
+    tenancy.add_argument(
+        "--tenants-file",
+        help="Tenant and Secret manifests (YAML) instead of the Kubernetes API; re-read when it "
+        "changes (implies --tenancy)",
+    )
+    tenancy.add_argument(
+        "--quota-store-url",
+        default=None,
+        help="Redis URL of the quota counters all routers share (default: "
+        "$KVPILOT_QUOTA_STORE_URL; none: this router counts alone)",
+    )
+    tenancy.add_argument(
+        "--replica-concurrency",
+        type=int,
+        default=TenancyConfig.replica_concurrency,
+        help="requests of a class or better a replica takes before the rest wait in the "
+        "router's fair queue (where the engine does not report its max_num_seqs)",
+    )
+    tenancy.add_argument(
+        "--max-queued", type=int, default=TenancyConfig.max_queued_per_model,
+        help="requests waiting per model in the fair queue; beyond, the worst class is shed",
+    )  # fmt: skip
+    tenancy.add_argument(
+        "--queue-timeout", type=float, default=TenancyConfig.queue_timeout_s,
+        help="seconds a request may wait in the fair queue",
+    )  # fmt: skip
     parser.add_argument("--host", default="0.0.0.0")
     parser.add_argument("--port", type=int, default=8080, help="0 picks a free port")
     parser.add_argument("--load-factor", type=float, default=RoutingConfig.load_factor)
@@ -74,6 +116,22 @@ def parse_args(argv: list[str]) -> RouterConfig:
         if not model or not names:
             parser.error(f"--static-adapters {item!r}: expected MODEL=NAME[,NAME...]")
         static_adapters.append((model, tuple(names.split(","))))
+    shared_prefixes: dict[str, list[str]] = {}
+    for item in args.static_shared_prefix:
+        model, _, path = item.partition("=")
+        if not model or not path:
+            parser.error(f"--static-shared-prefix {item!r}: expected MODEL=FILE")
+        with open(path) as f:
+            shared_prefixes.setdefault(model, []).append(f.read())
+    tenancy = None
+    if args.tenancy or args.tenants_file:
+        tenancy = TenancyConfig(
+            quota_store_url=args.quota_store_url or os.environ.get("KVPILOT_QUOTA_STORE_URL"),
+            tenants_file=args.tenants_file,
+            replica_concurrency=args.replica_concurrency,
+            max_queued_per_model=args.max_queued,
+            queue_timeout_s=args.queue_timeout,
+        )
     if not namespaces and not static:
         parser.error(
             "give --namespace (repeatable, or $KVPILOT_NAMESPACES), --all-namespaces or --static"
@@ -103,6 +161,8 @@ def parse_args(argv: list[str]) -> RouterConfig:
         router_name=os.environ.get("POD_NAME", "kvpilot-router"),
         static_models=tuple(static),
         static_adapters=tuple(static_adapters),
+        static_shared_prefixes=tuple((m, tuple(t)) for m, t in shared_prefixes.items()),
+        tenancy=tenancy,
     )
 
 

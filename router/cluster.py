@@ -43,6 +43,8 @@ class ServiceInfo:
     model_uri: str = ""
     # spec.adapters: each a `model` id of its own, served by this service's replicas.
     adapters: tuple[Adapter, ...] = ()
+    # spec.sharedPrefixes: texts whose KV every tenant shares (kvpilot.router.shared_prefix).
+    shared_prefixes: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -69,7 +71,13 @@ def service_info(obj: dict[str, Any]) -> ServiceInfo:
         hold_timeout((meta.get("annotations") or {}).get(HOLD_TIMEOUT_ANNOTATION)),
         str((spec.get("model") or {}).get("uri") or ""),
         adapters(spec.get("adapters"), model),
+        shared_prefixes(spec.get("sharedPrefixes")),
     )
+
+
+def shared_prefixes(items: Any) -> tuple[str, ...]:
+    """spec.sharedPrefixes: its non-empty strings (the router does not trust the CRD did it)."""
+    return tuple(t for t in items if isinstance(t, str) and t) if isinstance(items, list) else ()
 
 
 def adapters(items: Any, model: str) -> tuple[Adapter, ...]:

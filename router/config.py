@@ -65,6 +65,40 @@ class HoldConfig:
 
 
 @dataclass(frozen=True)
+class TenancyConfig:
+    """Tenants (Tenant objects and their key Secrets in the watched namespaces, or a file):
+    every request needs a tenant's key, is checked against its grants and quotas, and waits in
+    its model's fair queue while the replicas are saturated."""
+
+    # Shared quota counters for several routers (redis://...); None: this router counts alone.
+    quota_store_url: str | None = None
+    # Tenant and Secret manifests (YAML), reloaded when the file changes: tenants without
+    # Kubernetes (development, benchmarks).
+    tenants_file: str | None = None
+    # A replica is saturated for a priority class when this many requests of that class or a
+    # better one are in flight there; the engine's own max_num_seqs when it reports it.
+    replica_concurrency: int = 32
+    max_queued_per_model: int = 1024
+    queue_timeout_s: float = 120.0
+    # The fair queue's cost of a request without max_tokens (settled with its real tokens).
+    default_completion_estimate: int = 256
+    # Completion tokens charged to the quota while a stream goes, at most this many at once.
+    charge_every_tokens: int = 32
+    # How often routers write each active tenant's window use to its status.
+    status_interval_s: float = 10.0
+
+    def __post_init__(self) -> None:
+        if self.replica_concurrency < 1:
+            raise ValueError("replica_concurrency must be >= 1")
+        if self.max_queued_per_model < 0:
+            raise ValueError("max_queued_per_model must be >= 0")
+        if self.queue_timeout_s <= 0:
+            raise ValueError("the queue timeout must be > 0")
+        if self.charge_every_tokens < 1:
+            raise ValueError("charge_every_tokens must be >= 1")
+
+
+@dataclass(frozen=True)
 class RouterConfig:
     namespaces: tuple[str, ...]
     host: str = "0.0.0.0"
@@ -87,6 +121,10 @@ class RouterConfig:
     static_models: tuple[tuple[str, tuple[str, ...]], ...] = ()
     # ... and the LoRA adapters each of those models' engines serves: model -> adapter names.
     static_adapters: tuple[tuple[str, tuple[str, ...]], ...] = ()
+    # ... and the prefixes each shares across tenants: model -> texts.
+    static_shared_prefixes: tuple[tuple[str, tuple[str, ...]], ...] = ()
+    # None: no tenants (any client of the router may use every model).
+    tenancy: TenancyConfig | None = None
 
     def __post_init__(self) -> None:
         if not self.namespaces and not self.static_models:

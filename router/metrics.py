@@ -60,6 +60,45 @@ WAKE_REQUESTS = Family(
     "Times this router asked the operator to scale a model up from zero",
     ("model",),
 )
+# Per tenant (its `namespace/name`): what the platform bills and watches (the chart's dashboard
+# has a row of these).
+TENANT_REQUESTS = Family(
+    Counter,
+    "kvpilot_router_tenant_requests",
+    "Requests of each tenant answered, by model id and HTTP status",
+    ("tenant", "model", "code"),
+)
+TENANT_TOKENS = Family(
+    Counter,
+    "kvpilot_router_tenant_tokens",
+    "Tokens of each tenant (kind: prompt or completion), as the engines counted them",
+    ("tenant", "model", "kind"),
+)
+TENANT_REJECTIONS = Family(
+    Counter,
+    "kvpilot_router_tenant_rejections",
+    'Requests refused, by tenant ("" when no tenant was authenticated) and reason',
+    ("tenant", "reason"),
+)
+TENANT_QUEUED = Family(
+    Gauge,
+    "kvpilot_router_tenant_queued",
+    "Requests of each tenant waiting in the router's fair queues for a saturated model",
+    ("tenant",),
+)
+TENANT_QUEUE_SECONDS = Family(
+    Histogram,
+    "kvpilot_router_tenant_queue_seconds",
+    "How long each tenant's requests waited in the fair queue before a replica took them",
+    ("tenant",),
+    buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60),
+)
+QUOTA_STORE_UP = Family(
+    Gauge,
+    "kvpilot_router_quota_store_up",
+    "1 while the shared quota store answers (0: tenants fail open or closed as they chose)",
+    (),
+)
 REPLICAS = Family(
     Gauge,
     "kvpilot_router_replicas",
@@ -83,6 +122,12 @@ class RouterMetrics:
         self.upstream_errors = UPSTREAM_ERRORS.declare(registry)
         self.wake_requests = WAKE_REQUESTS.declare(registry)
         self.replicas = REPLICAS.declare(registry)
+        self.tenant_requests = TENANT_REQUESTS.declare(registry)
+        self.tenant_tokens = TENANT_TOKENS.declare(registry)
+        self.tenant_rejections = TENANT_REJECTIONS.declare(registry)
+        self.tenant_queued = TENANT_QUEUED.declare(registry)
+        self.tenant_queue_seconds = TENANT_QUEUE_SECONDS.declare(registry)
+        self.quota_store_up = QUOTA_STORE_UP.declare(registry)
         # Every routed request counts its decision: the labelled children are looked up once
         # per (model, reason), not per request (labels() validates and locks each time).
         self._decision_children: dict[tuple[str, str], tuple[Any, Any]] = {}

@@ -50,8 +50,11 @@ class OpenAIRoutes:
         # uvicorn gives lower-case names; the first of repeated headers wins, as in Starlette.
         headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in reversed(scope["headers"])}
         try:
+            # With tenants the key is checked first: a stranger learns nothing, not even
+            # whether its body would parse.
+            tenant = self.proxy.authenticate(headers)
             body = await read_body(receive, headers.get("content-length"), self.max_body_bytes)
-            response = await self.proxy.handle(kind, parse(kind, body), body, headers)
+            response = await self.proxy.handle(kind, parse(kind, body), body, headers, tenant)
         except ClientGone:
             return
         except errors.APIError as exc:

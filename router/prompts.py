@@ -58,10 +58,15 @@ def block_chain(
     block_size: int | None,
     salt: str | None,
     lora_name: str | None = None,
+    *,
+    unsalted_blocks: int = 0,
 ) -> list[int]:
     """The hashes of the blocks the engine could reuse: never the one holding the last token.
     lora_name: the adapter the request names (None: the base model); its blocks are the
-    adapter's own, shared with no other adapter and not with the base model."""
+    adapter's own, shared with no other adapter and not with the base model. unsalted_blocks:
+    leading blocks hashed without the salt (a prefix shared across tenants)."""
     if not token_ids or not block_size:
         return []
-    return chain_block_hashes(token_ids[:-1], block_size, salt, lora_name=lora_name)
+    return chain_block_hashes(
+        token_ids[:-1], block_size, salt, lora_name=lora_name, unsalted_blocks=unsalted_blocks
+    )

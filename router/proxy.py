@@ -14,6 +14,7 @@ import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator, Mapping
+from dataclasses import dataclass
 
 import httpx
 from starlette.responses import Response, StreamingResponse
@@ -21,7 +22,10 @@ from starlette.responses import Response, StreamingResponse
 from kvpilot.contract import errors
 from kvpilot.contract.http_errors import error_response
 from kvpilot.contract.openai import PATHS, RequestKind
+from kvpilot.contract.tenancy import unsalted_blocks
+from kvpilot.router.admission import Admission, Admitted
 from kvpilot.router.config import RouterConfig
+from kvpilot.router.forwarded_body import with_fields
 from kvpilot.router.hold import HoldFull, HoldTimeout
 from kvpilot.router.kube import request_wake
 from kvpilot.router.metrics import RouterMetrics
@@ -29,7 +33,10 @@ from kvpilot.router.prompts import ParsedRequest, block_chain, prompt_token_ids
 from kvpilot.router.registry import ModelPool, Registry
 from kvpilot.router.replica import Replica
 from kvpilot.router.scoring import Candidate, Decision, adapter_slot, choose
+from kvpilot.router.shared_prefix import shared_tokens
+from kvpilot.router.tenants import Tenant, check_route_grant
 from kvpilot.router.upstream import BrokenResponse, ConnectError, UpstreamPool, UpstreamResponse
+from kvpilot.router.usage_meter import StreamMeter, body_usage
 
 log = logging.getLogger("kvpilot.router")
 
@@ -57,11 +64,14 @@ class Proxy:
         registry: Registry,
         kube: httpx.AsyncClient | None,
         metrics: RouterMetrics,
+        admission: Admission | None = None,
     ) -> None:
         self.config = config
         self.registry = registry
         self.kube = kube
         self.metrics = metrics
+        # With tenants: every request is identified, granted, charged and queued by it.
+        self.admission = admission
         # No pool limit: every in-flight request holds a connection; keep-alive saves the
         # connect on the next one. No Accept-Encoding is sent: the bytes go to the client as the
         # engine sent them, uncompressed.
@@ -70,10 +80,25 @@ class Proxy:
     async def stop(self) -> None:
         self.engines.close()
 
+    def authenticate(self, headers: Mapping[str, str]) -> Tenant | None:
+        """With tenants: the request's tenant (401 otherwise), before its body is read."""
+        return self.admission.authenticate(headers) if self.admission is not None else None
+
     async def handle(
-        self, kind: RequestKind, parsed: ParsedRequest, body: bytes, headers: Mapping[str, str]
+        self,
+        kind: RequestKind,
+        parsed: ParsedRequest,
+        body: bytes,
+        headers: Mapping[str, str],
+        tenant: Tenant | None = None,
     ) -> Response:
+        """tenant: authenticate()'s answer (required with tenants)."""
         model = parsed.model or ""
+        if self.admission is not None:
+            if tenant is None:
+                tenant = self.admission.authenticate(headers)
+            # The grant before the lookup: a tenant learns nothing of a model it may not use.
+            self.admission.check_grant(tenant, model)
         route = self.registry.resolve(model)
         if route is None:
             raise errors.APIError(
@@ -83,22 +108,57 @@ class Proxy:
                 param="model",
                 code="model_not_found",
             )
+        if tenant is not None:
+            check_route_grant(tenant, model, is_adapter=route.adapter is not None)
         pool = route.pool
         adapter = route.adapter.name if route.adapter is not None else None
         replicas = await self._routable_replicas(pool)
         # Without the tokenizer (still loading): routed by load, never held for it.
         self.registry.ensure_tokenizer(pool, replicas[0])
         token_ids = prompt_token_ids(parsed, pool.tokenizer)
+        if tenant is None or self.admission is None:
+            request = Forwarded(kind, model, parsed, body, headers, token_ids, adapter)
+            return await self._route(pool, replicas, request)
+        prompt_tokens = len(token_ids) if token_ids else estimated_tokens(body)
+        service = pool.service
+        held = self.metrics.held.labels(service.model, service.namespace, service.name)
+        admitted = await self.admission.admit(tenant, model, parsed, prompt_tokens, pool.fair, held)
+        try:
+            shared = shared_tokens(token_ids, pool.shared_prefixes())
+            body = with_fields(body, admitted.body_fields(parsed, shared))
+            request = Forwarded(
+                kind, model, parsed, body, headers, token_ids, adapter, admitted, shared
+            )
+            # Time passed in the queue: the replicas of now.
+            replicas = pool.routable(time.monotonic(), self.config.dead_after_s) or replicas
+            response = await self._route(pool, replicas, request)
+        except errors.APIError as exc:
+            await self.admission.finish(admitted, exc.status_code, None, 0)
+            exc.headers.update(admitted.headers)
+            raise
+        except BaseException:
+            await self.admission.finish(admitted, 499, None, 0)
+            raise
+        response.headers.update(admitted.headers)
+        return response
+
+    async def _route(
+        self, pool: ModelPool, replicas: list[Replica], request: Forwarded
+    ) -> Response:
         tried: set[str] = set()
+        model = request.model
         for _ in range(self.config.max_attempts):
             candidates = [r for r in replicas if r.name not in tried]
+            if request.admitted is not None:
+                # The fair queue let it go because one of these has room for its class.
+                rank = request.admitted.tenant.rank
+                concurrency = self._tenancy_concurrency()
+                candidates = [r for r in candidates if r.has_room(rank, concurrency)] or candidates
             if not candidates:
                 break
-            replica, decision = self._choose(pool, candidates, token_ids, parsed, headers, adapter)
+            replica, decision = self._choose(pool, candidates, request)
             tried.add(replica.name)
-            response = await self._forward(
-                pool, replica, kind, body, headers, is_stream=parsed.request.stream
-            )
+            response = await self._forward(pool, replica, request)
             if response is not None:
                 tokens = decision.matched_blocks * (replica.block_size or 0)
                 route_header = f"{decision.reason}; prefix-tokens={tokens}"
@@ -110,6 +170,10 @@ class Proxy:
                 return response
             replicas = pool.routable(time.monotonic(), self.config.dead_after_s)
         raise unavailable(model, "every replica tried failed", self.config.hold.retry_after_s)
+
+    def _tenancy_concurrency(self) -> int:
+        tenancy = self.config.tenancy
+        return tenancy.replica_concurrency if tenancy is not None else 1 << 30
 
     # ---- holding ----
     async def _routable_replicas(self, pool: ModelPool) -> list[Replica]:
@@ -175,17 +239,13 @@ class Proxy:
 
     # ---- choosing ----
     def _choose(
-        self,
-        pool: ModelPool,
-        replicas: list[Replica],
-        token_ids: list[int] | None,
-        parsed: ParsedRequest,
-        headers: Mapping[str, str],
-        adapter: str | None,
+        self, pool: ModelPool, replicas: list[Replica], request: Forwarded
     ) -> tuple[Replica, Decision]:
-        """adapter: the LoRA adapter the request names (None: the base model)."""
+        token_ids, adapter = request.token_ids, request.adapter
         block_size = next((r.block_size for r in replicas if r.block_size), None)
-        chain = block_chain(token_ids, block_size, parsed.request.cache_salt, adapter)
+        salt = request.cache_salt
+        unsalted = unsalted_blocks(request.shared_tokens, block_size) if block_size else 0
+        chain = block_chain(token_ids, block_size, salt, adapter, unsalted_blocks=unsalted)
         candidates = [
             Candidate(
                 r.name,
@@ -209,7 +269,7 @@ class Proxy:
             candidates,
             num_blocks=len(chain) if token_ids else 0,
             tie_key=tie_key,
-            session_id=headers.get(SESSION_HEADER),
+            session_id=request.headers.get(SESSION_HEADER),
             config=self.config.routing,
         )
         if log.isEnabledFor(logging.DEBUG):
@@ -231,44 +291,43 @@ class Proxy:
 
     # ---- forwarding ----
     async def _forward(
-        self,
-        pool: ModelPool,
-        replica: Replica,
-        kind: RequestKind,
-        body: bytes,
-        headers: Mapping[str, str],
-        *,
-        is_stream: bool,
+        self, pool: ModelPool, replica: Replica, request: Forwarded
     ) -> Response | None:
         """The replica's response (passed on as it streams, or whole when it is not a stream);
         None when it failed before answering."""
         model = pool.service.model
+        headers, admitted = request.headers, request.admitted
         outgoing = {"content-type": headers.get("content-type", "application/json")}
-        auth = (
-            f"Bearer {self.config.engine_api_key}"
-            if self.config.engine_api_key
-            else headers.get("authorization")
-        )
-        if auth:
-            outgoing["authorization"] = auth
-        replica.in_flight += 1
+        if self.config.engine_api_key:
+            outgoing["authorization"] = f"Bearer {self.config.engine_api_key}"
+        elif admitted is None and headers.get("authorization"):
+            # Without tenants the client's key is the engines' own; a tenant's key never leaves.
+            outgoing["authorization"] = headers["authorization"]
+        self._taken(replica, admitted)
         try:
-            upstream = await self.engines.post(replica.url, PATHS[kind], outgoing, body)
+            upstream = await self.engines.post(
+                replica.url, PATHS[request.kind], outgoing, request.body
+            )
         except _CONNECT_ERRORS as exc:
-            replica.in_flight -= 1
+            self._released(pool, replica, admitted)
             replica.failed_at = time.monotonic()
             self.metrics.upstream_errors.labels(model, "connect").inc()
             log.warning("replica %s failed (%r): trying another", replica.name, exc)
             return None
         if upstream.status in (502, 503, 504):  # draining or overloaded: nothing was sent
-            replica.in_flight -= 1
+            self._released(pool, replica, admitted)
             upstream.release()
             self.metrics.upstream_errors.labels(model, f"status_{upstream.status}").inc()
             return None
         passed = {k: v for k, v in upstream.raw_headers if k in _PASSED_HEADERS}
-        if is_stream:
+        if request.parsed.request.stream:
+            meter = None
+            if admitted is not None:
+                meter = StreamMeter(client_wants_usage=request.parsed.request.include_usage)
             return StreamingResponse(
-                self._relay(model, replica, upstream), upstream.status, headers=passed
+                self._relay(pool, replica, upstream, admitted, meter),
+                upstream.status,
+                headers=passed,
             )
         # One piece with a Content-Length: one write to the client instead of a chunked stream.
         try:
@@ -277,29 +336,96 @@ class Proxy:
             upstream.close()
             self.metrics.upstream_errors.labels(model, "stream").inc()
             log.warning("replica %s broke its response off: %r", replica.name, exc)
+            if admitted is not None and self.admission is not None:
+                await self.admission.finish(admitted, 502, None, 0)
             return error_response(
                 errors.APIError(
                     502, f"The replica {replica.name} broke its response off.", type="api_error"
                 )
             )
         finally:
-            replica.in_flight -= 1
+            self._released(pool, replica, admitted)
         upstream.release()
+        if admitted is not None and self.admission is not None:
+            await self.admission.finish(admitted, upstream.status, body_usage(content), 0)
         return Response(content, upstream.status, headers=passed)
 
+    def _taken(self, replica: Replica, admitted: Admitted | None) -> None:
+        replica.in_flight += 1
+        if admitted is not None:
+            replica.in_flight_by_rank[admitted.tenant.rank] += 1
+
+    def _released(self, pool: ModelPool, replica: Replica, admitted: Admitted | None) -> None:
+        replica.in_flight -= 1
+        if admitted is not None:
+            replica.in_flight_by_rank[admitted.tenant.rank] -= 1
+            if pool.fair is not None:
+                pool.fair.kick()  # its room goes to the next in the fair queue
+
     async def _relay(
-        self, model: str, replica: Replica, upstream: UpstreamResponse
+        self,
+        pool: ModelPool,
+        replica: Replica,
+        upstream: UpstreamResponse,
+        admitted: Admitted | None,
+        meter: StreamMeter | None,
     ) -> AsyncIterator[bytes]:
+        model = pool.service.model
+        status = upstream.status
         try:
             async for chunk in upstream.chunks():
-                yield chunk
+                if meter is None:
+                    yield chunk
+                    continue
+                passed = meter.feed(chunk)
+                if passed:
+                    yield passed
+                if admitted is not None and self.admission is not None:
+                    await self.admission.charge(admitted, meter.counted_tokens)
+            if meter is not None:
+                rest = meter.flush()
+                if rest:
+                    yield rest
         except _STREAM_ERRORS as exc:
+            status = 502
             self.metrics.upstream_errors.labels(model, "stream").inc()
             log.warning("replica %s broke a response mid-stream: %r", replica.name, exc)
         finally:
-            replica.in_flight -= 1
+            self._released(pool, replica, admitted)
             # A stream cut short (the client went away) cannot go back to the pool.
             if upstream.is_eof:
                 upstream.release()
             else:
                 upstream.close()
+            if admitted is not None and meter is not None and self.admission is not None:
+                usage = meter.usage
+                counted = meter.counted_tokens
+                await self.admission.finish(admitted, status, usage, counted)
+
+
+@dataclass(frozen=True)
+class Forwarded:
+    """One request on its way to a replica: the body to send (with a tenant's fields set) and
+    what choosing its replica needs."""
+
+    kind: RequestKind
+    model: str  # the `model` id the client named
+    parsed: ParsedRequest
+    body: bytes
+    headers: Mapping[str, str]
+    token_ids: list[int] | None
+    adapter: str | None  # the LoRA adapter it names (None: the base model)
+    admitted: Admitted | None = None  # its tenant's admission, with tenants
+    shared_tokens: int = 0  # prompt tokens inside a prefix shared across tenants
+
+    @property
+    def cache_salt(self) -> str | None:
+        """The salt the engine hashes its blocks with: the tenant's, with tenants."""
+        client_salt = self.parsed.request.cache_salt
+        return client_salt if self.admitted is None else self.admitted.salt(client_salt)
+
+
+def estimated_tokens(body: bytes) -> int:
+    """A prompt's tokens while the tokenizer is not loaded: about 4 bytes each (the engine's
+    usage settles it)."""
+    return max(1, len(body) // 4)

@@ -18,11 +18,13 @@ import httpx
 
 from kvpilot.router.cluster import Adapter, Endpoint, ServiceInfo, endpoint, service_info
 from kvpilot.router.config import RouterConfig
+from kvpilot.router.fair_queue import FairQueue
 from kvpilot.router.hold import HoldQueue
 from kvpilot.router.index import BlockIndex
 from kvpilot.router.metrics import RouterMetrics
 from kvpilot.router.model_ids import ServiceKey, claim_model_ids
 from kvpilot.router.replica import Replica, follow
+from kvpilot.router.shared_prefix import shared_prefix_token_ids
 from kvpilot.router.tokenizer import fetch_tokenizer
 
 log = logging.getLogger("kvpilot.router")
@@ -46,6 +48,23 @@ class ModelPool:
     tokenizer_task: asyncio.Task[None] | None = None
     tokenizer_failed_at: float = float("-inf")
     last_wake_request: float = float("-inf")
+    # With tenants: where requests wait while every replica is saturated for their class.
+    fair: FairQueue | None = None
+    # The token ids of service.shared_prefixes, for the tokenizer they were computed with.
+    shared_prefix_ids: tuple[tuple[int, ...], ...] = ()
+    shared_prefix_key: tuple[int, tuple[str, ...]] | None = None
+
+    def shared_prefixes(self) -> tuple[tuple[int, ...], ...]:
+        """The service's shared prefixes as token ids (none until the tokenizer is loaded)."""
+        if self.tokenizer is None or not self.service.shared_prefixes:
+            return ()
+        key = (id(self.tokenizer), self.service.shared_prefixes)
+        if key != self.shared_prefix_key:
+            self.shared_prefix_ids = shared_prefix_token_ids(
+                self.service.shared_prefixes, self.tokenizer
+            )
+            self.shared_prefix_key = key
+        return self.shared_prefix_ids
 
     def routable(self, now: float, dead_after_s: float) -> list[Replica]:
         return [r for r in self.replicas.values() if r.is_routable(now, dead_after_s)]
@@ -139,6 +158,7 @@ class Registry:
                 if pool is not None:
                     self._drop_pool(pool)
                 pool = self.pools[model] = ModelPool(info, HoldQueue(self.config.hold))
+                pool.fair = self._fair_queue(pool)
             pool.service = info
             if info.model_uri != pool.tokenizer_uri:  # other weights: maybe another tokenizer
                 self._forget_tokenizer(pool)
@@ -158,6 +178,25 @@ class Registry:
         for name, (info, adapter) in claims.adapters.items():
             routes[name] = Route(self.pools[info.model], adapter)
         self.routes = routes
+
+    def _fair_queue(self, pool: ModelPool) -> FairQueue | None:
+        tenancy = self.config.tenancy
+        if tenancy is None:
+            return None
+        dead_after_s = self.config.dead_after_s
+
+        def has_capacity(rank: int) -> bool:
+            now = time.monotonic()
+            return any(
+                r.has_room(rank, tenancy.replica_concurrency)
+                for r in pool.routable(now, dead_after_s)
+            )
+
+        return FairQueue(
+            has_capacity,
+            max_queued=tenancy.max_queued_per_model,
+            timeout_s=tenancy.queue_timeout_s,
+        )
 
     def _add_replica(self, pool: ModelPool, found: Endpoint) -> None:
         assert self.streams is not None, "RouterRuntime.start() gives the streams their session"
@@ -187,6 +226,8 @@ class Registry:
         if pool.tokenizer_task is not None:
             pool.tokenizer_task.cancel()
         pool.hold.release()  # they look the model up again and find it gone
+        if pool.fair is not None:
+            pool.fair.close()
 
     def _replica_synced(self, pool: ModelPool, replica: Replica) -> None:
         log.info("replica %s of %s is routable", replica.name, pool.service.model)
@@ -194,6 +235,8 @@ class Registry:
         # loading it took seconds of a wake (bench/RESULTS.md), and with one replica the choice
         # is the same anyway.
         pool.hold.release()
+        if pool.fair is not None:
+            pool.fair.kick()  # room for queued requests
         self.ensure_tokenizer(pool, replica)
 
     def ensure_tokenizer(self, pool: ModelPool, replica: Replica) -> None:

@@ -20,6 +20,7 @@ import msgspec
 
 from kvpilot.contract.block_hash import HASH_SCHEME
 from kvpilot.contract.kv_events import KV_EVENTS_PATH, KvMessage, KvSnapshot, KvUpdate, Load
+from kvpilot.contract.tenancy import PRIORITY_CLASSES
 from kvpilot.router.index import BlockIndex
 
 log = logging.getLogger("kvpilot.router")
@@ -39,6 +40,8 @@ class Replica:
     block_size: int | None = None
     load: Load = field(default_factory=Load)
     in_flight: int = 0
+    # The tenants' requests in flight here by priority rank (contract.tenancy.priority_rank).
+    in_flight_by_rank: list[int] = field(default_factory=lambda: [0] * len(PRIORITY_CLASSES))
     seq: int | None = None  # the last delta applied; None while not synced
     last_heard: float = 0.0
     # When a request last could not reach it (set by the proxy; cleared by the next snapshot):
@@ -51,6 +54,13 @@ class Replica:
             and now - self.failed_at >= dead_after_s
             and now - self.last_heard < dead_after_s
         )
+
+    def has_room(self, rank: int, default_concurrency: int) -> bool:
+        """Whether a request of this priority rank fits: fewer requests of its rank or a better
+        one in flight here than the engine runs at once (its max_num_seqs, or the default where
+        it does not say). Worse ranks do not count: the engine preempts them for it."""
+        concurrency = self.load.max_num_seqs or default_concurrency
+        return sum(self.in_flight_by_rank[: rank + 1]) < concurrency
 
     def desync(self) -> None:
         self.seq = None

@@ -7,6 +7,7 @@ import asyncio
 import contextlib
 import functools
 import logging
+from collections.abc import Callable
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -21,12 +22,17 @@ from kvpilot.contract.kube import (
     LABEL_INSTANCE,
     LABEL_NAME,
 )
+from kvpilot.router.admission import Admission
 from kvpilot.router.cluster import ENGINE_POD_SELECTOR
 from kvpilot.router.config import RouterConfig
 from kvpilot.router.kube import KubeAccess, list_and_watch, pods_path, services_path
 from kvpilot.router.metrics import RouterMetrics
 from kvpilot.router.proxy import Proxy
+from kvpilot.router.quota import QuotaKeeper
 from kvpilot.router.registry import Registry
+from kvpilot.router.tenant_sources import follow_file, secrets_path, tenants_path
+from kvpilot.router.tenant_status import write_usage
+from kvpilot.router.tenants import TenantDirectory
 
 log = logging.getLogger("kvpilot.router")
 
@@ -44,24 +50,43 @@ class RouterRuntime:
         )
         self.kube = kube.client() if kube is not None else None
         self.registry = Registry(config, self.engines, self.metrics)
-        self.proxy = Proxy(config, self.registry, self.kube, self.metrics)
+        # With tenants: who they are (from the watches or a file) and their shared quotas.
+        self.tenants: TenantDirectory | None = None
+        self.quotas: QuotaKeeper | None = None
+        admission = None
+        if config.tenancy is not None:
+            self.tenants = TenantDirectory()
+            self.quotas = QuotaKeeper(config.tenancy.quota_store_url)
+            admission = Admission(config.tenancy, self.tenants, self.quotas, self.metrics)
+        self.proxy = Proxy(config, self.registry, self.kube, self.metrics, admission)
         self._listed: set[tuple[str, str]] = set()
         self._watches: list[asyncio.Task[None]] = []
 
     @property
     def is_synced(self) -> bool:
-        return bool(self.config.static_models) or len(self._listed) == 2 * len(
-            self.config.namespaces
-        )
+        """Every listing in (services, pods; tenants and secrets with tenants from the API)."""
+        kinds = 2
+        tenancy = self.config.tenancy
+        if tenancy is not None and tenancy.tenants_file is None:
+            kinds += 2
+        if self.config.static_models:
+            return tenancy is None or tenancy.tenants_file is not None or self._tenants_listed()
+        return len(self._listed) == kinds * len(self.config.namespaces)
+
+    def _tenants_listed(self) -> bool:
+        return all(("tenants", n) in self._listed for n in self.config.namespaces)
 
     async def start(self) -> None:
         # The replicas' block-event streams: long-lived, one per replica.
         self.registry.streams = aiohttp.ClientSession(
             timeout=aiohttp.ClientTimeout(total=None, sock_connect=5.0)
         )
+        await self._start_tenancy()
         if self.config.static_models:
             services, pods = static_objects(
-                self.config.static_models, dict(self.config.static_adapters)
+                self.config.static_models,
+                dict(self.config.static_adapters),
+                dict(self.config.static_shared_prefixes),
             )
             self.registry.services_listed(STATIC_NAMESPACE, services)
             self.registry.pods_listed(STATIC_NAMESPACE, pods)
@@ -91,6 +116,44 @@ class RouterRuntime:
                 )
             )
 
+    async def _start_tenancy(self) -> None:
+        tenancy, tenants = self.config.tenancy, self.tenants
+        if tenancy is None or tenants is None or self.quotas is None:
+            return
+        await self.quotas.start()
+        if tenancy.tenants_file is not None:
+            tenants_file = tenancy.tenants_file
+            self._watches.append(asyncio.create_task(follow_file(tenants_file, tenants)))
+            return
+        assert self.kube is not None, "tenants from the API need Kubernetes access"
+        for namespace in self.config.namespaces:
+            for kind, path, on_list, on_event in (
+                ("tenants", tenants_path, tenants.tenants_listed, tenants.tenant_event),
+                ("secrets", secrets_path, tenants.secrets_listed, tenants.secret_event),
+            ):
+                self._watches.append(
+                    asyncio.create_task(
+                        list_and_watch(
+                            self.kube,
+                            path(namespace),
+                            {},
+                            on_list=functools.partial(self._listed_then, kind, namespace, on_list),
+                            on_event=on_event,
+                        )
+                    )
+                )
+        self._watches.append(
+            asyncio.create_task(
+                write_usage(self.kube, tenants, self.quotas, tenancy, self.config.router_name)
+            )
+        )
+
+    def _listed_then(
+        self, kind: str, namespace: str, on_list: Callable[[str, list[dict]], None], items: list
+    ) -> None:
+        on_list(namespace, items)
+        self._listed.add((kind, namespace))
+
     def _services_listed(self, namespace: str, items: list[dict]) -> None:
         self.registry.services_listed(namespace, items)
         self._listed.add(("services", namespace))
@@ -107,6 +170,8 @@ class RouterRuntime:
                 await task
         self.registry.close()
         await self.proxy.stop()
+        if self.quotas is not None:
+            await self.quotas.stop()
         if self.registry.streams is not None:
             await self.registry.streams.close()
         await self.engines.aclose()
@@ -120,6 +185,7 @@ STATIC_NAMESPACE = "static"
 def static_objects(
     models: tuple[tuple[str, tuple[str, ...]], ...],
     adapters: dict[str, tuple[str, ...]],
+    shared_prefixes: dict[str, tuple[str, ...]] | None = None,
 ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """InferenceServices and Ready engine pods, as the API would list them, for fixed URLs
     (adapters: model -> the names of the LoRA adapters its engines serve)."""
@@ -129,6 +195,7 @@ def static_objects(
         spec = {
             "model": {"servedName": model},
             "adapters": [{"name": name, "uri": ""} for name in adapters.get(model, ())],
+            "sharedPrefixes": list((shared_prefixes or {}).get(model, ())),
         }
         services.append({"metadata": meta, "spec": spec})
         for i, url in enumerate(urls):

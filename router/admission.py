@@ -1,0 +1,213 @@
+"""A tenant's request from its key to its turn: who it is (401), whether it may use the model
+(403), whether its quotas admit it (429, or 503 when the shared store is down and the tenant
+fails closed), and when a replica has room for it (the model's fair queue; 429 when shed or
+timed out). Then, once answered, what it used: the tokens settle the quota, the fair queue's
+virtual time and the tenant's counters.
+
+The order is the issue's promise to tenants: nothing about a model is revealed before the key and
+the grant are checked, and a request refused by its quota never waits in a queue.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvpilot.contract import errors
+from kvpilot.contract.tenancy import TENANT_HEADER, tenant_salt
+from kvpilot.router.config import TenancyConfig
+from kvpilot.router.fair_queue import FairQueue, QueueFull, QueueTimeout, Ticket
+from kvpilot.router.metrics import RouterMetrics
+from kvpilot.router.prompts import ParsedRequest
+from kvpilot.router.quota import Lease, QuotaKeeper, Scope
+from kvpilot.router.tenants import Tenant, TenantDirectory, check_grant, presented_key
+from kvpilot.router.usage_meter import Usage
+
+log = logging.getLogger("kvpilot.router")
+
+# Retry-After for a request shed from a full queue or timed out in it: the queue is saturated
+# now; a second later it may not be.
+_SHED_RETRY_S = 1
+
+
+@dataclass
+class Admitted:
+    """A request the gate let through: what settles it at the end."""
+
+    tenant: Tenant
+    model: str  # the `model` id it named
+    prompt_tokens: int
+    lease: Lease | None
+    ticket: Ticket | None
+    fair: FairQueue | None
+    # x-ratelimit-* and the tenant's name: on the response whatever its status.
+    headers: dict[str, str] = field(default_factory=dict)
+    charged_tokens: int = 0  # completion tokens charged while it streamed
+    finished: bool = False
+
+    def body_fields(self, parsed: ParsedRequest, shared_tokens: int) -> dict[str, Any]:
+        """What the router sets on the forwarded body (router.forwarded_body)."""
+        request = parsed.request
+        fields: dict[str, Any] = {
+            "priority": self.tenant.engine_priority,
+            "cache_salt": self.salt(request.cache_salt),
+        }
+        if shared_tokens:
+            fields["kvpilot_shared_prefix_tokens"] = shared_tokens
+        if request.stream:
+            # Every stream ends with the engine's usage: the quota settles on it (the chunk
+            # goes on only to clients that asked for it: router.usage_meter).
+            fields["stream_options"] = {"include_usage": True}
+        return fields
+
+    def salt(self, client_salt: str | None) -> str:
+        return tenant_salt(self.tenant.namespace, self.tenant.name, client_salt)
+
+
+def quota_refused(reason: str, message: str, headers: Mapping[str, str]) -> errors.APIError:
+    """OpenAI's answers: 429 `rate_limit_exceeded` of type `tokens` or `requests`; 503 when the
+    store is down for a tenant that fails closed."""
+    if reason == "store_unavailable":
+        return errors.APIError(
+            503, message, type="api_error", code="quota_store_unavailable", headers=dict(headers)
+        )
+    kind = "tokens" if reason == "tokens_per_minute" else "requests"
+    return errors.APIError(
+        429, message, type=kind, code="rate_limit_exceeded", headers=dict(headers)
+    )
+
+
+class Admission:
+    def __init__(
+        self,
+        config: TenancyConfig,
+        directory: TenantDirectory,
+        keeper: QuotaKeeper,
+        metrics: RouterMetrics,
+    ) -> None:
+        self.config = config
+        self.directory = directory
+        self.keeper = keeper
+        self.metrics = metrics
+
+    def authenticate(self, headers: Mapping[str, str]) -> Tenant:
+        """The request's tenant by its key (401 otherwise): asked before anything else."""
+        try:
+            return self.directory.authenticate(dict(headers))
+        except errors.APIError:
+            reason = "missing_key" if presented_key(dict(headers)) is None else "unknown_key"
+            self.metrics.tenant_rejections.labels("", reason).inc()
+            raise
+
+    def check_grant(self, tenant: Tenant, model: str) -> None:
+        """403 unless the tenant's grants match `model` (before it is looked up)."""
+        try:
+            check_grant(tenant, model)
+        except errors.APIError:
+            self.metrics.tenant_rejections.labels(tenant.key, "not_granted").inc()
+            raise
+
+    def scopes(self, tenant: Tenant, model: str) -> list[Scope]:
+        scopes = []
+        if tenant.quota.is_limited:
+            scopes.append(Scope(tenant.key, tenant.quota))
+        per_model = tenant.spec.model_quota(model)
+        if per_model is not None and per_model.is_limited:
+            scopes.append(Scope(f"{tenant.key}|{model}", per_model))
+        return scopes
+
+    async def admit(
+        self,
+        tenant: Tenant,
+        model: str,
+        parsed: ParsedRequest,
+        prompt_tokens: int,
+        fair: FairQueue | None,
+        held: Any = None,
+    ) -> Admitted:
+        """Charge the quota, then wait for the fair queue's turn. Raises the 429/503. `held`:
+        the model's held-requests gauge child, which counts the wait too (the operator's
+        autoscaler adds it to the model's queue: a queue at the router is a queue)."""
+        decision = await self.keeper.admit(
+            self.scopes(tenant, model), prompt_tokens, tenant.spec.on_store_failure
+        )
+        self.metrics.quota_store_up.set(1 if self.keeper.store_up else 0)
+        headers = {**decision.headers, TENANT_HEADER: tenant.key}
+        if not decision.admitted:
+            reason = decision.reason or "store_unavailable"
+            self.metrics.tenant_rejections.labels(tenant.key, reason).inc()
+            headers["Retry-After"] = str(max(1, round(decision.retry_after_s + 0.499)))
+            raise quota_refused(reason, decision.message, headers)
+        admitted = Admitted(tenant, model, prompt_tokens, decision.lease, None, fair, headers)
+        if fair is None:
+            return admitted
+        cost = prompt_tokens + self.completion_estimate(parsed)
+        queued = self.metrics.tenant_queued.labels(tenant.key)
+        queued.inc()
+        if held is not None:
+            held.inc()
+        try:
+            admitted.ticket = await fair.acquire(tenant.key, tenant.rank, tenant.spec.weight, cost)
+        except (QueueFull, QueueTimeout) as exc:
+            reason = "queue_full" if isinstance(exc, QueueFull) else "queue_timeout"
+            self.metrics.tenant_rejections.labels(tenant.key, reason).inc()
+            await self.keeper.settle(admitted.lease, 0)
+            admitted.finished = True
+            raise errors.APIError(
+                429,
+                f"The model `{model}` is saturated: {exc}",
+                type="requests",
+                code=reason,
+                headers={**headers, "Retry-After": str(_SHED_RETRY_S)},
+            ) from None
+        except BaseException:
+            await self.keeper.settle(admitted.lease, 0)
+            admitted.finished = True
+            raise
+        finally:
+            queued.dec()
+            if held is not None:
+                held.dec()
+        self.metrics.tenant_queue_seconds.labels(tenant.key).observe(admitted.ticket.queued_s)
+        return admitted
+
+    def completion_estimate(self, parsed: ParsedRequest) -> int:
+        request = parsed.request
+        limit = getattr(request, "max_completion_tokens", None) or request.max_tokens
+        n = getattr(request, "n", 1) or 1
+        return n * min(limit or self.config.default_completion_estimate, 1 << 16)
+
+    async def charge(self, admitted: Admitted, counted_tokens: int) -> None:
+        """Completion tokens as a stream goes: charged in steps of charge_every_tokens."""
+        due = counted_tokens - admitted.charged_tokens
+        if admitted.lease is None or due < self.config.charge_every_tokens:
+            return
+        admitted.charged_tokens += due
+        await self.keeper.charge(admitted.lease, due)
+
+    async def finish(
+        self, admitted: Admitted, status: int, usage: Usage | None, counted: int
+    ) -> None:
+        """The request is over (answered, broken off, or its client gone): settle it once."""
+        if admitted.finished:
+            return
+        admitted.finished = True
+        completion = usage.completion_tokens if usage is not None else counted
+        prompt = usage.prompt_tokens if usage is not None else admitted.prompt_tokens
+        if admitted.fair is not None and admitted.ticket is not None:
+            admitted.fair.done(admitted.ticket, prompt + completion)
+        tenant, model = admitted.tenant.key, admitted.model
+        self.metrics.tenant_requests.labels(tenant, model, str(status)).inc()
+        if usage is not None or counted:
+            self.metrics.tenant_tokens.labels(tenant, model, "prompt").inc(prompt)
+            self.metrics.tenant_tokens.labels(tenant, model, "completion").inc(completion)
+        started = time.monotonic()
+        try:
+            await self.keeper.settle(admitted.lease, completion)
+        except Exception:
+            # The keeper fails open or closed by itself; a settle it cannot make is logged there.
+            log.debug("settling a request of %s took %.3f s and failed", tenant,
+                      time.monotonic() - started, exc_info=True)  # fmt: skip
