@@ -1,6 +1,7 @@
 """The shared quota store: counters in Redis that every router of the pool charges.
 
-Keys, under a prefix (default `kvpilot:quota:`):
+Keys, under a prefix (default `kvpilot:quota:`), the scope's tenant written as a hash tag
+(`{ns/tenant}|model`):
 - `w:{index}:{scope}`: a hash of the scope's window `index` (floor(now / QUOTA_WINDOW_S)),
   fields `r` (requests) and `t` (tokens); it expires two windows after it is last written.
 - `c:{scope}`: a sorted set of the scope's concurrency leases, scored by expiry; members past
@@ -24,8 +25,11 @@ from kvpilot.contract.tenancy import QUOTA_WINDOW_S
 from kvpilot.router.quota.model import LIMIT_KINDS, Scope, Usage, Verdict, window_index
 
 DEFAULT_KEY_PREFIX = "kvpilot:quota:"
-# A dead store must answer fast: every admission waits on it.
+# A dead store must answer fast: every admission waits on it. A new connection gets longer (a
+# refused one fails at once anyway): a burst of admissions opens the pool's connections all at
+# once, and a busy event loop must not take that for a dead store.
 SOCKET_TIMEOUT_S = 0.25
+CONNECT_TIMEOUT_S = 1.0
 MAX_CONNECTIONS = 32
 POOL_WAIT_S = 1.0
 WINDOW_TTL_S = 2 * QUOTA_WINDOW_S
@@ -85,7 +89,8 @@ return out
 
 class RedisQuotaStore:
     """Quota counters shared by every router on one Redis. Each call is one round trip; each
-    raises one of STORE_ERRORS when the store cannot answer (within SOCKET_TIMEOUT_S)."""
+    raises one of STORE_ERRORS when the store cannot answer (within SOCKET_TIMEOUT_S once
+    connected)."""
 
     def __init__(self, url: str, *, key_prefix: str = DEFAULT_KEY_PREFIX) -> None:
         # Admissions beyond the pool's connections wait for one (each holds it for one round
@@ -95,7 +100,7 @@ class RedisQuotaStore:
             max_connections=MAX_CONNECTIONS,
             timeout=POOL_WAIT_S,
             socket_timeout=SOCKET_TIMEOUT_S,
-            socket_connect_timeout=SOCKET_TIMEOUT_S,
+            socket_connect_timeout=CONNECT_TIMEOUT_S,
             # The keeper decides what a failure means; a retry with backoff would only delay it.
             retry=Retry(NoBackoff(), 0),
         )
@@ -105,10 +110,10 @@ class RedisQuotaStore:
         self._admit = self._redis.register_script(ADMIT_LUA)
 
     def _window_key(self, scope_key: str, now: float) -> str:
-        return f"{self._prefix}w:{window_index(now)}:{scope_key}"
+        return f"{self._prefix}w:{window_index(now)}:{_slotted(scope_key)}"
 
     def _lease_key(self, scope_key: str) -> str:
-        return f"{self._prefix}c:{scope_key}"
+        return f"{self._prefix}c:{_slotted(scope_key)}"
 
     async def admit(
         self,
@@ -177,6 +182,13 @@ class RedisQuotaStore:
 
     async def close(self) -> None:
         await self._redis.aclose()
+
+
+def _slotted(scope_key: str) -> str:
+    """The scope key with its tenant as a hash tag: on a Redis Cluster every key of one tenant,
+    hence of one admission's script, lies in the same slot."""
+    tenant, bar, model = scope_key.partition("|")
+    return f"{{{tenant}}}{bar}{model}"
 
 
 def _lease_set_ttl(now: float, expiry: float) -> int:
