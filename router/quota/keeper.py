@@ -1,0 +1,233 @@
+"""The quota keeper: admits a tenant's requests against its scopes' quotas and counts their use,
+in Redis shared by every router, or in this router alone.
+
+With a shared store, every admission, charge and settle is one round trip to it; what it admits
+is mirrored into a local store, so that this router's own use is known without it. When the
+shared store cannot be reached, each tenant's setting decides: `open` lets the local store
+decide (the budget this router alone can see), `closed` refuses with `store_unavailable`. While
+the store is down no request waits on it: a background probe finds it back.
+
+Concurrency leases live `lease_ttl_s` unless renewed; the keeper renews those of its requests in
+flight every third of that, so the leases of a router that died free themselves within the ttl.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+import uuid
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from kvpilot.contract.tenancy import StoreFailure
+from kvpilot.router.quota.decision import Decision, build_decision, store_unavailable
+from kvpilot.router.quota.local_store import LocalQuotaStore
+from kvpilot.router.quota.model import Lease, Scope, Usage
+from kvpilot.router.quota.redis_store import DEFAULT_KEY_PREFIX, STORE_ERRORS, RedisQuotaStore
+
+log = logging.getLogger("kvpilot.router.quota")
+
+DEFAULT_LEASE_TTL_S = 30.0
+DEFAULT_PROBE_INTERVAL_S = 0.5
+
+
+@dataclass
+class _Flight:
+    lease: Lease
+    charged: int = 0
+
+
+class QuotaKeeper:
+    """Quotas of every tenant, for one router. `redis_url` None: this router alone (local store).
+    `clock` gives the time that windows and lease expiries are reckoned in."""
+
+    def __init__(
+        self,
+        redis_url: str | None,
+        *,
+        clock: Callable[[], float] = time.time,
+        lease_ttl_s: float = DEFAULT_LEASE_TTL_S,
+        key_prefix: str = DEFAULT_KEY_PREFIX,
+        probe_interval_s: float = DEFAULT_PROBE_INTERVAL_S,
+    ) -> None:
+        if lease_ttl_s <= 0 or probe_interval_s <= 0:
+            raise ValueError("lease_ttl_s and probe_interval_s must be positive")
+        self._shared = RedisQuotaStore(redis_url, key_prefix=key_prefix) if redis_url else None
+        self._local = LocalQuotaStore()
+        self._clock = clock
+        self._lease_ttl_s = lease_ttl_s
+        self._probe_interval_s = probe_interval_s
+        self._flights: dict[str, _Flight] = {}
+        self._store_up = True
+        self._up = asyncio.Event()
+        self._up.set()
+        self._renewer: asyncio.Task[None] | None = None
+        self._prober: asyncio.Task[None] | None = None
+
+    @property
+    def store_up(self) -> bool:
+        """Whether the shared store answers (True without one: the local store never fails)."""
+        return self._store_up
+
+    async def wait_store_up(self) -> None:
+        """Return once the shared store answers again."""
+        await self._up.wait()
+
+    async def start(self) -> None:
+        """Check the shared store and start renewing leases. An unreachable store does not stop
+        the start: the keeper runs on its fallback until the store answers."""
+        if self._shared is not None:
+            try:
+                await self._shared.ping()
+            except STORE_ERRORS as error:
+                self._mark_down(error)
+        self._renewer = asyncio.create_task(self._renew_forever(), name="quota-lease-renewer")
+
+    async def stop(self) -> None:
+        """Stop renewing and close the store. Leases still in flight expire after the ttl."""
+        for task in (self._renewer, self._prober):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+        self._renewer = self._prober = None
+        if self._shared is not None:
+            await self._shared.close()
+
+    async def admit(
+        self, scopes: Sequence[Scope], prompt_tokens: int, on_store_failure: StoreFailure
+    ) -> Decision:
+        """Admit a request if every scope's quota has room for it (one more request, its prompt
+        tokens, one more in flight), charging all of them in the same atomic step; refuse it
+        and charge none otherwise. Scopes without a limit are not counted; a request with none
+        costs nothing (no store is touched, the lease is None)."""
+        if prompt_tokens < 0:
+            raise ValueError(f"prompt_tokens must be >= 0, got {prompt_tokens}")
+        limited = [scope for scope in scopes if scope.quota.is_limited]
+        if not limited:
+            return Decision(admitted=True)
+        now = self._clock()
+        lease_id = uuid.uuid4().hex
+        expiry = now + self._lease_ttl_s
+        keys = tuple(scope.key for scope in limited)
+        if self._shared is not None and self._store_up:
+            try:
+                verdict = await self._shared.admit(limited, prompt_tokens, lease_id, now, expiry)
+            except STORE_ERRORS as error:
+                self._mark_down(error)
+            else:
+                lease = None
+                if verdict.refused_kind is None:
+                    await self._local.admit(
+                        limited, prompt_tokens, lease_id, now, expiry, check=False
+                    )
+                    lease = self._hold(Lease(lease_id, keys, "shared"))
+                return build_decision(limited, prompt_tokens, verdict, now, lease)
+        if self._shared is not None and on_store_failure == "closed":
+            return store_unavailable()
+        verdict = await self._local.admit(limited, prompt_tokens, lease_id, now, expiry)
+        lease = None if verdict.refused_kind else self._hold(Lease(lease_id, keys, "local"))
+        return build_decision(limited, prompt_tokens, verdict, now, lease)
+
+    async def charge(self, lease: Lease | None, tokens: int) -> None:
+        """Add completion tokens (as they stream) to every scope of the lease, in the window of
+        now. Nothing for a lease already settled or None."""
+        if tokens < 0:
+            raise ValueError(f"tokens must be >= 0, got {tokens}")
+        flight = None if lease is None else self._flights.get(lease.id)
+        if flight is None or tokens == 0:
+            return
+        flight.charged += tokens
+        await self._finish(flight.lease, tokens, release=False)
+
+    async def settle(self, lease: Lease | None, completion_tokens: int) -> None:
+        """The request is over: charge what `completion_tokens` (its true total) adds to what
+        charge() already did (never less), and release its concurrency. A second settle of the
+        same lease does nothing. The store calls finish even if the caller is cancelled (the
+        client went away)."""
+        flight = None if lease is None else self._flights.pop(lease.id, None)
+        if flight is None:
+            return
+        extra = max(0, completion_tokens - flight.charged)
+        await asyncio.shield(self._finish(flight.lease, extra, release=True))
+
+    async def usage(self, scope_key: str) -> Usage:
+        """A scope's use in the current window: from the shared store while it answers, else
+        what this router alone counted. Zero for a scope without a limit (it is not counted)."""
+        now = self._clock()
+        if self._shared is not None and self._store_up:
+            try:
+                return await self._shared.usage(scope_key, now)
+            except STORE_ERRORS as error:
+                self._mark_down(error)
+        return await self._local.usage(scope_key, now)
+
+    def _hold(self, lease: Lease) -> Lease:
+        self._flights[lease.id] = _Flight(lease)
+        return lease
+
+    async def _finish(self, lease: Lease, tokens: int, *, release: bool) -> None:
+        now = self._clock()
+        lease_id = lease.id if release else None
+        # The local store counts every lease: it is the home of some, the mirror of the others.
+        await self._local.finish(lease.scope_keys, lease_id, tokens, now)
+        if lease.home == "shared" and self._shared is not None and self._store_up:
+            # A lease the store does not hear released expires with its ttl (no renewal).
+            try:
+                await self._shared.finish(lease.scope_keys, lease_id, tokens, now)
+            except STORE_ERRORS as error:
+                self._mark_down(error)
+
+    async def _renew_forever(self) -> None:
+        while True:
+            await asyncio.sleep(self._lease_ttl_s / 3)
+            await self._renew()
+
+    async def _renew(self) -> None:
+        flights = list(self._flights.values())
+        if not flights:
+            return
+        now = self._clock()
+        expiry = now + self._lease_ttl_s
+        await self._local.renew([(f.lease.scope_keys, f.lease.id) for f in flights], now, expiry)
+        shared = [(f.lease.scope_keys, f.lease.id) for f in flights if f.lease.home == "shared"]
+        if not shared or self._shared is None or not self._store_up:
+            return
+        try:
+            await self._shared.renew(shared, now, expiry)
+            # A request settled while the renewal was on its way was written back: drop it.
+            settled = [
+                (keys, lease_id) for keys, lease_id in shared if lease_id not in self._flights
+            ]
+            if settled:
+                await self._shared.drop(settled)
+        except STORE_ERRORS as error:
+            self._mark_down(error)
+
+    def _mark_down(self, error: BaseException) -> None:
+        if not self._store_up:
+            return
+        self._store_up = False
+        self._up.clear()
+        log.warning(
+            "quota store unreachable (%s: %s): tenants that fail open are counted by this "
+            "router alone, tenants that fail closed are refused until it answers",
+            type(error).__name__,
+            error,
+        )
+        self._prober = asyncio.create_task(self._probe_until_up(), name="quota-store-probe")
+
+    async def _probe_until_up(self) -> None:
+        assert self._shared is not None  # only a shared store goes down
+        while True:
+            await asyncio.sleep(self._probe_interval_s)
+            try:
+                await self._shared.ping()
+            except STORE_ERRORS:
+                continue
+            self._store_up = True
+            self._up.set()
+            log.info("quota store reachable again: quotas are shared by every router")
+            return
