@@ -8,6 +8,10 @@ engine's prefix cache then catches by comparing the stored key). The hash must b
 process and on every machine: Python's hash() of a str changes with PYTHONHASHSEED, so this uses
 blake2b over a fixed byte layout instead. Change the layout only together with HASH_SCHEME:
 subscribers compare it.
+
+A request may mark its first blocks as shared (contract.tenancy.unsalted_blocks: a platform's
+common system prompt): those hash without the salt, as a request without one, and every later block
+with it, so the chain after the shared part is the salt's own.
 """
 
 from __future__ import annotations
@@ -44,20 +48,31 @@ def chain_block_hashes(
     *,
     known: Sequence[int] = (),
     lora_name: str | None = None,
+    unsalted_blocks: int = 0,
 ) -> list[int]:
     """The hash chain over every full block of token_ids. `known` is a prefix of the chain that
-    is already computed (it is extended, not recomputed). Each hash is hash_block's; the layout is
-    built once per chain (the router hashes every request's prompt)."""
+    is already computed (it is extended, not recomputed). The first `unsalted_blocks` blocks hash
+    without cache_salt (block_salt). Each hash is hash_block's; the layout is built once per
+    chain (the router hashes every request's prompt)."""
     if block_size < 1:
         raise ValueError(f"block_size must be >= 1, got {block_size}")
+    if unsalted_blocks < 0:
+        raise ValueError(f"unsalted_blocks must be >= 0, got {unsalted_blocks}")
     hashes = list(known)
     pack = _block_layout(block_size).pack
-    salt = _salt_bytes(cache_salt, lora_name)
+    salted = _salt_bytes(cache_salt, lora_name)
+    unsalted = _salt_bytes(None, lora_name)
     for index in range(len(hashes), len(token_ids) // block_size):
         start = index * block_size
         tokens = pack(block_size, *token_ids[start : start + block_size])
+        salt = unsalted if index < unsalted_blocks else salted
         hashes.append(_digest(_parent_bytes(hashes[-1] if hashes else None) + tokens + salt))
     return hashes
+
+
+def block_salt(cache_salt: str | None, index: int, unsalted_blocks: int) -> str | None:
+    """The salt block `index` of a chain hashes with: none inside the shared prefix."""
+    return None if index < unsalted_blocks else cache_salt
 
 
 _UNKEYED = hashlib.blake2b(digest_size=8, person=_PERSON)

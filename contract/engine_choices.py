@@ -13,3 +13,6 @@ STRUCTURED_OUTPUTS_BACKENDS = ("auto", "xgrammar", "llguidance")
 BLOCK_SIZES = (8, 16, 32, 64, 128)  # tokens per KV block the kernels handle
 # The tool-call formats the server parses (kvpilot.engine.server.tools.parsers).
 TOOL_CALL_PARSERS = ("hermes", "llama3_json", "mistral")
+# How the scheduler orders waiting requests (vLLM's names): by arrival, or by the request's
+# `priority` (lower first) and then arrival, preempting worse priorities for better ones.
+SCHEDULING_POLICIES = ("fcfs", "priority")

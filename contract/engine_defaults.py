@@ -9,6 +9,8 @@ from __future__ import annotations
 # The scheduler: sequences and tokens one step may hold (--max-num-seqs, --max-num-batched-tokens).
 DEFAULT_MAX_NUM_SEQS = 128
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
+# First come, first served, as vLLM (--scheduling-policy); a request's `priority` then must be 0.
+DEFAULT_SCHEDULING_POLICY = "fcfs"
 # The KV-cache budget on CPU when none is given (--kv-cache-gib).
 DEFAULT_KV_CACHE_GIB = 1.0
 DEFAULT_KV_CACHE_BYTES = int(DEFAULT_KV_CACHE_GIB * 2**30)

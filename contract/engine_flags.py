@@ -20,6 +20,7 @@ from kvpilot.contract.engine_choices import (
     BLOCK_SIZES,
     DTYPE_NAMES,
     LOAD_FORMATS,
+    SCHEDULING_POLICIES,
     STRUCTURED_OUTPUTS_BACKENDS,
     TOOL_CALL_PARSERS,
 )
@@ -27,6 +28,7 @@ from kvpilot.contract.engine_defaults import (
     DEFAULT_KV_CACHE_GIB,
     DEFAULT_MAX_NUM_BATCHED_TOKENS,
     DEFAULT_MAX_NUM_SEQS,
+    DEFAULT_SCHEDULING_POLICY,
 )
 from kvpilot.contract.limits import RequestLimits
 from kvpilot.contract.lora import (
@@ -158,6 +160,10 @@ FLAGS: tuple[Flag, ...] = (
     flag(SCHEDULER, "--max-num-seqs", type=int, default=DEFAULT_MAX_NUM_SEQS),
     flag(SCHEDULER, "--max-num-batched-tokens", type=int,
          default=DEFAULT_MAX_NUM_BATCHED_TOKENS),
+    flag(SCHEDULER, "--scheduling-policy", default=DEFAULT_SCHEDULING_POLICY,
+         choices=SCHEDULING_POLICIES,
+         help="fcfs: arrival order; priority: each request's `priority` (lower first), then "
+         "arrival, preempting running requests of a worse priority"),
     flag(REQUEST_LIMITS, "--max-queue", type=int, default=None,
          help="429 when this many requests wait (default: no limit)"),
     flag(REQUEST_LIMITS, "--retry-after", type=int, default=1,

@@ -48,6 +48,9 @@ class Load(msgspec.Struct, frozen=True):
     # number of slots (0: adapters off).
     resident_loras: list[str] = []
     max_loras: int = 0
+    # Sequences the engine runs at once (its --max-num-seqs; 0: unknown, an older engine): with
+    # num_running at it, further requests wait in the engine.
+    max_num_seqs: int = 0
 
 
 class KvSnapshot(msgspec.Struct, frozen=True, tag="snapshot", tag_field="kind"):

@@ -24,6 +24,8 @@ MAX_LOGPROBS = 20  # the engine returns at most 20 top logprobs per token
 MAX_N = 128  # OpenAI's own limit on n
 # torch.Generator.manual_seed accepts exactly this range.
 SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1
+# The engine's messages carry these as 64-bit integers.
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 
 
 class _Strict(BaseModel):
@@ -78,6 +80,13 @@ class SamplingRequest(_Strict):
     user: str | None = None
     # kvpilot/vLLM extension: requests with different salts never share prefix-cache blocks.
     cache_salt: Annotated[str, Field(min_length=1)] | None = None
+    # kvpilot extension: the full blocks within the first N prompt tokens are cached without
+    # cache_salt, shared with every salt (a platform's common system prompt); the salt applies
+    # from the next block on (contract.tenancy.unsalted_blocks). Nothing without a cache_salt.
+    kvpilot_shared_prefix_tokens: Annotated[int, Field(ge=0, le=INT64_MAX)] = 0
+    # vLLM extension: the scheduling priority, lower served first (needs the engine's
+    # --scheduling-policy priority for any value but 0).
+    priority: Annotated[int, Field(ge=INT64_MIN, le=INT64_MAX)] = 0
     # {"token id": bias}; the keys are checked against the vocabulary while preprocessing.
     logit_bias: dict[str, Annotated[float, Field(ge=-100.0, le=100.0)]] | None = None
     # Output constraints (constraints.py): OpenAI's response_format (chat and, as vLLM has it,

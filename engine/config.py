@@ -13,6 +13,7 @@ from kvpilot.contract.engine_choices import (
     BLOCK_SIZES,
     DTYPE_NAMES,
     LOAD_FORMATS,
+    SCHEDULING_POLICIES,
     STRUCTURED_OUTPUTS_BACKENDS,
 )
 from kvpilot.contract.engine_defaults import (
@@ -20,6 +21,7 @@ from kvpilot.contract.engine_defaults import (
     DEFAULT_KV_CACHE_GIB,
     DEFAULT_MAX_NUM_BATCHED_TOKENS,
     DEFAULT_MAX_NUM_SEQS,
+    DEFAULT_SCHEDULING_POLICY,
 )
 from kvpilot.contract.lora import (
     DEFAULT_MAX_LORA_RANK,
@@ -193,8 +195,15 @@ class CacheConfig:
 class SchedulerConfig:
     max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS  # the per-step token budget
     max_num_seqs: int = DEFAULT_MAX_NUM_SEQS
+    # fcfs: arrival order; priority: by each request's priority (lower first), then arrival.
+    policy: str = DEFAULT_SCHEDULING_POLICY
 
     def __post_init__(self) -> None:
+        if self.policy not in SCHEDULING_POLICIES:
+            raise ValueError(
+                f"scheduling policy must be one of {', '.join(SCHEDULING_POLICIES)}, got "
+                f"{self.policy!r}"
+            )
         if self.max_num_batched_tokens < 1:
             raise ValueError(
                 f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}"

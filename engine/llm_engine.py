@@ -80,8 +80,11 @@ class LLMEngine:
         arrival_time: float | None = None,
         kind: OutputKind = OutputKind.CUMULATIVE,
         lora_name: str | None = None,
+        priority: int = 0,
+        shared_prefix_tokens: int = 0,
     ) -> None:
-        """kind: what step() returns for this request (outputs.py's OutputKind)."""
+        """kind: what step() returns for this request (outputs.py's OutputKind); priority and
+        shared_prefix_tokens: as the core's AddRequest."""
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ValueError("this model has no tokenizer: pass token ids")
@@ -99,6 +102,8 @@ class LLMEngine:
                 cache_salt,
                 arrival,
                 lora_name=lora_name,
+                priority=priority,
+                shared_prefix_tokens=shared_prefix_tokens,
             )
         )
         self.processor.add_request(request_id, prompt_text, prompt_ids, params, arrival, kind=kind)

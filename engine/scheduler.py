@@ -2,12 +2,19 @@
 recompute.
 
 Each step: running decodes first (a stream never stalls behind a long prompt), then running prefills
-that were cut into chunks, then waiting requests in arrival order, until the token budget
+that were cut into chunks, then waiting requests in queue order, until the token budget
 (max_num_batched_tokens) or max_num_seqs is reached. A waiting request whose grammar is still
 compiling is passed over (it keeps its place) rather than make every step wait for its mask, and so
 is one whose LoRA adapter is still being read or finds every adapter slot in use. When
-the KV pool runs dry, the newest running sequence is preempted: its blocks go back (its full blocks
-stay in the prefix cache) and it waits at the front of the queue to be recomputed.
+the KV pool runs dry, a running sequence is preempted: its blocks go back (its full blocks stay in
+the prefix cache) and it waits at the front of its place in the queue to be recomputed.
+
+The policy (SchedulerConfig.policy) is one rank per sequence, lower served first: 0 for all under
+fcfs, the request's priority under priority. The queue is kept in rank order, arrival order within a
+rank (a preempted sequence goes before the others of its rank, as fcfs puts it at the front); the
+KV victim is the last admitted running sequence of the worst rank (under fcfs: the newest); and a
+waiting sequence of a strictly better rank than a running one, which finds no sequence slot or no
+KV blocks free, takes them from the worst. With equal ranks the policies schedule alike.
 """
 
 from __future__ import annotations
@@ -66,9 +73,10 @@ class Scheduler:
         self.config = config
         self.block_manager = block_manager
         self.adapters = adapters
-        self.waiting: deque[Sequence] = deque()
+        self.waiting: deque[Sequence] = deque()  # in rank order, arrival order within a rank
         self.running: list[Sequence] = []  # admission order: the last is the newest
         self.num_preemptions = 0
+        self.by_priority = config.policy == "priority"
 
     @property
     def num_waiting(self) -> int:
@@ -79,8 +87,17 @@ class Scheduler:
         return len(self.running)
 
     def add(self, seq: Sequence) -> None:
+        """Queue a new sequence behind every waiting one of its rank or better."""
         seq.status = SequenceStatus.WAITING
-        self.waiting.append(seq)
+        rank = self.rank(seq)
+        index = len(self.waiting)
+        while index > 0 and self.rank(self.waiting[index - 1]) > rank:
+            index -= 1
+        self.waiting.insert(index, seq)
+
+    def rank(self, seq: Sequence) -> int:
+        """Where the policy puts seq: lower is served first and preempted last."""
+        return seq.priority if self.by_priority else 0
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
@@ -109,10 +126,8 @@ class Scheduler:
                 continue
             num_new = min(seq.num_uncomputed_tokens, budget)
             while not self.block_manager.allocate(seq, num_new):
-                victim = self.running[-1]
-                self._preempt(victim, out)
-                if victim.seq_id in by_seq:
-                    budget += by_seq.pop(victim.seq_id).num_new_tokens
+                victim = self._worst(self.running)
+                budget += self._preempt(victim, out, by_seq)
                 if victim is seq:
                     break
             else:
@@ -121,25 +136,40 @@ class Scheduler:
 
         # New work waits while the pool is under pressure (it would only be preempted again).
         if not out.preempted:
-            budget = self._admit_waiting(budget, by_seq)
+            budget = self._admit_waiting(budget, out, by_seq)
         out.scheduled = list(by_seq.values())
         return out
 
-    def _admit_waiting(self, budget: int, by_seq: dict[int, ScheduledSequence]) -> int:
+    def _admit_waiting(
+        self, budget: int, out: SchedulerOutput, by_seq: dict[int, ScheduledSequence]
+    ) -> int:
         bm = self.block_manager
         passed_over: list[Sequence] = []
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+        while self.waiting and budget > 0:
             seq = self.waiting[0]
             if seq.grammar is not None and not seq.grammar.is_ready:
                 passed_over.append(self.waiting.popleft())
                 continue
+            # A full batch: only a strictly worse running sequence may give its place up.
+            displaced = None
+            if len(self.running) >= self.config.max_num_seqs:
+                displaced = self._displaceable(seq)
+                if displaced is None:
+                    break
             if seq.lora_name is not None and not self._take_adapter_slot(seq):
                 passed_over.append(self.waiting.popleft())
                 continue
+            if displaced is not None:
+                budget += self._preempt(displaced, out, by_seq)
             cached = bm.find_cached_prefix(seq) if not seq.block_table else []
             num_computed = len(cached) * bm.block_size
             num_new = min(seq.num_tokens - num_computed, budget)
-            if not bm.allocate(seq, num_new, cached):
+            is_allocated = bm.allocate(seq, num_new, cached)
+            while not is_allocated and (displaced := self._displaceable(seq)) is not None:
+                budget += self._preempt(displaced, out, by_seq)
+                num_new = min(seq.num_tokens - num_computed, budget)
+                is_allocated = bm.allocate(seq, num_new, cached)
+            if not is_allocated:
                 break
             self.waiting.popleft()
             bm.record_prefix_query(seq.num_tokens, num_computed)
@@ -175,11 +205,35 @@ class Scheduler:
         held = [s.grammar for s in self.waiting if s.grammar is not None and not s.grammar.is_ready]
         return held if not self.running and len(held) == len(self.waiting) else []
 
-    def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
+    def _worst(self, seqs: list[Sequence]) -> Sequence:
+        """The last of the worst rank among seqs (running: the last admitted)."""
+        worst = max(self.rank(s) for s in seqs)
+        return next(s for s in reversed(seqs) if self.rank(s) == worst)
+
+    def _displaceable(self, seq: Sequence) -> Sequence | None:
+        """The running sequence that waiting seq may preempt to start: the worst, if its rank is
+        strictly worse than seq's (never one that ends with its token in flight)."""
+        candidates = [s for s in self.running if not s.reached_length]
+        if not candidates:
+            return None
+        victim = self._worst(candidates)
+        return victim if self.rank(victim) > self.rank(seq) else None
+
+    def _preempt(
+        self, seq: Sequence, out: SchedulerOutput, by_seq: dict[int, ScheduledSequence]
+    ) -> int:
+        """Send a running sequence back to wait, before the others of its rank; returns the
+        tokens it had been given in this step (now free again)."""
         self.running.remove(seq)
         self.block_manager.free(seq)
         seq.num_computed_tokens = 0
         seq.status = SequenceStatus.WAITING
-        self.waiting.appendleft(seq)
+        rank = self.rank(seq)
+        index = 0
+        while index < len(self.waiting) and self.rank(self.waiting[index]) < rank:
+            index += 1
+        self.waiting.insert(index, seq)
         self.num_preemptions += 1
         out.preempted.append(seq)
+        scheduled = by_seq.pop(seq.seq_id, None)
+        return 0 if scheduled is None else scheduled.num_new_tokens

@@ -34,6 +34,11 @@ class Sequence:
     params: SamplingParams
     eos_token_ids: tuple[int, ...] = ()
     cache_salt: str | None = None
+    # Leading prompt tokens shared with every salt (a platform's common system prompt): the full
+    # blocks inside them are cached without cache_salt.
+    shared_prefix_tokens: int = 0
+    # Its scheduling priority (vLLM's: lower is served first); ignored by the fcfs policy.
+    priority: int = 0
     lora_name: str | None = None  # the LoRA adapter it runs with (None: the base model)
     generator: torch.Generator | None = None
     grammar: SequenceGrammar | None = None  # its position in its constraint, if it has one

@@ -226,6 +226,8 @@ class EngineCore:
             max_loras=0 if config.lora is None else config.lora.max_loras,
             max_lora_rank=0 if config.lora is None else config.lora.max_lora_rank,
             lora_modules=[] if self.lora is None else list(self.lora.paths.items()),
+            max_num_seqs=config.scheduler.max_num_seqs,
+            scheduling_policy=config.scheduler.policy,
         )
         log.info(
             "engine core ready in %.1f s: %s%s",
@@ -378,6 +380,8 @@ class EngineCore:
                     params=params,
                     eos_token_ids=request.eos_token_ids,
                     cache_salt=request.cache_salt,
+                    shared_prefix_tokens=request.shared_prefix_tokens,
+                    priority=request.priority,
                     lora_name=request.lora_name,
                     generator=generator,
                     grammar=grammars[index],

@@ -47,6 +47,9 @@ class AddRequest(msgspec.Struct, frozen=True, array_like=True, tag=True):
     cache_salt: str | None = None
     arrival_time: float | None = None
     lora_name: str | None = None  # a registered adapter (None: the base model)
+    priority: int = 0  # lower is served first (the priority policy only)
+    # Leading prompt tokens whose full blocks are cached without cache_salt (shared by all).
+    shared_prefix_tokens: int = 0
 
 
 class Abort(msgspec.Struct, frozen=True, array_like=True, tag=True):
@@ -131,6 +134,8 @@ class ModelDescription(msgspec.Struct, frozen=True, array_like=True):
     max_loras: int = 0  # adapter slots (0: adapters off)
     max_lora_rank: int = 0
     lora_modules: list[tuple[str, str]] = []  # (name, path) of the adapters loaded at start
+    max_num_seqs: int = 0  # sequences a step runs at most
+    scheduling_policy: str = "fcfs"  # engine.config.SCHEDULING_POLICIES
 
 
 class ModelFilesFound(msgspec.Struct, frozen=True, array_like=True, tag=True):

@@ -1,19 +1,20 @@
 """Prefix caching by chained block hashes (the contract in base.PrefixCache).
 
 A full block's key is (its parent block's hash, its token ids, the request's cache_salt, its LoRA
-adapter); its hash
-is the contract's hash_block of that key, the same one the router computes to predict hits. A hash
-is only a pointer: a hit is confirmed by comparing the stored key, so a 64-bit collision never
-serves another prompt's KV. Published blocks live in the pool's free queue once unreferenced and
-are forgotten only when the pool reuses them.
+adapter); a block inside the prefix the request marks as shared with every tenant has no salt
+(contract.tenancy.unsalted_blocks). Its hash is the contract's hash_block of that key, the same one
+the router computes to predict hits. A hash is only a pointer: a hit is confirmed by comparing the
+stored key, so a 64-bit collision never serves another prompt's KV. Published blocks live in the
+pool's free queue once unreferenced and are forgotten only when the pool reuses them.
 """
 
 from __future__ import annotations
 
 from typing import NamedTuple
 
-from kvpilot.contract.block_hash import hash_block
+from kvpilot.contract.block_hash import block_salt, hash_block
 from kvpilot.contract.kv_events import KvDelta
+from kvpilot.contract.tenancy import unsalted_blocks
 from kvpilot.engine.kv_cache.base import PrefixCache
 from kvpilot.engine.kv_cache.block_pool import Block
 from kvpilot.engine.sequence import Sequence
@@ -29,9 +30,8 @@ class BlockKey(NamedTuple):
 def block_key(seq: Sequence, index: int, block_size: int) -> BlockKey:
     parent = seq.block_hashes[index - 1] if index > 0 else None
     start = index * block_size
-    return BlockKey(
-        parent, tuple(seq.token_ids[start : start + block_size]), seq.cache_salt, seq.lora_name
-    )
+    salt = block_salt(seq.cache_salt, index, unsalted_blocks(seq.shared_prefix_tokens, block_size))
+    return BlockKey(parent, tuple(seq.token_ids[start : start + block_size]), salt, seq.lora_name)
 
 
 def update_block_hashes(seq: Sequence, block_size: int) -> None:

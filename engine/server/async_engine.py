@@ -183,6 +183,8 @@ class ModelInfo:
     async_scheduling: bool = False  # the core's: tokens arrive a step after their step launched
     max_loras: int = 0  # adapter slots (0: adapters off)
     max_lora_rank: int = 0
+    max_num_seqs: int = 0  # the core's: sequences a step runs at most
+    scheduling_policy: str = "fcfs"  # the core's (engine.config.SchedulerConfig.policy)
 
     def limits(
         self,
@@ -371,10 +373,13 @@ class AsyncEngine:
         arrival_time: float | None = None,
         kind: OutputKind = OutputKind.CUMULATIVE,
         lora_name: str | None = None,
+        priority: int = 0,
+        shared_prefix_tokens: int = 0,
     ) -> RequestStream:
         """Hand a request to the core; ValueError when it cannot run (a client error).
         kind: DELTA for a stream (each output holds what is new), FINAL_ONLY for a response that
-        reads nothing before the end (one output, when the request finishes)."""
+        reads nothing before the end (one output, when the request finishes). priority and
+        shared_prefix_tokens: as the core's AddRequest."""
         info = self.info
         if not self.is_alive or info is None or self._processor is None:
             raise EngineDeadError("the engine is not running")
@@ -389,6 +394,8 @@ class AsyncEngine:
             cache_salt,
             arrival,
             lora_name=lora_name,
+            priority=priority,
+            shared_prefix_tokens=shared_prefix_tokens,
         )
         with self._lock:
             if self.error is not None:
@@ -506,7 +513,12 @@ class AsyncEngine:
     def _on_loaded(self, model: ModelDescription, tokenizers: Tokenizers) -> None:
         tokenizer = tokenizers.detokenizer
         self._processor = OutputProcessor(tokenizer)
-        self.kv_events = KvEventHub(model.model_name, model.block_size, max_loras=model.max_loras)
+        self.kv_events = KvEventHub(
+            model.model_name,
+            model.block_size,
+            max_loras=model.max_loras,
+            max_num_seqs=model.max_num_seqs,
+        )
         if self.registry is not None:
             self.metrics = ServerMetrics(
                 self.registry,
@@ -538,6 +550,8 @@ class AsyncEngine:
             max_chars_per_token=tokenizers.max_chars_per_token,
             max_loras=model.max_loras,
             max_lora_rank=model.max_lora_rank,
+            max_num_seqs=model.max_num_seqs,
+            scheduling_policy=model.scheduling_policy,
         )
         self.adapters = dict(model.lora_modules)
         # Everything this process keeps is loaded now: a full collection walking it would stall
@@ -561,6 +575,7 @@ class AsyncEngine:
                     stats.kv_cache_usage,
                     stats.resident_loras,
                     self.info.max_loras if self.info is not None else 0,
+                    self.info.max_num_seqs if self.info is not None else 0,
                 )
                 self.kv_events.publish(step.kv_events, load)
             if metrics is not None:

@@ -47,7 +47,9 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
             num_blocks=args.num_gpu_blocks_override,
         ),
         scheduler=SchedulerConfig(
-            max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs
+            max_num_batched_tokens=args.max_num_batched_tokens,
+            max_num_seqs=args.max_num_seqs,
+            policy=args.scheduling_policy,
         ),
         lora=lora_config(args),
     )

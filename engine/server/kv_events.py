@@ -31,16 +31,18 @@ class KvEventHub:
         *,
         log_length: int = _LOG_LENGTH,
         max_loras: int = 0,
+        max_num_seqs: int = 0,
     ) -> None:
-        """max_loras: the engine's adapter slots, in the load from the first message on (a
-        router tells a replica with free slots from one without adapters before any step)."""
+        """max_loras: the engine's adapter slots, and max_num_seqs, the sequences it runs at once,
+        in the load from the first message on (a router tells a replica with free slots from one
+        without adapters, and knows when a replica is saturated, before any step)."""
         self.model_name = model_name
         self.block_size = block_size
         self._lock = threading.Lock()
         self._hashes: set[int] = set()
         self._seq = 0
         self._log: deque[KvUpdate] = deque(maxlen=log_length)
-        self._load = Load(max_loras=max_loras)
+        self._load = Load(max_loras=max_loras, max_num_seqs=max_num_seqs)
         self._waiters: set[tuple[asyncio.AbstractEventLoop, asyncio.Event]] = set()
 
     # ---- the output thread ----

@@ -156,6 +156,11 @@ async def start_generation(
     """The request's prompts added to the engine, with the LoRA adapter its `model` names."""
     info = state.engine.info
     assert info is not None
+    if request.priority != 0 and info.scheduling_policy != "priority":
+        raise errors.bad_request(
+            f"Got priority {request.priority} but Priority scheduling is not enabled.",
+            param="priority",
+        )
     is_chat = isinstance(request, ChatCompletionRequest)
     what, param = ("messages", "messages") if is_chat else ("prompt", "prompt")
     params = [
@@ -190,6 +195,10 @@ async def start_generation(
                     arrival_time=arrival_time,
                     kind=OutputKind.DELTA if request.stream else OutputKind.FINAL_ONLY,
                     lora_name=adapter_of(state, request.model),
+                    priority=request.priority,
+                    shared_prefix_tokens=(
+                        request.kvpilot_shared_prefix_tokens if request.cache_salt else 0
+                    ),
                 )
             )
     except BaseException as exc:
