@@ -116,7 +116,10 @@ class FairQueue:
         when the queue is full (or a better class evicts it, or close()), QueueTimeout after
         timeout_s without capacity."""
         if rank < 0 or weight < 1 or cost < 0:
-            raise ValueError(f"rank {rank}, weight {weight}, cost {cost:g}: none may be negative")
+            raise ValueError(
+                f"rank {rank}, weight {weight}, cost {cost:g}: rank and cost must be 0 or more, "
+                "weight 1 or more"
+            )
         if self._closed:
             raise QueueFull(CLOSED_MESSAGE)
         ticket = Ticket(tenant, rank, weight, cost)
