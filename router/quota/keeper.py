@@ -5,7 +5,9 @@ With a shared store, every admission, charge and settle is one round trip to it;
 is mirrored into a local store, so that this router's own use is known without it. When the
 shared store cannot be reached, each tenant's setting decides: `open` lets the local store
 decide (the budget this router alone can see), `closed` refuses with `store_unavailable`. While
-the store is down no request waits on it: a background probe finds it back.
+the store is down no request waits on it: a background probe finds it back. (Failing open can
+overshoot by the admissions that were on their way to the store when it died: the local count
+learns of them only from the store's answer.)
 
 Concurrency leases live `lease_ttl_s` unless renewed; the keeper renews those of its requests in
 flight every third of that, so the leases of a router that died free themselves within the ttl.
@@ -106,6 +108,8 @@ class QuotaKeeper:
         if prompt_tokens < 0:
             raise ValueError(f"prompt_tokens must be >= 0, got {prompt_tokens}")
         limited = [scope for scope in scopes if scope.quota.is_limited]
+        if len({scope.key for scope in limited}) != len(limited):
+            raise ValueError("a request's scopes must have distinct keys")
         if not limited:
             return Decision(admitted=True)
         now = self._clock()
