@@ -67,6 +67,8 @@ class QuotaKeeper:
         self._up.set()
         self._renewer: asyncio.Task[None] | None = None
         self._prober: asyncio.Task[None] | None = None
+        # Settles that go on after their caller was cancelled; stop() waits for them.
+        self._settling: set[asyncio.Task[None]] = set()
 
     @property
     def store_up(self) -> bool:
@@ -88,7 +90,10 @@ class QuotaKeeper:
         self._renewer = asyncio.create_task(self._renew_forever(), name="quota-lease-renewer")
 
     async def stop(self) -> None:
-        """Stop renewing and close the store. Leases still in flight expire after the ttl."""
+        """Finish the settles under way, stop renewing and close the store. Leases still in
+        flight (never settled) expire after the ttl."""
+        if self._settling:
+            await asyncio.gather(*self._settling, return_exceptions=True)
         for task in (self._renewer, self._prober):
             if task is not None:
                 task.cancel()
@@ -155,7 +160,10 @@ class QuotaKeeper:
         if flight is None:
             return
         extra = max(0, completion_tokens - flight.charged)
-        await asyncio.shield(self._finish(flight.lease, extra, release=True))
+        task = asyncio.create_task(self._finish(flight.lease, extra, release=True))
+        self._settling.add(task)
+        task.add_done_callback(self._settling.discard)
+        await asyncio.shield(task)
 
     async def usage(self, scope_key: str) -> Usage:
         """A scope's use in the current window: from the shared store while it answers, else

@@ -54,6 +54,22 @@ async def test_two_routers_share_one_budget_exactly(redis_server: RedisServer) -
         assert await two.usage(TENANT) == Usage(100, 1500, 0)
 
 
+async def test_a_settle_cancelled_with_its_client_still_releases(
+    redis_server: RedisServer,
+) -> None:
+    scopes = [Scope(TENANT, Quota(max_concurrent=1, tokens_per_minute=1000))]
+    async with running(QuotaKeeper(redis_server.url)) as other:
+        async with running(QuotaKeeper(redis_server.url)) as keeper:
+            lease = (await keeper.admit(scopes, 10, "closed")).lease
+            settle = asyncio.create_task(keeper.settle(lease, 25))
+            await asyncio.sleep(0)  # the settle has sent its release
+            settle.cancel()  # the client went away: its handler is cancelled
+            with pytest.raises(asyncio.CancelledError):
+                await settle
+        # The release went on without its caller: the slot is free and the tokens counted.
+        assert await other.usage(TENANT) == Usage(requests=1, tokens=35, concurrent=0)
+
+
 async def test_a_request_without_limits_writes_nothing(redis_server: RedisServer) -> None:
     now = time.time()
     async with running(QuotaKeeper(redis_server.url, clock=lambda: now)) as keeper:
