@@ -51,7 +51,9 @@ def describe_scope(scope_key: str) -> str:
     return f"tenant {tenant} for model {model}" if model else f"tenant {tenant}"
 
 
-def rate_limit_headers(scopes: Sequence[Scope], usage: Sequence[Usage], now: float) -> dict:
+def rate_limit_headers(
+    scopes: Sequence[Scope], usage: Sequence[Usage], now: float
+) -> dict[str, str]:
     """The headers of each window kind from the scope with the least left of it."""
     reset = format_reset(window_left_s(now))
     headers: dict[str, str] = {}

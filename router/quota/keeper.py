@@ -5,7 +5,9 @@ With a shared store, every admission, charge and settle is one round trip to it;
 is mirrored into a local store, so that this router's own use is known without it. When the
 shared store cannot be reached, each tenant's setting decides: `open` lets the local store
 decide (the budget this router alone can see), `closed` refuses with `store_unavailable`. While
-the store is down no request waits on it: a background probe finds it back.
+the store is down no request waits on it: a background probe finds it back. (Failing open can
+overshoot by the admissions that were on their way to the store when it died: the local count
+learns of them only from the store's answer.)
 
 Concurrency leases live `lease_ttl_s` unless renewed; the keeper renews those of its requests in
 flight every third of that, so the leases of a router that died free themselves within the ttl.
@@ -65,6 +67,8 @@ class QuotaKeeper:
         self._up.set()
         self._renewer: asyncio.Task[None] | None = None
         self._prober: asyncio.Task[None] | None = None
+        # Settles that go on after their caller was cancelled; stop() waits for them.
+        self._settling: set[asyncio.Task[None]] = set()
 
     @property
     def store_up(self) -> bool:
@@ -86,7 +90,10 @@ class QuotaKeeper:
         self._renewer = asyncio.create_task(self._renew_forever(), name="quota-lease-renewer")
 
     async def stop(self) -> None:
-        """Stop renewing and close the store. Leases still in flight expire after the ttl."""
+        """Finish the settles under way, stop renewing and close the store. Leases still in
+        flight (never settled) expire after the ttl."""
+        if self._settling:
+            await asyncio.gather(*self._settling, return_exceptions=True)
         for task in (self._renewer, self._prober):
             if task is not None:
                 task.cancel()
@@ -106,6 +113,8 @@ class QuotaKeeper:
         if prompt_tokens < 0:
             raise ValueError(f"prompt_tokens must be >= 0, got {prompt_tokens}")
         limited = [scope for scope in scopes if scope.quota.is_limited]
+        if len({scope.key for scope in limited}) != len(limited):
+            raise ValueError("a request's scopes must have distinct keys")
         if not limited:
             return Decision(admitted=True)
         now = self._clock()
@@ -151,7 +160,10 @@ class QuotaKeeper:
         if flight is None:
             return
         extra = max(0, completion_tokens - flight.charged)
-        await asyncio.shield(self._finish(flight.lease, extra, release=True))
+        task = asyncio.create_task(self._finish(flight.lease, extra, release=True))
+        self._settling.add(task)
+        task.add_done_callback(self._settling.discard)
+        await asyncio.shield(task)
 
     async def usage(self, scope_key: str) -> Usage:
         """A scope's use in the current window: from the shared store while it answers, else

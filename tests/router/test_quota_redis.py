@@ -14,7 +14,7 @@ from contextlib import asynccontextmanager
 import pytest
 import redis.asyncio as redis
 
-from kvpilot.contract.tenancy import Quota
+from kvpilot.contract.tenancy import QUOTA_WINDOW_S, Quota
 from kvpilot.router.quota import QuotaKeeper, Scope, Usage, tenant_scope_key
 from kvpilot.router.quota.model import window_index
 
@@ -23,6 +23,13 @@ from ..redis_server import RedisServer, redis_server
 __all__ = ["redis_server"]
 
 TENANT = tenant_scope_key("team-a", "batch")
+# Tests that count in a window run at a fixed time, 10 s into a window: a real clock could cross
+# into the next window in the middle of one.
+NOW = 1_000_000 * QUOTA_WINDOW_S + 10.0
+
+
+def fixed_clock() -> float:
+    return NOW
 
 
 @asynccontextmanager
@@ -37,8 +44,8 @@ async def running(keeper: QuotaKeeper) -> AsyncIterator[QuotaKeeper]:
 async def test_two_routers_share_one_budget_exactly(redis_server: RedisServer) -> None:
     scopes = [Scope(TENANT, Quota(tokens_per_minute=1000, requests_per_minute=150))]
     async with (
-        running(QuotaKeeper(redis_server.url)) as one,
-        running(QuotaKeeper(redis_server.url)) as two,
+        running(QuotaKeeper(redis_server.url, clock=fixed_clock)) as one,
+        running(QuotaKeeper(redis_server.url, clock=fixed_clock)) as two,
     ):
         decisions = await asyncio.gather(
             *(keeper.admit(scopes, 10, "closed") for _ in range(150) for keeper in (one, two))
@@ -54,9 +61,24 @@ async def test_two_routers_share_one_budget_exactly(redis_server: RedisServer) -
         assert await two.usage(TENANT) == Usage(100, 1500, 0)
 
 
+async def test_a_settle_cancelled_with_its_client_still_releases(
+    redis_server: RedisServer,
+) -> None:
+    scopes = [Scope(TENANT, Quota(max_concurrent=1, tokens_per_minute=1000))]
+    async with running(QuotaKeeper(redis_server.url, clock=fixed_clock)) as other:
+        async with running(QuotaKeeper(redis_server.url, clock=fixed_clock)) as keeper:
+            lease = (await keeper.admit(scopes, 10, "closed")).lease
+            settle = asyncio.create_task(keeper.settle(lease, 25))
+            await asyncio.sleep(0)  # the settle has sent its release
+            settle.cancel()  # the client went away: its handler is cancelled
+            with pytest.raises(asyncio.CancelledError):
+                await settle
+        # The release went on without its caller: the slot is free and the tokens counted.
+        assert await other.usage(TENANT) == Usage(requests=1, tokens=35, concurrent=0)
+
+
 async def test_a_request_without_limits_writes_nothing(redis_server: RedisServer) -> None:
-    now = time.time()
-    async with running(QuotaKeeper(redis_server.url, clock=lambda: now)) as keeper:
+    async with running(QuotaKeeper(redis_server.url, clock=fixed_clock)) as keeper:
         decision = await keeper.admit([Scope(TENANT, Quota())], 10, "closed")
         assert decision.admitted and decision.lease is None
         client = redis.Redis.from_url(redis_server.url)
@@ -69,7 +91,7 @@ async def test_a_request_without_limits_writes_nothing(redis_server: RedisServer
             await client.aclose()
         assert sorted(k.decode() for k in keys) == [
             "kvpilot:quota:c:{team-a/batch}",
-            f"kvpilot:quota:w:{window_index(now)}:{{team-a/batch}}",
+            f"kvpilot:quota:w:{window_index(NOW)}:{{team-a/batch}}",
         ]
         assert all(ttl > 0 for ttl in ttls)  # nothing outlives its window or its leases
 
@@ -77,7 +99,7 @@ async def test_a_request_without_limits_writes_nothing(redis_server: RedisServer
 # A router in its own process: admits one request, says so, and runs until it is killed.
 ROUTER = """
 import asyncio, sys
-from kvpilot.contract.tenancy import Quota
+from kvpilot.contract.tenancy import QUOTA_WINDOW_S, Quota
 from kvpilot.router.quota import QuotaKeeper, Scope
 
 async def main():
@@ -129,7 +151,8 @@ async def test_a_dead_store_fails_open_or_closed_and_is_used_again(
     open_scope = [Scope(tenant_scope_key("team-a", "open"), Quota(requests_per_minute=5))]
     closed_key = tenant_scope_key("team-b", "closed")
     closed_scope = [Scope(closed_key, Quota(requests_per_minute=5))]
-    async with running(QuotaKeeper(redis_server.url, probe_interval_s=0.05)) as keeper:
+    keeper = QuotaKeeper(redis_server.url, clock=fixed_clock, probe_interval_s=0.05)
+    async with running(keeper):
         assert keeper.store_up
         for _ in range(2):
             assert (await keeper.admit(open_scope, 10, "open")).admitted
@@ -150,7 +173,7 @@ async def test_a_dead_store_fails_open_or_closed_and_is_used_again(
         await asyncio.wait_for(keeper.wait_store_up(), timeout=5.0)
         assert keeper.store_up
         assert (await keeper.admit(closed_scope, 10, "closed")).admitted
-        async with running(QuotaKeeper(redis_server.url)) as other:
+        async with running(QuotaKeeper(redis_server.url, clock=fixed_clock)) as other:
             assert (await other.usage(closed_key)).requests == 1  # counted in Redis again
 
     messages = [r.getMessage() for r in caplog.records]
@@ -161,10 +184,31 @@ async def test_a_dead_store_fails_open_or_closed_and_is_used_again(
 async def test_a_keeper_starts_while_the_store_is_down(redis_server: RedisServer) -> None:
     redis_server.stop()
     scopes = [Scope(TENANT, Quota(requests_per_minute=1))]
-    async with running(QuotaKeeper(redis_server.url, probe_interval_s=0.05)) as keeper:
+    keeper = QuotaKeeper(redis_server.url, clock=fixed_clock, probe_interval_s=0.05)
+    async with running(keeper):
         assert not keeper.store_up
         assert (await keeper.admit(scopes, 1, "closed")).reason == "store_unavailable"
         assert (await keeper.admit(scopes, 1, "open")).admitted
         redis_server.start()
         await asyncio.wait_for(keeper.wait_store_up(), timeout=5.0)
         assert (await keeper.admit(scopes, 1, "closed")).admitted
+
+
+async def test_leases_in_flight_are_written_back_to_a_restarted_store(
+    redis_server: RedisServer,
+) -> None:
+    ttl = 0.3
+    scopes = [Scope(TENANT, Quota(max_concurrent=1))]
+    keeper = QuotaKeeper(redis_server.url, lease_ttl_s=ttl, probe_interval_s=0.05)
+    async with running(keeper):
+        lease = (await keeper.admit(scopes, 1, "closed")).lease
+        redis_server.stop()
+        redis_server.start()  # empty: the lease is gone from it
+        async with running(QuotaKeeper(redis_server.url)) as other:
+            assert (await other.usage(TENANT)).concurrent == 0
+            # A renewal (every ttl / 3) finds the store gone, the probe finds it back, the next
+            # renewal writes the request's lease back: all well within three ttls.
+            await asyncio.sleep(3 * ttl)
+            assert (await other.admit(scopes, 1, "closed")).reason == "concurrency"
+            await keeper.settle(lease, 0)
+            assert (await other.admit(scopes, 1, "closed")).admitted

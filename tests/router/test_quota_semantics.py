@@ -204,6 +204,8 @@ async def test_bad_counts_are_refused_with_a_clear_error(keeper: QuotaKeeper) ->
     scopes = [Scope(TENANT, Quota(tokens_per_minute=100))]
     with pytest.raises(ValueError, match="prompt_tokens"):
         await keeper.admit(scopes, -1, "open")
+    with pytest.raises(ValueError, match="distinct"):
+        await keeper.admit(scopes * 2, 1, "open")
     lease = (await keeper.admit(scopes, 1, "open")).lease
     with pytest.raises(ValueError, match="tokens"):
         await keeper.charge(lease, -5)
