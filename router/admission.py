@@ -22,7 +22,7 @@ from kvpilot.router.config import TenancyConfig
 from kvpilot.router.fair_queue import FairQueue, QueueFull, QueueTimeout, Ticket
 from kvpilot.router.metrics import RouterMetrics
 from kvpilot.router.prompts import ParsedRequest
-from kvpilot.router.quota import Lease, QuotaKeeper, Scope
+from kvpilot.router.quota import Lease, QuotaKeeper, Scope, model_scope_key, tenant_scope_key
 from kvpilot.router.tenants import Tenant, TenantDirectory, check_grant, presented_key
 from kvpilot.router.usage_meter import Usage
 
@@ -113,10 +113,10 @@ class Admission:
     def scopes(self, tenant: Tenant, model: str) -> list[Scope]:
         scopes = []
         if tenant.quota.is_limited:
-            scopes.append(Scope(tenant.key, tenant.quota))
+            scopes.append(Scope(tenant_scope_key(tenant.namespace, tenant.name), tenant.quota))
         per_model = tenant.spec.model_quota(model)
         if per_model is not None and per_model.is_limited:
-            scopes.append(Scope(f"{tenant.key}|{model}", per_model))
+            scopes.append(Scope(model_scope_key(tenant.namespace, tenant.name, model), per_model))
         return scopes
 
     async def admit(

@@ -73,9 +73,9 @@ def parse_args(argv: list[str]) -> RouterConfig:
     tenancy.add_argument(
         "--replica-concurrency",
         type=int,
-        default=TenancyConfig.replica_concurrency,
-        help="requests of a class or better a replica takes before the rest wait in the "
-        "router's fair queue (where the engine does not report its max_num_seqs)",
+        default=None,
+        help="requests of a class or better a replica takes from this router before the rest "
+        "wait in its fair queue (default: the engine's max_num_seqs, as it reports it)",
     )
     tenancy.add_argument(
         "--max-queued", type=int, default=TenancyConfig.max_queued_per_model,

@@ -64,6 +64,9 @@ class HoldConfig:
             raise ValueError("the hold timeout must be > 0")
 
 
+DEFAULT_REPLICA_CONCURRENCY = 32
+
+
 @dataclass(frozen=True)
 class TenancyConfig:
     """Tenants (Tenant objects and their key Secrets in the watched namespaces, or a file):
@@ -76,8 +79,9 @@ class TenancyConfig:
     # Kubernetes (development, benchmarks).
     tenants_file: str | None = None
     # A replica is saturated for a priority class when this many requests of that class or a
-    # better one are in flight there; the engine's own max_num_seqs when it reports it.
-    replica_concurrency: int = 32
+    # better one are in flight there from this router. None: the engine's own max_num_seqs (from
+    # its load reports), or DEFAULT_REPLICA_CONCURRENCY from an engine that does not say.
+    replica_concurrency: int | None = None
     max_queued_per_model: int = 1024
     queue_timeout_s: float = 120.0
     # The fair queue's cost of a request without max_tokens (settled with its real tokens).
@@ -88,7 +92,7 @@ class TenancyConfig:
     status_interval_s: float = 10.0
 
     def __post_init__(self) -> None:
-        if self.replica_concurrency < 1:
+        if self.replica_concurrency is not None and self.replica_concurrency < 1:
             raise ValueError("replica_concurrency must be >= 1")
         if self.max_queued_per_model < 0:
             raise ValueError("max_queued_per_model must be >= 0")

@@ -24,7 +24,7 @@ from kvpilot.contract.http_errors import error_response
 from kvpilot.contract.openai import PATHS, RequestKind
 from kvpilot.contract.tenancy import unsalted_blocks
 from kvpilot.router.admission import Admission, Admitted
-from kvpilot.router.config import RouterConfig
+from kvpilot.router.config import DEFAULT_REPLICA_CONCURRENCY, RouterConfig
 from kvpilot.router.forwarded_body import with_fields
 from kvpilot.router.hold import HoldFull, HoldTimeout
 from kvpilot.router.kube import request_wake
@@ -152,8 +152,15 @@ class Proxy:
             if request.admitted is not None:
                 # The fair queue let it go because one of these has room for its class.
                 rank = request.admitted.tenant.rank
-                concurrency = self._tenancy_concurrency()
-                candidates = [r for r in candidates if r.has_room(rank, concurrency)] or candidates
+                concurrency = (
+                    self.config.tenancy.replica_concurrency if self.config.tenancy else None
+                )
+                roomy = [
+                    r
+                    for r in candidates
+                    if r.has_room(rank, concurrency, DEFAULT_REPLICA_CONCURRENCY)
+                ]
+                candidates = roomy or candidates
             if not candidates:
                 break
             replica, decision = self._choose(pool, candidates, request)
@@ -170,10 +177,6 @@ class Proxy:
                 return response
             replicas = pool.routable(time.monotonic(), self.config.dead_after_s)
         raise unavailable(model, "every replica tried failed", self.config.hold.retry_after_s)
-
-    def _tenancy_concurrency(self) -> int:
-        tenancy = self.config.tenancy
-        return tenancy.replica_concurrency if tenancy is not None else 1 << 30
 
     # ---- holding ----
     async def _routable_replicas(self, pool: ModelPool) -> list[Replica]:

@@ -17,7 +17,7 @@ import aiohttp
 import httpx
 
 from kvpilot.router.cluster import Adapter, Endpoint, ServiceInfo, endpoint, service_info
-from kvpilot.router.config import RouterConfig
+from kvpilot.router.config import DEFAULT_REPLICA_CONCURRENCY, RouterConfig
 from kvpilot.router.fair_queue import FairQueue
 from kvpilot.router.hold import HoldQueue
 from kvpilot.router.index import BlockIndex
@@ -188,7 +188,7 @@ class Registry:
         def has_capacity(rank: int) -> bool:
             now = time.monotonic()
             return any(
-                r.has_room(rank, tenancy.replica_concurrency)
+                r.has_room(rank, tenancy.replica_concurrency, DEFAULT_REPLICA_CONCURRENCY)
                 for r in pool.routable(now, dead_after_s)
             )
 

@@ -55,12 +55,13 @@ class Replica:
             and now - self.last_heard < dead_after_s
         )
 
-    def has_room(self, rank: int, default_concurrency: int) -> bool:
+    def has_room(self, rank: int, concurrency: int | None, default_concurrency: int) -> bool:
         """Whether a request of this priority rank fits: fewer requests of its rank or a better
-        one in flight here than the engine runs at once (its max_num_seqs, or the default where
-        it does not say). Worse ranks do not count: the engine preempts them for it."""
-        concurrency = self.load.max_num_seqs or default_concurrency
-        return sum(self.in_flight_by_rank[: rank + 1]) < concurrency
+        one in flight here than `concurrency`, or (None) than the engine runs at once (its
+        max_num_seqs; the default where it does not say). Worse ranks do not count: the engine
+        preempts them for it."""
+        limit = concurrency or self.load.max_num_seqs or default_concurrency
+        return sum(self.in_flight_by_rank[: rank + 1]) < limit
 
     def desync(self) -> None:
         self.seq = None

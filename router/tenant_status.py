@@ -19,7 +19,7 @@ import httpx
 from kvpilot.contract.kube import GROUP, VERSION
 from kvpilot.contract.tenancy import QUOTA_WINDOW_S, TENANT_PLURAL
 from kvpilot.router.config import TenancyConfig
-from kvpilot.router.quota import QuotaKeeper
+from kvpilot.router.quota import QuotaKeeper, tenant_scope_key
 from kvpilot.router.tenants import TenantDirectory
 
 log = logging.getLogger("kvpilot.router")
@@ -60,7 +60,7 @@ async def write_usage(
             if not tenant.quota.is_limited:
                 continue
             try:
-                usage = await quotas.usage(tenant.key)
+                usage = await quotas.usage(tenant_scope_key(tenant.namespace, tenant.name))
                 counts = (usage.requests, usage.tokens, usage.concurrent)
                 if written.get(tenant.key) == counts:
                     continue

@@ -12,6 +12,7 @@ import asyncio
 import json
 import re
 import tempfile
+import threading
 from collections import OrderedDict
 from pathlib import Path
 from typing import Any
@@ -36,8 +37,14 @@ async def fetch_tokenizer(client: httpx.AsyncClient, replica_url: str) -> Any:
     return await asyncio.to_thread(_load, directory)
 
 
+# transformers resolves its names lazily, and two threads resolving `AutoTokenizer` at once (two
+# models' tokenizers loading together) can fail with "cannot import name": one at a time.
+_TRANSFORMERS_IMPORT = threading.Lock()
+
+
 def _load(directory: Path) -> Any:
-    from transformers import AutoTokenizer  # as the engine's loader does
+    with _TRANSFORMERS_IMPORT:
+        from transformers import AutoTokenizer  # as the engine's loader does
 
     return fast_encoding(AutoTokenizer.from_pretrained(str(directory)))
 
