@@ -138,9 +138,9 @@ def wait_tokenizer(router: ServeProcess, timeout: float = 60) -> None:
     deadline = time.monotonic() + timeout
     headers = {"Authorization": "Bearer sk-ops-0"}
     with httpx.Client(timeout=5) as client:
-        while not client.get(f"{router.url}/v1/models/{MODEL}", headers=headers).json()[
-            "kvpilot"
-        ]["tokenizerLoaded"]:
+        while not client.get(f"{router.url}/v1/models/{MODEL}", headers=headers).json()["kvpilot"][
+            "tokenizerLoaded"
+        ]:
             assert time.monotonic() < deadline, "the router did not load the tokenizer"
             time.sleep(0.1)
 
