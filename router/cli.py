@@ -67,15 +67,15 @@ def parse_args(argv: list[str]) -> RouterConfig:
     tenancy.add_argument(
         "--quota-store-url",
         default=None,
-        help="Redis URL of the quota counters all routers share (default: "
-        "$KVPILOT_QUOTA_STORE_URL; none: this router counts alone)",
+        help="Redis URL of the quota counters all routers share, else $KVPILOT_QUOTA_STORE_URL; "
+        "with neither, this router counts alone",
     )
     tenancy.add_argument(
         "--replica-concurrency",
         type=int,
         default=None,
         help="requests of a class or better a replica takes from this router before the rest "
-        "wait in its fair queue (default: the engine's max_num_seqs, as it reports it)",
+        "wait in its fair queue; unset, the engine's max_num_seqs (as it reports it)",
     )
     tenancy.add_argument(
         "--max-queued", type=int, default=TenancyConfig.max_queued_per_model,
