@@ -34,6 +34,7 @@ import httpx
 import openai
 import pytest
 import yaml
+from prometheus_client.parser import text_string_to_metric_families
 
 from kvpilot.contract.tenancy import is_granted
 
@@ -365,10 +366,22 @@ async def test_a_critical_request_overtakes_a_best_effort_queue(platform: Platfo
         # Two run (the router's replica concurrency), four wait in the fair queue.
         while len(first_token) < 2:
             await asyncio.sleep(0.01)
+        # The queue is visible: per tenant, and to the operator's autoscaler as held requests.
+        metrics = (await http.get(f"{url}/metrics")).text
+        assert sample(metrics, "kvpilot_router_tenant_queued", tenant=f"{NS}/batch") == 4
+        assert sample(metrics, "kvpilot_router_held_requests", model=MODEL) == 4
         await stream("ops", "sk-ops-0", 4)
         await asyncio.gather(*batch)
     later = sorted(first_token[f"batch{i}"] for i in range(6))
     assert first_token["ops"] < later[2], "the critical request waited behind the batch queue"
+
+
+def sample(text: str, name: str, **labels: str) -> float | None:
+    for family in text_string_to_metric_families(text):
+        for item in family.samples:
+            if item.name == name and all(item.labels.get(k) == v for k, v in labels.items()):
+                return item.value
+    return None
 
 
 async def test_a_thousand_generated_requests_no_5xx_and_nothing_ungranted(
