@@ -158,6 +158,9 @@ FLAGS: tuple[Flag, ...] = (
     flag(SCHEDULER, "--max-num-seqs", type=int, default=DEFAULT_MAX_NUM_SEQS),
     flag(SCHEDULER, "--max-num-batched-tokens", type=int,
          default=DEFAULT_MAX_NUM_BATCHED_TOKENS),
+    flag(SCHEDULER, "--scheduling-policy", default="fcfs", choices=["fcfs", "priority"],
+         help="priority: admit (and keep under KV pressure) a request's `priority` first, "
+         "lower values first; fcfs: arrival order"),
     flag(REQUEST_LIMITS, "--max-queue", type=int, default=None,
          help="429 when this many requests wait (default: no limit)"),
     flag(REQUEST_LIMITS, "--retry-after", type=int, default=1,

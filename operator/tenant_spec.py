@@ -124,9 +124,7 @@ class TenantSpec(KubeModel):
         for field, grants in (("models", self.models), ("adapters", self.adapters)):
             for grant in grants:
                 if not re.fullmatch(GRANT_PATTERN, grant):
-                    raise ValueError(
-                        f"{field}: {grant!r} is not a model id or a pattern over them"
-                    )
+                    raise ValueError(f"{field}: {grant!r} is not a model id or a pattern over them")
         secrets = [(s.name, s.key) for s in self.api_keys]
         if len(set(secrets)) != len(secrets):
             raise ValueError("apiKeys: a Secret (and key) is named twice")
