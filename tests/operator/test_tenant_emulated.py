@@ -15,8 +15,9 @@ import pytest
 from kvpilot.operator.conditions import find_condition
 from kvpilot.operator.config import OperatorConfig
 
+from .chart import operator_rules, rbac_allows
 from .conftest import NAMESPACE, RunningOperator, eventually
-from .emulated import api, create_isvc, events, live
+from .emulated import api, create_isvc, events, live, rbac_call
 from .kube_emulator import KubeEmulator
 
 pytestmark = pytest.mark.kmock(cls=KubeEmulator)
@@ -116,6 +117,12 @@ async def test_a_secret_created_later_makes_the_tenant_ready_with_its_keys_count
     shown = str(live(kmock, TENANT, "team-a")) + str(events(kmock, "team-a"))
     assert KEY_A not in shown and KEY_B not in shown
     assert base64.b64encode(KEY_A.encode()).decode() not in shown
+
+    # Every call it made (kopf's on Tenants included) is in the chart's ClusterRole.
+    rules = operator_rules({"rbac": {"readApiKeySecrets": True}})
+    calls = {call for call in map(rbac_call, kmock._requests) if call is not None}
+    assert {("kvpilot.dev", "tenants/status", "patch"), ("", "secrets", "get")} <= calls
+    assert [call for call in calls if not rbac_allows(rules, *call)] == []
 
 
 async def test_an_invalid_spec_is_invalidspec_once_without_a_retry_storm(
