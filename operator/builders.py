@@ -146,6 +146,7 @@ def build_engine_args(spec: InferenceServiceSpec, served_name: str) -> list[str]
     if spec.effective_tensor_parallel_size > 1:
         args += ["--tensor-parallel-size", str(spec.effective_tensor_parallel_size)]
     args += ["--shutdown-timeout", str(spec.drain_seconds)]
+    args += ["--scheduling-policy", engine.scheduling_policy]
     return args + build_lora_args(spec) + list(engine.extra_args)
 
 

@@ -67,6 +67,9 @@ class OperatorConfig:
     # How long the engine may take to load one adapter (downloading an hf:// one included)
     # before that replica shows it Loading and the next round looks again.
     adapter_load_timeout_seconds: float = 120.0
+    # Every Tenant is checked again this often (its Secrets, its grants against the served
+    # models): how soon a Secret created after its Tenant makes the Tenant Ready.
+    tenant_check_seconds: float = 30.0
     # The operator's own Prometheus /metrics on 0.0.0.0:PORT; 0 serves none.
     metrics_port: int = DEFAULT_METRICS_PORT
     # The engine pods' port the autoscaler scrapes: the engine's, always, in a cluster. A setting
@@ -114,6 +117,10 @@ class OperatorConfig:
         if not self.adapter_sync_seconds > 0:
             raise ValueError(
                 f"adapter sync interval must be > 0 seconds, got {self.adapter_sync_seconds}"
+            )
+        if not self.tenant_check_seconds > 0:
+            raise ValueError(
+                f"tenant check interval must be > 0 seconds, got {self.tenant_check_seconds}"
             )
         if not self.adapter_load_timeout_seconds > 0:
             raise ValueError(
@@ -222,6 +229,13 @@ def build_parser() -> argparse.ArgumentParser:
         "brought into its Ready replicas (env KVPILOT_ADAPTER_SYNC_INTERVAL; default 10)",
     )
     parser.add_argument(
+        "--tenant-check-interval",
+        type=float,
+        metavar="SECONDS",
+        help="how often every Tenant's Secrets and grants are checked again (env "
+        "KVPILOT_TENANT_CHECK_INTERVAL; default 30)",
+    )
+    parser.add_argument(
         "--adapter-load-timeout",
         type=float,
         metavar="SECONDS",
@@ -296,6 +310,12 @@ def config_from(argv: list[str], env: Mapping[str, str]) -> OperatorConfig:
             "adapter_sync_seconds",
             args.adapter_sync_interval,
             "KVPILOT_ADAPTER_SYNC_INTERVAL",
+            float,
+        ),
+        (
+            "tenant_check_seconds",
+            args.tenant_check_interval,
+            "KVPILOT_TENANT_CHECK_INTERVAL",
             float,
         ),
         (

@@ -58,6 +58,8 @@ SET_BY_THE_OPERATOR: dict[str, tuple[str, str]] = {
         "--tensor-parallel-size",
         "set spec.engine.tensorParallelSize (spec.gpus by default)",
     ),
+    # The router forwards each tenant's priority; the policy decides whether replicas heed it.
+    "scheduling_policy": ("--scheduling-policy", "set spec.engine.schedulingPolicy"),
     "shutdown_timeout": (
         "--shutdown-timeout",
         "set spec.drainSeconds (the pod's grace period follows it)",

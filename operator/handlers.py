@@ -10,7 +10,7 @@ import asyncio
 import logging
 import os
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, TypeVar
 
 import kopf
 
@@ -22,6 +22,7 @@ from kvpilot.contract.kube import (
     PLURAL,
     VERSION,
 )
+from kvpilot.contract.tenancy import TENANT_PLURAL
 from kvpilot.operator.adapter_client import AdapterClient, AdapterClientTimeouts
 from kvpilot.operator.adapter_sync import AdapterSync
 from kvpilot.operator.adapters import needs_sync
@@ -33,9 +34,14 @@ from kvpilot.operator.autoscaling.zero import wake_scope
 from kvpilot.operator.config import OperatorConfig, parse_selector
 from kvpilot.operator.kube import KubeApi, KubeError, connect
 from kvpilot.operator.reconcile import Outcome, Reconciler
+from kvpilot.operator.tenant_check import ServedIds, served_ids_of
+from kvpilot.operator.tenants import TenantChecker
 
 logger = logging.getLogger(__name__)
 
+T = TypeVar("T")
+# The index of the model ids served (kopf passes it to handlers under this name).
+SERVED_IDS = "served_ids"
 # Retries of a failed reconcile wait 2, 4, 8 ... seconds, at most this long.
 MAX_RETRY_DELAY_SECONDS = 120.0
 TIMER_EXIT_SECONDS = 5.0
@@ -93,6 +99,7 @@ class _Parts:
     """What the handlers share, built at startup inside kopf's event loop."""
 
     reconciler: Reconciler
+    tenants: TenantChecker
     autoscaler: Autoscaler
     adapter_sync: AdapterSync
     scraper: MetricsScraper | None = None
@@ -126,6 +133,7 @@ def build_registry(
             client = await asyncio.to_thread(connect)
             kube = KubeApi(client, timeout_seconds=config.api_timeout_seconds)
         parts.reconciler = Reconciler(kube, config, post_kopf_event, metrics=metrics)
+        parts.tenants = TenantChecker(kube, post_kopf_event)
         # The scraper's pooled HTTP client belongs to this event loop: made here, closed below.
         parts.scraper = MetricsScraper(timeout_s=config.scrape_timeout_seconds)
         routers = None
@@ -221,6 +229,39 @@ def build_registry(
             if woken:
                 post_kopf_event(body, "Normal", "WakeFromZero", f"a router holds requests: {new}")
 
+    # The model ids every watched InferenceService serves, for the Tenants' grants (kopf keeps
+    # the index from the watch it already has: no API call per check).
+    @kopf.index(GROUP, VERSION, PLURAL, id=SERVED_IDS, registry=registry)
+    def served_ids(body: kopf.Body, **_: Any) -> dict[str, ServedIds]:
+        return {SERVED_IDS: served_ids_of(body)}
+
+    def check_tenant(body: kopf.Body, index: kopf.Index[str, ServedIds]) -> None:
+        served = ServedIds.union(index.get(SERVED_IDS, []))
+        meta = body["metadata"]
+        parts.tenants.check(meta["namespace"], meta["name"], served)
+
+    @kopf.on.resume(GROUP, VERSION, TENANT_PLURAL, id="check", registry=registry)
+    @kopf.on.create(GROUP, VERSION, TENANT_PLURAL, id="check", registry=registry)
+    @kopf.on.update(GROUP, VERSION, TENANT_PLURAL, id="check", registry=registry)
+    def tenant_changed(
+        body: kopf.Body, retry: int, served_ids: kopf.Index[str, ServedIds], **_: Any
+    ) -> None:
+        run_api_step(lambda: check_tenant(body, served_ids), retry)
+
+    # Secrets created (or filled) after their Tenant, and models deployed after it, show here.
+    @kopf.timer(
+        GROUP,
+        VERSION,
+        TENANT_PLURAL,
+        id="recheck",
+        interval=config.tenant_check_seconds,
+        registry=registry,
+    )
+    def tenant_recheck(
+        body: kopf.Body, retry: int, served_ids: kopf.Index[str, ServedIds], **_: Any
+    ) -> None:
+        run_api_step(lambda: check_tenant(body, served_ids), retry)
+
     child_filter = {LABEL_MANAGED_BY: MANAGED_BY}
 
     @kopf.on.event(
@@ -238,13 +279,17 @@ def build_registry(
 
 def run_reconcile(step: Callable[[], Outcome], retry: int) -> Outcome:
     """API trouble becomes a retry with exponential backoff; anything else propagates."""
+    return run_api_step(step, retry)
+
+
+def run_api_step(step: Callable[[], T], retry: int) -> T:
+    """API trouble becomes a retry with exponential backoff; anything else propagates."""
     try:
-        outcome = step()
+        return step()
     except KubeError as error:
         if not error.is_retryable:
             raise kopf.PermanentError(str(error)) from error
         raise kopf.TemporaryError(str(error), delay=retry_delay(retry)) from error
-    return outcome
 
 
 def report(outcome: Outcome) -> None:

@@ -19,6 +19,7 @@ import urllib3.exceptions
 from kubernetes.client.exceptions import ApiException
 
 from kvpilot.contract.kube import GROUP, PLURAL, VERSION
+from kvpilot.contract.tenancy import TENANT_PLURAL
 from kvpilot.operator.constants import (
     AUTOSCALER_FIELD_MANAGER,
     DEFAULT_API_TIMEOUT_SECONDS,
@@ -51,9 +52,12 @@ API_CALLS = (
     ("", "pods", "list"),
     (GROUP, PLURAL, "get"),
     (GROUP, f"{PLURAL}/status", "patch"),
+    (GROUP, TENANT_PLURAL, "get"),
+    (GROUP, f"{TENANT_PLURAL}/status", "patch"),
 )
 # Only where the chart grants it (rbac.readApiKeySecrets): the adapter sync reads the engine's
-# API key (spec.engine.apiKeySecret) to call the adapter API of a service that has one.
+# API key (spec.engine.apiKeySecret) to call the adapter API of a service that has one, and the
+# Tenant check counts the keys of the Secrets a Tenant names.
 OPTIONAL_API_CALLS = (("", "secrets", "get"),)
 
 
@@ -244,6 +248,41 @@ class KubeApi:
         except (ValueError, UnicodeDecodeError):
             return None
 
+    def read_secret_entries(self, namespace: str, name: str) -> frozenset[str] | None:
+        """The names of a Secret's entries that hold a non-empty value (None when the Secret is
+        missing). Values never leave this method: a caller can count keys, not learn them."""
+        secret = _call_or_none(
+            lambda: self._core.read_namespaced_secret(name, namespace, **self._raw)
+        )
+        if secret is None:
+            return None
+        data = secret.get("data") or {}
+        return frozenset(entry for entry, encoded in data.items() if _decodes_non_empty(encoded))
+
+    # -- the Tenant --------------------------------------------------------------------------
+
+    def get_tenant(self, namespace: str, name: str) -> dict[str, Any] | None:
+        return _call_or_none(
+            lambda: self._custom.get_namespaced_custom_object(
+                GROUP, VERSION, namespace, TENANT_PLURAL, name, **self._raw
+            )
+        )
+
+    def patch_tenant_status(self, namespace: str, name: str, status: dict[str, Any]) -> None:
+        # A merge patch of the operator's keys only: the routers' status.usage stays.
+        _call(
+            lambda: self._custom.patch_namespaced_custom_object_status(
+                GROUP,
+                VERSION,
+                namespace,
+                TENANT_PLURAL,
+                name,
+                {"status": status},
+                _content_type=MERGE_PATCH_CONTENT_TYPE,
+                **self._raw,
+            )
+        )
+
     # -- the InferenceService ----------------------------------------------------------------
 
     def get_inferenceservice(self, namespace: str, name: str) -> dict[str, Any] | None:
@@ -301,6 +340,14 @@ def _call(request: Callable[[], Any]) -> dict[str, Any]:
             status=response.status,
             is_retryable=True,
         ) from None
+
+
+def _decodes_non_empty(encoded: Any) -> bool:
+    """Whether a Secret's data entry holds a key: base64 of a non-blank UTF-8 text."""
+    try:
+        return bool(base64.b64decode(encoded, validate=True).decode("utf-8").strip())
+    except (TypeError, ValueError, UnicodeDecodeError):
+        return False
 
 
 def _call_or_none(request: Callable[[], Any]) -> dict[str, Any] | None:

@@ -71,6 +71,9 @@ DEFAULT_DRAIN_SECONDS = 300
 TargetModule = Literal[TARGET_MODULES]  # type: ignore[valid-type]
 # Bounds the CEL rules' cost over spec.adapters (the API server refuses unbounded loops).
 MAX_ADAPTERS = 256
+# Shared prefixes are matched against every prompt of every tenant: few, and each a prompt's size.
+MAX_SHARED_PREFIXES = 16
+MAX_SHARED_PREFIX_CHARS = 65536
 
 
 class InvalidSpecError(ValueError):
@@ -376,6 +379,13 @@ class EngineSpec(KubeModel):
         description="Environment of the engine container and the model download.",
     )
     lora: LoraSpec | None = Field(default=None, description=LoraSpec.__doc__)
+    scheduling_policy: Literal["fcfs", "priority"] = Field(
+        default="priority",
+        description="How each replica admits waiting requests (--scheduling-policy): "
+        "`priority` serves a request's priority first (the router forwards its tenant's "
+        "priority class) and, under KV-cache pressure, preempts the lowest first; with equal "
+        "priorities it is first-come-first-served, as `fcfs` always is. Default: priority.",
+    )
     startup_timeout_seconds: int = Field(
         default=1800,
         ge=10,
@@ -556,6 +566,16 @@ class InferenceServiceSpec(KubeModel):
         description="LoRA adapters served on top of the model, each under its own name. "
         "Adding or removing one loads or unloads it in the running replicas (no rollout); "
         "status.adapters says where each is loaded.",
+    )
+    shared_prefixes: list[
+        Annotated[str, Field(min_length=1, max_length=MAX_SHARED_PREFIX_CHARS)]
+    ] = Field(
+        default_factory=list,
+        max_length=MAX_SHARED_PREFIXES,
+        description="Texts the platform shares across tenants, such as a common system "
+        "prompt: the router leaves the KV blocks of a prompt that starts with one of them "
+        "unsalted, so every tenant hits the same cached prefix (the rest of each prompt "
+        "stays cached per tenant).",
     )
     drain_seconds: int = Field(
         default=DEFAULT_DRAIN_SECONDS,

@@ -38,6 +38,7 @@ from .server_defaults import stored
 # and CRDs to be discoverable even when it never lists them (scanning is disabled).
 RESOURCES = (
     ("kvpilot.dev/v1alpha1/inferenceservices", "InferenceService", True, {"status", "scale"}),
+    ("kvpilot.dev/v1alpha1/tenants", "Tenant", True, {"status"}),
     ("apps/v1/deployments", "Deployment", True, {"status", "scale"}),
     ("v1/services", "Service", True, {"status"}),
     ("policy/v1/poddisruptionbudgets", "PodDisruptionBudget", True, {"status"}),

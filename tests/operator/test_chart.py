@@ -146,10 +146,13 @@ def test_values_schema_rejects_bad_values() -> None:
     assert report["errors"], report
 
 
-def test_chart_ships_the_generated_crd() -> None:
+def test_chart_ships_the_generated_crds() -> None:
     with helm.Chart.load(CHART) as chart:
-        (crd,) = chart.crds
-    assert yaml.safe_load(crd["data"]) == crdgen.build_crd()
+        shipped = [yaml.safe_load(crd["data"]) for crd in chart.crds]
+    by_name = {crd["metadata"]["name"]: crd for crd in shipped}
+    assert len(by_name) == len(shipped) == 2
+    assert by_name[crdgen.CRD_NAME] == crdgen.build_crd()
+    assert by_name[crdgen.TENANT_CRD_NAME] == crdgen.build_tenant_crd()
 
 
 def test_cluster_role_covers_the_operators_own_calls() -> None:

@@ -40,6 +40,8 @@ TOGGLED: dict[str, dict[str, Any]] = {
     "engine-image": {"engine": {"image": "registry.example/engine:1"}},
     "pull-secrets": {"imagePullSecrets": [{"name": "regcred"}]},
     "watch-namespaces": {"watchNamespaces": ["team-a", "team-b"]},
+    "tenancy": {"tenancy": {"enabled": True, "redisUrlSecret": {"name": "quota", "key": "url"}}},
+    "tenancy-url": {"tenancy": {"enabled": True, "redisUrl": "redis://quota:6379/0"}},
     "logging": {"logLevel": "debug", "logFormat": "json", "resyncSeconds": 10},
     "prefix": {"annotationPrefix": "kvpilot.example.com"},
     "autoscaler": {"autoscaler": {"intervalSeconds": 2, "scrapeTimeoutSeconds": 0.5}},

@@ -49,7 +49,8 @@ def test_generated_crd_files_are_up_to_date() -> None:
 def test_check_mode_fails_on_a_stale_file(tmp_path: Path) -> None:
     for folder in crdgen.OUTPUT_DIRS:
         (tmp_path / folder).mkdir(parents=True)
-        shutil.copy(ROOT / folder / crdgen.CRD_FILE, tmp_path / folder / crdgen.CRD_FILE)
+        for name in crdgen.rendered_files():
+            shutil.copy(ROOT / folder / name, tmp_path / folder / name)
     assert crdgen.main(["--check", "--root", str(tmp_path)]) == 0
     chart_copy = tmp_path / "charts/kvpilot/crds" / crdgen.CRD_FILE
     chart_copy.write_text(chart_copy.read_text().replace("kis", "isvc"))

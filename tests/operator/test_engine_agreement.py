@@ -54,6 +54,7 @@ ENGINE_SETTINGS: dict[str, list[Any]] = {
     "structuredOutputsBackend": ["auto", "xgrammar", "llguidance", "outlines", "XGrammar", ""],
     "toolCallParser": ["hermes", "llama3_json", "mistral", "pythonic", ""],
     "chatTemplate": ["{{ messages[0].content }}", ""],
+    "schedulingPolicy": ["fcfs", "priority", "FCFS", "lottery", ""],
 }
 # Settings of the container, not of the engine's configuration (their own tests cover them).
 CONTAINER_SETTINGS = {
@@ -154,6 +155,7 @@ FLAGS = {
     "structuredOutputsBackend": "--structured-outputs-backend",
     "toolCallParser": "--tool-call-parser",
     "chatTemplate": "--chat-template",
+    "schedulingPolicy": "--scheduling-policy",
 }
 
 
