@@ -1,6 +1,6 @@
 """Tenancy: what the operator, the router and the engine agree on when many teams share the pool.
 
-A tenant (a `Tenant` custom resource, kvpilot.operator.tenant_spec) is a team: its API keys (in
+A tenant (a `Tenant` custom resource, kvpilot.contract.tenant_spec) is a team: its API keys (in
 Secrets, never in the CR), the model ids and LoRA adapters it may use, a priority class and a
 weight, and its quotas. The router authenticates every request to a tenant, checks the grant,
 charges the quota, queues it fairly when the model's replicas are saturated, and forwards it

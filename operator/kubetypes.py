@@ -8,8 +8,9 @@ import re
 from typing import Annotated, Any, Literal
 
 from kubernetes.utils import parse_quantity
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, WithJsonSchema
-from pydantic.alias_generators import to_camel
+from pydantic import AfterValidator, Field, WithJsonSchema
+
+from kvpilot.contract.kube_model import KubeModel
 
 # apimachinery's resource.Quantity grammar, as the CRD pattern controller-gen emits: the API
 # server checks it at apply time, and the operator parses with kubernetes.utils.parse_quantity.
@@ -17,19 +18,6 @@ QUANTITY_PATTERN = (
     r"^(\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))(([KMGTPE]i)|[numkMGTPE]|([eE](\+|-)?(([0-9]+"
     r"(\.[0-9]*)?)|(\.[0-9]+))))?$"
 )
-
-
-class KubeModel(BaseModel):
-    # strict: no coercion ("yes" -> True, "8" -> 8, 8.0 -> 8), as the API server's schema
-    # allows none; what the CRD refuses, the model refuses too (an object stored under an older
-    # CRD, or applied where the schema is not enforced, gets InvalidSpec rather than a guess).
-    model_config = ConfigDict(
-        alias_generator=to_camel,
-        populate_by_name=True,
-        extra="forbid",
-        frozen=True,
-        strict=True,
-    )
 
 
 def _check_quantity(value: int | str) -> int | str:

@@ -21,6 +21,7 @@ from pydantic import (
 )
 
 from kvpilot.contract.kube import LABEL_INSTANCE, LABEL_NAME
+from kvpilot.contract.kube_model import InvalidSpecError, format_validation_error
 from kvpilot.contract.lora import (
     DEFAULT_MAX_LORA_RANK,
     DEFAULT_MAX_LORAS,
@@ -74,10 +75,6 @@ MAX_ADAPTERS = 256
 # Shared prefixes are matched against every prompt of every tenant: few, and each a prompt's size.
 MAX_SHARED_PREFIXES = 16
 MAX_SHARED_PREFIX_CHARS = 65536
-
-
-class InvalidSpecError(ValueError):
-    """The object cannot be reconciled as written; the message is meant for `kubectl describe`."""
 
 
 class ModelCache(KubeModel):
@@ -776,13 +773,3 @@ def parse_spec(spec: Any) -> InferenceServiceSpec:
         return InferenceServiceSpec.model_validate(spec)
     except ValidationError as error:
         raise InvalidSpecError(format_validation_error(error)) from None
-
-
-def format_validation_error(error: ValidationError) -> str:
-    """'spec.engine.blockSize: Input should be ...; spec.model: ...' in the CRD's field names."""
-    problems = []
-    for item in error.errors(include_url=False):
-        where = ".".join(["spec", *(str(part) for part in item["loc"])])
-        message = item["msg"].removeprefix("Value error, ")
-        problems.append(f"{where}: {message}")
-    return "; ".join(problems)

@@ -16,9 +16,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvpilot.contract.tenancy import is_granted
+from kvpilot.contract.tenant_spec import TenantSpec, parse_tenant_spec
 from kvpilot.operator.conditions import READY, Condition
 from kvpilot.operator.spec import InvalidSpecError
-from kvpilot.operator.tenant_spec import TenantSpec, parse_tenant_spec
 
 # The names of a Secret's entries that hold a non-empty value; None: the Secret does not exist.
 SecretEntries = frozenset[str] | None

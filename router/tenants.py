@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvpilot.contract import errors
+from kvpilot.contract.kube_model import InvalidSpecError
 from kvpilot.contract.tenancy import (
     AUTHORIZATION_HEADER,
     BEARER,
@@ -28,8 +29,7 @@ from kvpilot.contract.tenancy import (
     key_digest,
     priority_rank,
 )
-from kvpilot.operator.spec import InvalidSpecError
-from kvpilot.operator.tenant_spec import TenantSpec, parse_tenant_spec
+from kvpilot.contract.tenant_spec import TenantSpec, parse_tenant_spec
 
 log = logging.getLogger("kvpilot.router")
 

@@ -8,6 +8,7 @@ from typing import Any
 
 import pytest
 
+from kvpilot.contract.tenant_spec import TenantSpec, parse_tenant_spec
 from kvpilot.operator.tenant_check import (
     ServedIds,
     TenantCheck,
@@ -16,7 +17,6 @@ from kvpilot.operator.tenant_check import (
     parse,
     served_ids_of,
 )
-from kvpilot.operator.tenant_spec import TenantSpec, parse_tenant_spec
 
 SERVED = ServedIds(frozenset({"chat", "llama-3.1-8b"}), frozenset({"team-a-sql"}))
 

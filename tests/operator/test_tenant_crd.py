@@ -12,10 +12,10 @@ from typing import Any
 import pytest
 import yaml
 
+from kvpilot.contract.tenant_spec import parse_tenant_spec
 from kvpilot.operator import crdgen
 from kvpilot.operator.conditions import READY, Condition
 from kvpilot.operator.spec import InvalidSpecError
-from kvpilot.operator.tenant_spec import parse_tenant_spec
 from kvpilot.operator.tenant_status import TenantStatus, build_tenant_status
 
 from .crd_schema import api_server_errors, crd_schema, walk_schema

@@ -1,5 +1,6 @@
 """The Tenant spec as pydantic models: the single source of the Tenant CRD's schema (crdgen), and
-the one parser the operator (conditions) and the router (authentication, grants, quotas) use.
+the one parser the operator (conditions) and the router (authentication, grants, quotas) use;
+in the contract because both read it.
 
 A Tenant is one team sharing the platform's models: its API keys live in Secrets of the Tenant's
 namespace (named here, never copied here), it may use the model ids and adapters its grants
@@ -14,6 +15,7 @@ from typing import Any
 
 from pydantic import Field, ValidationError, model_validator
 
+from kvpilot.contract.kube_model import InvalidSpecError, KubeModel, format_validation_error
 from kvpilot.contract.tenancy import (
     DEFAULT_PRIORITY_CLASS,
     DEFAULT_STORE_FAILURE,
@@ -23,8 +25,6 @@ from kvpilot.contract.tenancy import (
     Quota,
     StoreFailure,
 )
-from kvpilot.operator.kubetypes import KubeModel
-from kvpilot.operator.spec import InvalidSpecError, format_validation_error
 
 # Bounds the CEL rules' cost and the router's work per request (grants are matched in order).
 MAX_GRANTS = 64
