@@ -8,93 +8,21 @@ adapters are listed in /v1/models with their parent."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
-from typing import Any
 
 import httpx
-import msgspec
 import pytest
-import uvicorn
-from aiohttp import web
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvpilot.contract.block_hash import HASH_SCHEME, chain_block_hashes
-from kvpilot.contract.kv_events import KV_EVENTS_PATH, KvHeartbeat, KvSnapshot, Load
-from kvpilot.router.app import create_app
+from kvpilot.contract.block_hash import chain_block_hashes
+from kvpilot.contract.kv_events import Load
 from kvpilot.router.config import RouterConfig
-from kvpilot.router.runtime import RouterRuntime
+
+from .stand_in import PROMPT, StandIn, serve_router, serve_stand_in
 
 BLOCK_SIZE = 4
 # The static model's pods, by the order of its URLs: the stand-ins a and b.
 STAND_INS = {"base-0": "a", "base-1": "b"}
-PROMPT = list(range(200, 241))  # 41 tokens: 10 full blocks before the last token
-
-
-@dataclass
-class StandIn:
-    """An engine replica as the router sees it: its cached hashes and its load."""
-
-    name: str
-    hashes: list[int]
-    load: Load
-    bodies: list[dict[str, Any]] = field(default_factory=list)
-
-    async def kv_events(self, request: web.Request) -> web.StreamResponse:
-        response = web.StreamResponse(headers={"content-type": "application/x-ndjson"})
-        await response.prepare(request)
-        snapshot = KvSnapshot(0, "base", BLOCK_SIZE, HASH_SCHEME, self.hashes, self.load)
-        await response.write(msgspec.json.encode(snapshot) + b"\n")
-        while True:
-            await asyncio.sleep(0.2)
-            await response.write(msgspec.json.encode(KvHeartbeat(0, self.load)) + b"\n")
-
-    async def completions(self, request: web.Request) -> web.Response:
-        body = await request.json()
-        self.bodies.append(body)
-        return web.json_response(
-            {
-                "id": "cmpl-1", "object": "text_completion", "created": 0, "model": body["model"],
-                "choices": [
-                    {"index": 0, "text": self.name, "finish_reason": "stop", "logprobs": None}
-                ],
-                "usage": {"prompt_tokens": len(PROMPT), "completion_tokens": 1,
-                          "total_tokens": len(PROMPT) + 1},
-            }
-        )  # fmt: skip
-
-
-@contextlib.asynccontextmanager
-async def serve_stand_in(engine: StandIn) -> AsyncIterator[str]:
-    app = web.Application()
-    app.router.add_get(KV_EVENTS_PATH, engine.kv_events)
-    app.router.add_post("/v1/completions", engine.completions)
-    runner = web.AppRunner(app, shutdown_timeout=0.1, handler_cancellation=True)
-    await runner.setup()
-    await web.TCPSite(runner, "127.0.0.1", 0).start()
-    try:
-        yield f"http://127.0.0.1:{runner.addresses[0][1]}"
-    finally:
-        await runner.cleanup()
-
-
-@contextlib.asynccontextmanager
-async def serve_router(config: RouterConfig) -> AsyncIterator[str]:
-    server = uvicorn.Server(
-        uvicorn.Config(
-            create_app(RouterRuntime(config, None)), host="127.0.0.1", port=0, log_level="warning"
-        )
-    )
-    task = asyncio.create_task(server.serve())
-    while not server.started:
-        await asyncio.sleep(0.01)
-    try:
-        yield f"http://127.0.0.1:{server.servers[0].sockets[0].getsockname()[1]}"
-    finally:
-        server.should_exit = True
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
 
 
 @pytest.fixture
