@@ -26,12 +26,14 @@ MAX_NUM_SEQS = 2
 def priority_server() -> Iterator[InProcessServer]:
     config = EngineConfig(
         max_model_len=512,
+        async_scheduling=True,  # as on one GPU: preemption with a token in flight
         cache=CacheConfig(kv_cache_gib=0.25),
         scheduler=SchedulerConfig(max_num_seqs=MAX_NUM_SEQS, policy="priority"),
     )
     engine = AsyncEngine(config, registry=CollectorRegistry(), core_threads=1)
     engine.start()
     assert engine.wait_loaded(timeout=300), f"the engine did not load: {engine.error}"
+    assert engine.info is not None and engine.info.async_scheduling
     live = serve_in_thread(ServerState(engine))
     yield live
     live.stop()
