@@ -145,14 +145,15 @@ class Scheduler:
     ) -> int:
         bm = self.block_manager
         passed_over: list[Sequence] = []
-        while self.waiting and budget > 0:
+        while self.waiting:
             seq = self.waiting[0]
             if seq.grammar is not None and not seq.grammar.is_ready:
                 passed_over.append(self.waiting.popleft())
                 continue
-            # A full batch: only a strictly worse running sequence may give its place up.
+            # A full batch or a spent budget: only a strictly worse running sequence may give
+            # its place (and its tokens in this step) up.
             displaced = None
-            if len(self.running) >= self.config.max_num_seqs:
+            if budget == 0 or len(self.running) >= self.config.max_num_seqs:
                 displaced = self._displaceable(seq)
                 if displaced is None:
                     break
@@ -161,6 +162,8 @@ class Scheduler:
                 continue
             if displaced is not None:
                 budget += self._preempt(displaced, out, by_seq)
+                if budget == 0:
+                    break  # its place is free from the next step on
             cached = bm.find_cached_prefix(seq) if not seq.block_table else []
             num_computed = len(cached) * bm.block_size
             num_new = min(seq.num_tokens - num_computed, budget)

@@ -11,6 +11,8 @@ import httpx
 from kvpilot.contract.block_hash import HASH_SCHEME, chain_block_hashes
 from kvpilot.engine.server.inprocess import InProcessServer
 
+from .conftest import MAX_NUM_SEQS
+
 
 def test_kv_events_carry_the_prompts_chained_hashes(server: InProcessServer) -> None:
     info = server.state.engine.info
@@ -55,8 +57,10 @@ def test_kv_events_carry_the_prompts_chained_hashes(server: InProcessServer) -> 
     seqs = [m["seq"] for m in messages if m["kind"] == "update"]
     assert seqs == list(range(snapshot["seq"] + 1, snapshot["seq"] + 1 + len(seqs)))
     assert set(messages[-1]["load"]) == {
-        "num_waiting", "num_running", "kv_cache_usage", "resident_loras", "max_loras"
+        "num_waiting", "num_running", "kv_cache_usage", "resident_loras", "max_loras",
+        "max_num_seqs",
     }  # fmt: skip
+    assert messages[-1]["load"]["max_num_seqs"] == snapshot["load"]["max_num_seqs"] == MAX_NUM_SEQS
 
 
 def test_tokenizer_files_are_served(server: InProcessServer) -> None:
