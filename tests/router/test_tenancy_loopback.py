@@ -323,10 +323,17 @@ async def test_prefix_cache_is_salted_per_tenant_but_the_shared_prefix(platform:
     async with httpx.AsyncClient(timeout=60) as http:
 
         async def cached(key: str, messages: list[dict[str, str]]) -> int:
+            """The engine's cached prompt tokens; the router's prediction (its prefix index,
+            hashed with the same salt) must be what the engine then holds."""
+            await asyncio.sleep(0.3)  # the last request's block events reach the router
             body = {"model": MODEL, "messages": messages, "max_tokens": 1}
             answer = await post(http, url, key, body)
             assert answer.status_code == 200, answer.text
-            return answer.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+            hit = answer.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+            route = answer.headers["x-kvpilot-route"]
+            predicted = int(route.split("prefix-tokens=")[1].split(";")[0])
+            assert predicted <= hit and (predicted > 0) == (hit > 0), (route, hit)
+            return hit
 
         # Its own system message: nothing of the template's default one is cached already.
         question = [{"role": "system", "content": private}, {"role": "user", "content": "Hi"}]
