@@ -417,7 +417,8 @@ async def test_a_thousand_generated_requests_no_5xx_and_nothing_ungranted(
         if rng.random() < 0.3:
             headers[f"x-{rng.choice(['tenant', 'kvpilot-tenant', 'priority'])}"] = "ops"
         model = MODEL if rng.random() < 0.5 else rng.choice(models)
-        body: dict[str, Any] = chat_body("hi", max_tokens=1, model=model)
+        # A one-token prompt and answer: the engine's part stays small; the router's is the test.
+        body: dict[str, Any] = {"model": model, "prompt": "hi", "max_tokens": 1}
         if rng.random() < 0.2:
             body["priority"] = rng.choice([-100, 0, 5, "high"])
         if rng.random() < 0.2:
@@ -436,7 +437,7 @@ async def test_a_thousand_generated_requests_no_5xx_and_nothing_ungranted(
             headers, raw = random_request()
             async with semaphore:
                 url = platform.urls[i % 2]
-                answer = await http.post(f"{url}/v1/chat/completions", content=raw, headers=headers)
+                answer = await http.post(f"{url}/v1/completions", content=raw, headers=headers)
             statuses[answer.status_code] = statuses.get(answer.status_code, 0) + 1
             assert answer.status_code < 500, (answer.status_code, answer.text)
             if answer.status_code == 200:
