@@ -230,9 +230,10 @@ def build_registry(
                 post_kopf_event(body, "Normal", "WakeFromZero", f"a router holds requests: {new}")
 
     # The model ids every watched InferenceService serves, for the Tenants' grants (kopf keeps
-    # the index from the watch it already has: no API call per check).
+    # the index from the watch it already has: no API call per check). Async, as it is pure and
+    # quick: in the event loop, not queued behind reconciles in kopf's worker threads.
     @kopf.index(GROUP, VERSION, PLURAL, id=SERVED_IDS, registry=registry)
-    def served_ids(body: kopf.Body, **_: Any) -> dict[str, ServedIds]:
+    async def served_ids(body: kopf.Body, **_: Any) -> dict[str, ServedIds]:
         return {SERVED_IDS: served_ids_of(body)}
 
     def check_tenant(body: kopf.Body, index: kopf.Index[str, ServedIds]) -> None:
