@@ -14,6 +14,7 @@ import json
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Iterator
@@ -68,10 +69,11 @@ def panel_exprs(dashboard: dict[str, Any]) -> list[tuple[str, str]]:
 
 
 @contextlib.contextmanager
-def launch_router(*static: str) -> Iterator[ServeProcess]:
+def launch_router(*static: str, extra: tuple[str, ...] = ()) -> Iterator[ServeProcess]:
     """`kvpilot router --static ...` (no Kubernetes API: the replicas are given)."""
     cmd = [sys.executable, "-m", "kvpilot.cli", "router", "--host", "127.0.0.1", "--port", "0"]
     cmd += ["--hold-timeout", "1", *(arg for item in static for arg in ("--static", item))]
+    cmd += extra
     proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True)
     router = ServeProcess(proc)
     threading.Thread(target=router.read_log, daemon=True).start()
@@ -144,6 +146,28 @@ def load_router(router_url: str, model: str, opening: contextlib.ExitStack, open
         assert held.status_code == 503, held.text
 
 
+TENANTS = """
+kind: Tenant
+metadata: {name: team-a, namespace: teams}
+spec: {apiKeys: [{name: team-a-keys}], models: ["*"], quota: {tokensPerMinute: 100000}}
+---
+kind: Secret
+metadata: {name: team-a-keys, namespace: teams}
+stringData: {key: sk-team-a}
+"""
+
+
+def load_tenant_router(router_url: str, model: str) -> None:
+    """A tenant's request (served: its tokens, its queue time) and a stranger's (401)."""
+    with httpx.Client(base_url=router_url, timeout=120) as http:
+        chat = {"model": model, "messages": [{"role": "user", "content": "Hi."}], "max_tokens": 2}
+        served = http.post(
+            "/v1/chat/completions", json=chat, headers={"Authorization": "Bearer sk-team-a"}
+        )
+        assert served.status_code == 200, served.text
+        assert http.post("/v1/chat/completions", json=chat).status_code == 401
+
+
 def load_engine(serve_url: str) -> None:
     """Requests that give every engine histogram a sample: n=2 choices, a stream, a 400."""
     with httpx.Client(base_url=serve_url, timeout=120) as http:
@@ -214,6 +238,11 @@ def scrapes() -> Iterator[dict[str, set[str]]]:
         ):
             load_router(router.url, model, opening, lambda: forwarding(late, serve.port))
             router_text = httpx.get(f"{router.url}/metrics", timeout=30).text
+        tenants = Path(tempfile.mkdtemp(prefix="kvpilot-tenants-")) / "tenants.yaml"
+        tenants.write_text(TENANTS)
+        with launch_router(f"{model}={serve.url}", extra=("--tenants-file", str(tenants))) as tr:
+            load_tenant_router(tr.url, model)
+            router_text += httpx.get(f"{tr.url}/metrics", timeout=30).text
         metrics = OperatorMetrics(CollectorRegistry())
         asyncio.run(tick_against(serve.port, metrics))
     reconcile_into(metrics)
