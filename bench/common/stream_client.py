@@ -118,15 +118,24 @@ class StreamClient:
         self.read_timeout_s = read_timeout_s
         self._idle: list[_Connection] = []
 
-    async def post(self, path: str, body: bytes, on_event: EventHandler) -> tuple[int, bytes]:
-        """POST `body` (JSON) to `path`, calling on_event for each event of a 200 answer.
+    async def post(
+        self,
+        path: str,
+        body: bytes,
+        on_event: EventHandler,
+        headers: dict[str, str] | None = None,
+    ) -> tuple[int, bytes]:
+        """POST `body` (JSON) to `path`, calling on_event for each event of a 200 answer; `headers`
+        are sent besides the request's own (e.g. Authorization).
         Returns the status and, when it is not 200, the answer's body. Raises StreamError (or
         OSError) when the connection fails, TimeoutError after read_timeout_s without a byte."""
         conn = await self._connection()
         head = (
             f"POST {self.prefix}{path} HTTP/1.1\r\nHost: {self.host}:{self.port}\r\n"
             f"Content-Type: application/json\r\nAccept: text/event-stream\r\n"
-            f"Content-Length: {len(body)}\r\n\r\n"
+            f"Content-Length: {len(body)}\r\n"
+            + "".join(f"{name}: {value}\r\n" for name, value in (headers or {}).items())
+            + "\r\n"
         )
         done = conn.start(head.encode("latin-1") + body, on_event)
         try:
