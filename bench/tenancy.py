@@ -12,9 +12,12 @@ chunk; each request's usage is recorded next to its count).
   every `--premium-interval` s; its TTFT per phase, all on the same engine in the same run:
   (1) alone, through the tenancy router; (2) while a best-effort tenant bursts `--burst`
   concurrent streams (max_tokens `--burst-max-tokens`, ignore_eos) through the tenancy router
-  (fair queue + engine priority), replica concurrency as the engine reports it; (3) the same
-  through a tenancy router with `--replica-concurrency` `--knob-rc` (the knob that bounds the
-  batch a premium request joins); (4) the same burst through a router without tenancy (FCFS).
+  (fair queue + engine priority), replica concurrency as the engine reports it; (3) `knob`: the
+  same through a tenancy router with `--replica-concurrency` `--knob-rc` (it bounds the batch a
+  premium request joins, but counts the premium's own requests too); (4) `fcfs`: the same burst
+  through a router without tenancy. `--phases` picks which (alone first: the ratios are to it).
+  The router's fair-queue wait per tenant (its kvpilot_router_tenant_queue_seconds) is recorded
+  per phase.
   Each phase sends premium requests for `--phase-s`; the burst is cancelled once the premium
   requests of the phase have their answers. The burst streams' gaps between chunks (the
   engine's step time while the premium requests join it) are reported per phase.
@@ -109,9 +112,11 @@ class Platform:
         self.redis: RedisProcess | None = None
         self.engine_url = ""
 
-    def start_engine(self, max_num_seqs: int) -> str:
-        serve_args = ["--served-model-name", MODEL, "--max-num-seqs", str(max_num_seqs)]
+    def start_engine(self, args: argparse.Namespace) -> str:
+        serve_args = ["--served-model-name", MODEL, "--max-num-seqs", str(args.max_num_seqs)]
         serve_args += ["--scheduling-policy", "priority", "--max-model-len", "1024"]
+        if args.max_num_batched_tokens:
+            serve_args += ["--max-num-batched-tokens", str(args.max_num_batched_tokens)]
         cmd = kvpilot_serve_cmd(serve_args)
         # One torch thread: the engine has one core, the routers, redis and the clients the
         # other (two engines' thread pools spinning against each other on a shared 2-core VM
@@ -298,7 +303,7 @@ async def priority_phase(
 
 
 async def run_priority(args: argparse.Namespace, plat: Platform) -> dict[str, Any]:
-    plat.start_engine(args.max_num_seqs)
+    plat.start_engine(args)
     redis_url = plat.start_redis()
     tenants = [
         TenantDef("premium", "sk-premium", "critical"),
@@ -314,18 +319,18 @@ async def run_priority(args: argparse.Namespace, plat: Platform) -> dict[str, An
         await wait_tokenizer(url, key)
     # Warm the engine (first requests compile and fill caches).
     await priority_phase("warm-up", tenancy, False, "sk-premium", None, _short(args))
-    phases = [
-        ("alone", tenancy, False, "sk-premium", None),
-        ("tenancy", tenancy, True, "sk-premium", "sk-batch"),
-        (f"tenancy rc={args.knob_rc}", knob, True, "sk-premium", "sk-batch"),
-        ("fcfs", fcfs, True, None, None),
-    ]
+    phases = {
+        "alone": ("alone", tenancy, False, "sk-premium", None),
+        "tenancy": ("tenancy", tenancy, True, "sk-premium", "sk-batch"),
+        "knob": (f"tenancy rc={args.knob_rc}", knob, True, "sk-premium", "sk-batch"),
+        "fcfs": ("fcfs", fcfs, True, None, None),
+    }
     results = []
-    for name, url, burst, premium_key, burst_key in phases:
+    for name, url, burst, premium_key, burst_key in (phases[p] for p in args.phases.split(",")):
         waited = wait_until_idle([plat.engine_pgid()], quiet_cpu_s=0.1, timeout_s=60)
         log(f"phase {name} (engine idle after {waited} s)")
         results.append(await priority_phase(name, url, burst, premium_key, burst_key, args))
-    alone = results[0]["premium_ttft_p99_ms"] or 0.0
+    alone = (results[0]["premium_ttft_p99_ms"] or 0.0) if results[0]["phase"] == "alone" else 0.0
     for result in results:
         result["p99_over_alone"] = (
             round(result["premium_ttft_p99_ms"] / alone, 2) if alone else None
@@ -412,7 +417,7 @@ async def fairness_phase(
 
 
 async def run_fairness(args: argparse.Namespace, plat: Platform) -> dict[str, Any]:
-    plat.start_engine(args.max_num_seqs)
+    plat.start_engine(args)
     redis_url = plat.start_redis()
     results = []
     for weights in ((1, 1, 1), (2, 1, 1)):
@@ -463,7 +468,7 @@ def plot_fairness(data: dict[str, Any], path: Path) -> None:
 
 
 async def run_quota(args: argparse.Namespace, plat: Platform) -> dict[str, Any]:
-    plat.start_engine(args.max_num_seqs)
+    plat.start_engine(args)
     redis_url = plat.start_redis()
     tenant = TenantDef("metered", "sk-metered", quota={"tokensPerMinute": args.tokens_per_minute})
     tenants_file = write_tenants(plat.work / "tenants.yaml", [tenant])
@@ -715,6 +720,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--work", type=Path, default=BENCH / "out" / "tenancy", help="logs")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--max-num-seqs", type=int, default=16, help="the engine's")
+    parser.add_argument(
+        "--max-num-batched-tokens", type=int, default=None, help="the engine's (default: its own)"
+    )
     cases = parser.add_subparsers(dest="case", required=True)
     p = cases.add_parser("priority", help="premium TTFT under a best-effort burst")
     p.add_argument("--burst", type=int, default=150)
@@ -722,7 +730,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--burst-lead-s", type=float, default=1.0)
     p.add_argument("--premium-interval", type=float, default=0.5)
     p.add_argument("--phase-s", type=float, default=25.0)
-    p.add_argument("--knob-rc", type=int, default=4, help="the third phase's --replica-concurrency")
+    p.add_argument("--knob-rc", type=int, default=4, help="the knob phase's --replica-concurrency")
+    p.add_argument(
+        "--phases", default="alone,tenancy,knob,fcfs", help="which, in this order (alone first)"
+    )
     f = cases.add_parser("fairness", help="token shares at weights 1:1:1 and 2:1:1")
     f.add_argument("--clients", type=int, default=6, help="concurrent streams per tenant")
     f.add_argument("--max-tokens", type=int, default=32)
