@@ -10,8 +10,8 @@ the grant are checked, and a request refused by its quota never waits in a queue
 
 from __future__ import annotations
 
+import asyncio
 import logging
-import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -92,6 +92,7 @@ class Admission:
         self.directory = directory
         self.keeper = keeper
         self.metrics = metrics
+        self._settling: set[asyncio.Task[None]] = set()
 
     def authenticate(self, headers: Mapping[str, str]) -> Tenant:
         """The request's tenant by its key (401 otherwise): asked before anything else."""
@@ -188,10 +189,9 @@ class Admission:
         admitted.charged_tokens += due
         await self.keeper.charge(admitted.lease, due)
 
-    async def finish(
-        self, admitted: Admitted, status: int, usage: Usage | None, counted: int
-    ) -> None:
-        """The request is over (answered, broken off, or its client gone): settle it once."""
+    def finish(self, admitted: Admitted, status: int, usage: Usage | None, counted: int) -> None:
+        """The request is over (answered, broken off, or its client gone): account for it once.
+        The quota store's settle runs in the background: the response does not wait for it."""
         if admitted.finished:
             return
         admitted.finished = True
@@ -204,10 +204,21 @@ class Admission:
         if usage is not None or counted:
             self.metrics.tenant_tokens.labels(tenant, model, "prompt").inc(prompt)
             self.metrics.tenant_tokens.labels(tenant, model, "completion").inc(completion)
-        started = time.monotonic()
+        if admitted.lease is None:
+            return
+        task = asyncio.get_running_loop().create_task(self._settle(admitted, completion))
+        self._settling.add(task)  # held until done: the loop keeps only weak references
+        task.add_done_callback(self._settling.discard)
+
+    async def _settle(self, admitted: Admitted, completion: int) -> None:
         try:
             await self.keeper.settle(admitted.lease, completion)
         except Exception:
-            # The keeper fails open or closed by itself; a settle it cannot make is logged there.
-            log.debug("settling a request of %s took %.3f s and failed", tenant,
-                      time.monotonic() - started, exc_info=True)  # fmt: skip
+            # The keeper fails open or closed by itself; a settle it cannot make expires with
+            # its lease.
+            log.debug("settling a request of %s failed", admitted.tenant.key, exc_info=True)
+
+    async def drain(self) -> None:
+        """Wait for the settles under way (the router stops)."""
+        if self._settling:
+            await asyncio.gather(*self._settling, return_exceptions=True)

@@ -133,11 +133,11 @@ class Proxy:
             replicas = pool.routable(time.monotonic(), self.config.dead_after_s) or replicas
             response = await self._route(pool, replicas, request)
         except errors.APIError as exc:
-            await self.admission.finish(admitted, exc.status_code, None, 0)
+            self.admission.finish(admitted, exc.status_code, None, 0)
             exc.headers.update(admitted.headers)
             raise
         except BaseException:
-            await self.admission.finish(admitted, 499, None, 0)
+            self.admission.finish(admitted, 499, None, 0)
             raise
         response.headers.update(admitted.headers)
         return response
@@ -340,7 +340,7 @@ class Proxy:
             self.metrics.upstream_errors.labels(model, "stream").inc()
             log.warning("replica %s broke its response off: %r", replica.name, exc)
             if admitted is not None and self.admission is not None:
-                await self.admission.finish(admitted, 502, None, 0)
+                self.admission.finish(admitted, 502, None, 0)
             return error_response(
                 errors.APIError(
                     502, f"The replica {replica.name} broke its response off.", type="api_error"
@@ -350,7 +350,7 @@ class Proxy:
             self._released(pool, replica, admitted)
         upstream.release()
         if admitted is not None and self.admission is not None:
-            await self.admission.finish(admitted, upstream.status, body_usage(content), 0)
+            self.admission.finish(admitted, upstream.status, body_usage(content), 0)
         return Response(content, upstream.status, headers=passed)
 
     def _taken(self, replica: Replica, admitted: Admitted | None) -> None:
@@ -403,7 +403,7 @@ class Proxy:
             if admitted is not None and meter is not None and self.admission is not None:
                 usage = meter.usage
                 counted = meter.counted_tokens
-                await self.admission.finish(admitted, status, usage, counted)
+                self.admission.finish(admitted, status, usage, counted)
 
 
 @dataclass(frozen=True)

@@ -170,6 +170,8 @@ class RouterRuntime:
                 await task
         self.registry.close()
         await self.proxy.stop()
+        if self.proxy.admission is not None:
+            await self.proxy.admission.drain()
         if self.quotas is not None:
             await self.quotas.stop()
         if self.registry.streams is not None:

@@ -9,6 +9,7 @@ scheduling), tenants from a manifests file:
   Retry-After and the headers;
 - the cache is salted per tenant (no cross-tenant prefix hit) except a platform-shared prefix;
 - a critical tenant's request overtakes a best-effort tenant's queue;
+- a store that goes away: a tenant that fails closed gets 503, one that fails open is served;
 - 1,000 generated requests (keys, headers, model names, bodies): no 5xx, and nothing served to a
   tenant its grants do not allow.
 """
@@ -67,6 +68,10 @@ TENANTS: dict[str, tuple[dict[str, Any], list[str]]] = {
     ),
     "counted": ({"models": [MODEL], "quota": {"requestsPerMinute": 5}}, ["sk-counted-0"]),
     "nothing": ({"models": []}, ["sk-nothing-0"]),
+    "strict": (
+        {"models": [MODEL], "quota": {"requestsPerMinute": 1000}, "onStoreFailure": "closed"},
+        ["sk-strict-0"],
+    ),
 }
 
 
@@ -452,3 +457,31 @@ async def test_a_thousand_generated_requests_no_5xx_and_nothing_ungranted(
     assert sum(statuses.values()) == 1000
     assert statuses.get(200, 0) > 100 and statuses.get(401, 0) > 100 and statuses.get(403, 0) > 20
     assert {tenant for tenant, _ in served_to} >= {"alpha", "beta", "ops"}
+
+
+async def test_a_store_that_goes_away_fails_each_tenant_open_or_closed(platform: Platform) -> None:
+    """Last in the module: it stops the shared Redis (and starts it again)."""
+    url = platform.urls[0]
+    async with httpx.AsyncClient(timeout=60) as http:
+        assert (await post(http, url, "sk-strict-0", chat_body("hi"))).status_code == 200
+        platform.redis.stop()
+        try:
+            closed = await post(http, url, "sk-strict-0", chat_body("hi"))
+            assert closed.status_code == 503, closed.text
+            assert closed.json()["error"]["code"] == "quota_store_unavailable"
+            assert int(closed.headers["Retry-After"]) >= 1
+            # `counted` fails open: this router's own count holds its 5 a minute meanwhile.
+            opened = await post(http, url, "sk-counted-0", chat_body("hi"))
+            assert opened.status_code in (200, 429), opened.text
+            metrics = (await http.get(f"{url}/metrics")).text
+            assert sample(metrics, "kvpilot_router_quota_store_up") == 0
+        finally:
+            platform.redis.start()
+
+        async def back() -> bool:
+            return (await post(http, url, "sk-strict-0", chat_body("hi"))).status_code == 200
+
+        deadline = time.monotonic() + 15
+        while not await back():
+            assert time.monotonic() < deadline, "the store came back but the tenant stays refused"
+            await asyncio.sleep(0.2)
