@@ -32,8 +32,9 @@ chunk; each request's usage is recorded next to its count).
   and the 429s with their Retry-After.
 - `overhead`: a non-stream completion (token-id prompt, max_tokens 1) to a stand-in engine
   (aiohttp on loopback, answering at once: the engine's variance would drown a millisecond)
-  straight, through a router without tenancy, and through a router with tenancy (a tenant with
-  a quota, Redis store), the three alternating request by request; p50 and p99 of each.
+  straight, through a router without tenancy, and through a router with tenancy as a tenant with
+  a quota (Redis store) and as one without, the four alternating request by request; p50 and
+  p99 of each.
 
     python bench/tenancy.py priority
     python bench/tenancy.py fairness
@@ -643,12 +644,16 @@ async def run_overhead(args: argparse.Namespace, plat: Platform) -> dict[str, An
         "metered", "sk-metered",
         quota={"tokensPerMinute": 10**9, "requestsPerMinute": 10**7, "maxConcurrent": 64},
     )  # fmt: skip
-    tenants_file = write_tenants(plat.work / "tenants.yaml", [tenant])
+    unmetered = TenantDef("unmetered", "sk-unmetered")
+    tenants_file = write_tenants(plat.work / "tenants.yaml", [tenant, unmetered])
     tenancy_args = ["--tenants-file", str(tenants_file), "--quota-store-url", redis_url]
+    tenancy = plat.router("router-tenancy", tenancy_args, engine)
     variants = {
         "direct": (engine, None),
         "router": (plat.router("router-plain", [], engine), None),
-        "router+tenancy": (plat.router("router-tenancy", tenancy_args, engine), tenant.key),
+        "router+tenancy": (tenancy, tenant.key),
+        # The same router, a tenant without a quota: what the quota's store costs.
+        "router+tenancy, no quota": (tenancy, unmetered.key),
     }
     # Token ids as the prompt: the routers need no tokenizer (the stand-in serves none).
     body = {"model": MODEL, "prompt": STAND_IN_PROMPT, "max_tokens": 1}
@@ -670,7 +675,7 @@ async def run_overhead(args: argparse.Namespace, plat: Platform) -> dict[str, An
                 await one(name)
         names = list(variants)
         for i in range(args.samples):
-            order = names[i % 3 :] + names[: i % 3]  # each variant first, second, third alike
+            order = names[i % len(names) :] + names[: i % len(names)]  # each first as often
             for name in order:
                 samples[name].append(await one(name))
             if (i + 1) % 200 == 0:
@@ -682,6 +687,9 @@ async def run_overhead(args: argparse.Namespace, plat: Platform) -> dict[str, An
         "p99_ms": {n: round(percentile(v, 99) * 1000, 3) for n, v in samples.items()},
         "router_added_p50_ms": round(1000 * (p50["router"] - p50["direct"]), 3),
         "tenancy_added_p50_ms": round(1000 * (p50["router+tenancy"] - p50["router"]), 3),
+        "tenancy_without_quota_added_p50_ms": round(
+            1000 * (p50["router+tenancy, no quota"] - p50["router"]), 3
+        ),
         "samples_ms": {n: [round(1000 * s, 3) for s in v] for n, v in samples.items()},
         "goal": "tenancy adds <= 1 ms p50",
     }
@@ -691,7 +699,7 @@ async def run_overhead(args: argparse.Namespace, plat: Platform) -> dict[str, An
 
 def plot_overhead(data: dict[str, Any], path: Path) -> None:
     plt = pyplot()
-    fig, ax = plt.subplots(figsize=(7, 4))
+    fig, ax = plt.subplots(figsize=(8.5, 4))
     names = list(data["samples_ms"])
     ax.boxplot([data["samples_ms"][n] for n in names], showfliers=False)
     ax.set_xticks(range(1, len(names) + 1), names)

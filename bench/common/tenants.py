@@ -26,7 +26,7 @@ REDIS_SERVER = shutil.which("redis-server") or "/usr/bin/redis-server"
 
 @dataclass(frozen=True)
 class TenantDef:
-    """One Tenant and the Secret of its one key (operator/tenant_spec.py's fields)."""
+    """One Tenant and the Secret of its one key (contract/tenant_spec.py)."""
 
     name: str
     key: str

@@ -14,7 +14,7 @@ import yaml
 from aiohttp import web
 
 from kvpilot.contract.tenancy import PRIORITY_CLASSES
-from kvpilot.operator.tenant_spec import parse_tenant_spec
+from kvpilot.contract.tenant_spec import parse_tenant_spec
 
 BENCH = Path(__file__).resolve().parents[2] / "bench"
 
