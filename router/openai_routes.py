@@ -10,9 +10,13 @@ OpenAI bodies: APIError as raised, anything unexpected a logged 500.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
+from collections.abc import Coroutine
 from typing import Any
 
+from starlette.responses import Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from kvpilot.contract import errors
@@ -54,7 +58,10 @@ class OpenAIRoutes:
             # whether its body would parse.
             tenant = self.proxy.authenticate(headers)
             body = await read_body(receive, headers.get("content-length"), self.max_body_bytes)
-            response = await self.proxy.handle(kind, parse(kind, body), body, headers, tenant)
+            parsed = parse(kind, body)
+            response = await unless_gone(
+                self.proxy.handle(kind, parsed, body, headers, tenant), receive
+            )
         except ClientGone:
             return
         except errors.APIError as exc:
@@ -62,6 +69,32 @@ class OpenAIRoutes:
         except Exception as exc:
             response = error_response(unexpected_error(exc))
         await response(scope, receive, send)
+
+
+async def unless_gone(answer: Coroutine[Any, Any, Response], receive: Receive) -> Response:
+    """The answer, unless the client disconnects first: a request held for a waking model or
+    queued behind a saturated one is then dropped (cancelled: it leaves its queue) rather than
+    served to no one. ClientGone in that case."""
+    task = asyncio.ensure_future(answer)
+    gone = asyncio.ensure_future(wait_for_disconnect(receive))
+    try:
+        await asyncio.wait((task, gone), return_when=asyncio.FIRST_COMPLETED)
+    except asyncio.CancelledError:
+        task.cancel()
+        raise
+    finally:
+        gone.cancel()
+    if task.done():
+        return task.result()
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
+    raise ClientGone
+
+
+async def wait_for_disconnect(receive: Receive) -> None:
+    while (await receive())["type"] != "http.disconnect":
+        pass
 
 
 def unexpected_error(exc: Exception) -> errors.APIError:

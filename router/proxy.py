@@ -311,6 +311,9 @@ class Proxy:
             upstream = await self.engines.post(
                 replica.url, PATHS[request.kind], outgoing, request.body
             )
+        except asyncio.CancelledError:  # the client went away before the replica answered
+            self._released(pool, replica, admitted)
+            raise
         except _CONNECT_ERRORS as exc:
             self._released(pool, replica, admitted)
             replica.failed_at = time.monotonic()
