@@ -260,7 +260,10 @@ class Registry:
         else:
             if pool.service.model_uri == uri:  # not for weights replaced meanwhile
                 pool.tokenizer, pool.tokenizer_uri = tokenizer, uri
-                log.info("tokenizer of %s loaded", pool.service.model)
+                if tokenizer is None:
+                    log.info("%s's replica serves no tokenizer: routed by load", pool.service.model)
+                else:
+                    log.info("tokenizer of %s loaded", pool.service.model)
         finally:
             if pool.tokenizer_task is asyncio.current_task():
                 pool.tokenizer_task = None
