@@ -30,6 +30,7 @@ from kvpilot.contract.tenancy import (
     priority_rank,
 )
 from kvpilot.contract.tenant_spec import TenantSpec, parse_tenant_spec
+from kvpilot.router.quota import tenant_scope_key
 
 log = logging.getLogger("kvpilot.router")
 
@@ -46,7 +47,7 @@ class Tenant:
     @property
     def key(self) -> str:
         """The tenant's identity in quota scopes, queues and metrics: `namespace/name`."""
-        return f"{self.namespace}/{self.name}"
+        return tenant_scope_key(self.namespace, self.name)
 
     @property
     def rank(self) -> int:
@@ -121,7 +122,6 @@ class TenantDirectory:
         self._tenant_objects: dict[ObjectKey, dict[str, Any]] = {}
         self._secrets: dict[ObjectKey, dict[str, bytes]] = {}
         self.tenants: dict[ObjectKey, Tenant] = {}
-        self._by_digest: dict[bytes, Tenant] = {}
         self._index: dict[bytes, list[tuple[bytes, Tenant]]] = {}
         self._invalid: dict[ObjectKey, str] = {}
 
@@ -189,7 +189,6 @@ class TenantDirectory:
                             tenant.key, owner.key, owner.key,
                         )  # fmt: skip
         self.tenants = tenants
-        self._by_digest = by_digest
         index: dict[bytes, list[tuple[bytes, Tenant]]] = {}
         for digest, tenant in by_digest.items():
             index.setdefault(digest[:_INDEX_BYTES], []).append((digest, tenant))
@@ -209,9 +208,6 @@ class TenantDirectory:
             if hmac.compare_digest(known, digest):
                 return tenant
         raise unauthorized("Incorrect API key provided.")
-
-    def key_count(self, tenant: Tenant) -> int:
-        return sum(1 for owner in self._by_digest.values() if owner is tenant)
 
 
 def check_grant(tenant: Tenant, model: str) -> None:
