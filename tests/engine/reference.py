@@ -36,14 +36,23 @@ class ReferenceOutput:
 
 
 @cache
-def smollm2_reference(dtype: torch.dtype = torch.float32) -> tuple[object, object]:
+def smollm2_tokenizer() -> object:
+    """transformers' tokenizer of the bundled GGUF, built once a process (it takes seconds)."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
 
     path = bundled_gguf_path()
-    tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+
+
+@cache
+def smollm2_reference(dtype: torch.dtype = torch.float32) -> tuple[object, object]:
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from transformers import AutoModelForCausalLM
+
+    path = bundled_gguf_path()
     model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=dtype)
-    return model.eval(), tok
+    return model.eval(), smollm2_tokenizer()
 
 
 def chat_prompt_ids(tokenizer: object, questions: list[str]) -> list[list[int]]:

@@ -176,7 +176,7 @@ def test_smollm2_serves_the_base_and_three_adapters_in_one_batch_as_peft_does(
     from kvpilot.engine.model.gguf_convert import gguf_to_hf_dir
     from kvpilot.engine.model.loader import bundled_gguf_path
 
-    from .reference import CHAT_QUESTIONS, chat_prompt_ids, smollm2_reference
+    from .reference import CHAT_QUESTIONS, chat_prompt_ids, smollm2_tokenizer
 
     base = gguf_to_hf_dir(bundled_gguf_path())
     specs = {
@@ -188,8 +188,7 @@ def test_smollm2_serves_the_base_and_three_adapters_in_one_batch_as_peft_does(
         name: make_peft_adapter(base, tmp_path / name, scale=0.5, **spec)
         for name, spec in specs.items()
     }
-    _, tokenizer = smollm2_reference()
-    batch = chat_prompt_ids(tokenizer, CHAT_QUESTIONS[1:5])
+    batch = chat_prompt_ids(smollm2_tokenizer(), CHAT_QUESTIONS[1:5])
     names = [None, "a8", "b8", "c64"]
     with engine(base, adapters, max_num_batched_tokens=64, dtype="float32") as llm:
         outputs = llm.generate(

@@ -119,13 +119,17 @@ def test_shared_prefix_parity_and_hits(
 # (their matmuls and attention round in different places); the same bound says "a near-tie" where
 # greedy picks differ.
 BF16_LOGPROB_ATOL = 0.3
+# bfloat16 on CPU is slow on both sides; the property (token for token up to a near-tie) is the
+# same over fewer tokens.
+BF16_NEW_TOKENS = 16
+BF16_GREEDY = SamplingParams(temperature=0.0, max_tokens=BF16_NEW_TOKENS, logprobs=5)
 
 
 @pytest.fixture(scope="module")
 def bf16_reference() -> tuple[list[list[int]], list[object]]:
     model, tok = smollm2_reference(torch.bfloat16)
     prompts = chat_prompt_ids(tok, CHAT_QUESTIONS)
-    return prompts, [reference_greedy(model, p, MAX_NEW_TOKENS) for p in prompts]
+    return prompts, [reference_greedy(model, p, BF16_NEW_TOKENS) for p in prompts]
 
 
 @pytest.mark.parametrize("setup", ["default", "torch-reference"])
@@ -135,7 +139,7 @@ def test_bfloat16_greedy_follows_transformers_up_to_near_ties(
     """bfloat16 on both sides: token for token until the first pick where the reference's two
     candidates are within the rounding noise, and then both picks in each other's top 5."""
     prompts, refs = bf16_reference
-    outputs = LLM(dtype="bfloat16", **ENGINE_SETUPS[setup]).generate(prompts, GREEDY)
+    outputs = LLM(dtype="bfloat16", **ENGINE_SETUPS[setup]).generate(prompts, BF16_GREEDY)
     identical = 0
     for i, (out, ref) in enumerate(zip(outputs, refs, strict=True)):
         ours = out.outputs[0]
