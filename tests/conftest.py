@@ -1,10 +1,20 @@
-"""Shared test setup: markers that skip with a clear reason when their hardware is absent."""
+"""Shared test setup: markers that skip with a clear reason when their hardware is absent; kmock's
+request matching in linear rather than quadratic time (tests/kmock_membership.py)."""
 
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 
 import pytest
+
+from .kmock_membership import fast_request_membership
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _kmock_fast_request_membership() -> Iterator[None]:
+    with fast_request_membership():
+        yield
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

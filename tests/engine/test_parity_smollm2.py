@@ -160,5 +160,6 @@ def test_bfloat16_greedy_follows_transformers_up_to_near_ties(
         ref_lp = dict(zip(ref.top5[diverged], ref.top5_logprobs[diverged], strict=True))
         gap = ref_lp[ref_pick] - ref_lp[ours_pick]
         assert gap < BF16_LOGPROB_ATOL, f"prompt {i} step {diverged}: no near-tie (gap {gap})"
-    # Measured: 6 of 8 identical over all 32 tokens on the default path, 4 on the torch path.
+    # Measured over 32 tokens: 6 of 8 identical on the default path, 4 on the torch path (over
+    # their first 16, at least as many).
     assert identical >= len(prompts) // 2

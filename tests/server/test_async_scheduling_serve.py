@@ -51,7 +51,7 @@ def answers(live: InProcessServer, model: str, stream: bool, **params: object) -
 
 @pytest.mark.parametrize(
     "params",
-    [{"temperature": 0.0, "max_tokens": 24}, {"temperature": 1.0, "seed": 7, "max_tokens": 24}],
+    [{"temperature": 0.0, "max_tokens": 12}, {"temperature": 1.0, "seed": 7, "max_tokens": 12}],
     ids=["greedy", "seeded"],
 )
 def test_the_same_answers_as_steps_in_turn(
