@@ -39,8 +39,10 @@ COPY engine/ engine/
 COPY operator/ operator/
 COPY router/ router/
 COPY cli/ cli/
+COPY image/pip_install_without.py /tmp/
 RUN case "$VARIANT" in \
-      cpu) pip install . ;; \
+      # xgrammar requires Triton on any Linux x86-64 and imports it only for CUDA tensors.
+      cpu) python /tmp/pip_install_without.py --without triton . ;; \
       cuda) pip install ".[gpu]" ;; \
       *) echo "VARIANT must be cpu or cuda, not $VARIANT" >&2; exit 2 ;; \
     esac \

@@ -93,7 +93,11 @@ def setup_literal(name: str) -> object:
 
 def tracked_files() -> list[str]:
     out = subprocess.run(
-        ["git", "ls-files", "-z"], cwd=ROOT, capture_output=True, text=True, check=True
+        ["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        check=True,
     ).stdout
     return [path for path in out.split("\0") if path and (ROOT / path).is_file()]
 
