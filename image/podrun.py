@@ -81,9 +81,12 @@ def report_writes(paths: list[str], scratch: str) -> None:
             print(f"podrun: wrote {path}/{entry} ({size})", file=sys.stderr)
 
 
-def run(image: str, netns: str, command: PodCommand) -> int:
+def run(image: str, netns: str, command: PodCommand, container: str = "") -> int:
+    """Runs command in a working container of image: the one named, or a new one removed after
+    (with the vfs driver each new one is a full copy of the image's files: minutes)."""
     env = {**image_env(image), **command.env}
-    container = buildah("from", "--pull-never", image)
+    own = not container
+    container = container or buildah("from", "--pull-never", image)
     try:
         rootfs = buildah("mount", container)
         with tempfile.TemporaryDirectory(prefix="podrun-") as scratch:
@@ -120,7 +123,8 @@ def run(image: str, netns: str, command: PodCommand) -> int:
             report_writes(command.writable, scratch)
             return code
     finally:
-        buildah("rm", container)
+        if own:
+            buildah("rm", container)
 
 
 def main() -> None:
@@ -132,6 +136,7 @@ def main() -> None:
     parser.add_argument("--writable", action="append", default=[], metavar="PATH")
     parser.add_argument("--env", action="append", default=[], metavar="NAME=VALUE")
     parser.add_argument("--uid", type=int, default=10001)
+    parser.add_argument("--container", default="", help="a working container of IMAGE to use")
     parser.add_argument("argv", nargs="*")
     args = parser.parse_args()
     if args.engine:
@@ -140,7 +145,7 @@ def main() -> None:
         env = dict(item.split("=", 1) for item in args.env)
         command = PodCommand(args.argv, env, args.writable, args.uid)
     print(f"podrun uid={command.uid} writable={command.writable}: {shlex.join(command.argv)}")
-    sys.exit(run(args.image, args.netns, command))
+    sys.exit(run(args.image, args.netns, command, args.container))
 
 
 if __name__ == "__main__":

@@ -13,15 +13,22 @@ PY=${PYTHON:-.venv/bin/python}
 NETNS=kvpilot-image-$$
 LOGS=$(mktemp -d)
 pids=()
+container=""
 cleanup() {
   for pid in "${pids[@]}"; do kill "$pid" 2>/dev/null || true; done
   wait 2>/dev/null || true
   ip netns del "$NETNS" 2>/dev/null || true
+  [ -z "$container" ] || buildah --storage-driver "${STORAGE_DRIVER:-vfs}" rm "$container" >/dev/null
   echo "logs: $LOGS"
 }
 trap cleanup EXIT
 ip netns add "$NETNS"
 ip netns exec "$NETNS" ip link set lo up
+# One working container for every command: its rootfs is mounted read-only by each.
+echo "copying the image's files into a working container (vfs: a full copy)"
+start=$SECONDS
+container=$(buildah --storage-driver "${STORAGE_DRIVER:-vfs}" from --pull-never "$IMAGE")
+echo "$container in $((SECONDS - start)) s"
 in_ns() { ip netns exec "$NETNS" "$@"; }
 wait_for() {  # URL, seconds: the wait of a readiness probe
   local deadline=$((SECONDS + $2))
@@ -34,11 +41,11 @@ request='{"model": "SmolLM2-135M-Instruct", "messages": [{"role": "user", "conte
 
 echo "== 1. the engine pod (the operator's container for builtin://smollm2-135m-instruct)"
 start=$SECONDS
-"$PY" image/podrun.py --image "$IMAGE" --netns "$NETNS" --engine builtin://smollm2-135m-instruct \
+"$PY" image/podrun.py --image "$IMAGE" --container "$container" --netns "$NETNS" --engine builtin://smollm2-135m-instruct \
   >"$LOGS/engine.log" 2>&1 &
 pids+=($!)
 wait_for http://127.0.0.1:8000/ready 600 || { tail -30 "$LOGS/engine.log"; exit 1; }
-echo "ready after $((SECONDS - start)) s (including buildah's copy of the image's rootfs)"
+echo "ready after $((SECONDS - start)) s"
 ps -eo uid,gid,args | awk '$3 ~ /python|kvpilot/ && /kvpilot serve/ {print "process:", $0}'
 in_ns curl -s http://127.0.0.1:8000/v1/chat/completions -H 'Content-Type: application/json' \
   -d "$request" | tee "$LOGS/engine-answer.json"
@@ -46,7 +53,7 @@ echo
 grep -q '"choices"' "$LOGS/engine-answer.json"
 
 echo "== 2. the router (/tmp writable, HOME=/tmp, as the chart runs it)"
-"$PY" image/podrun.py --image "$IMAGE" --netns "$NETNS" --writable /tmp --env HOME=/tmp -- \
+"$PY" image/podrun.py --image "$IMAGE" --container "$container" --netns "$NETNS" --writable /tmp --env HOME=/tmp -- \
   kvpilot router --static SmolLM2-135M-Instruct=http://127.0.0.1:8000 --port 8080 \
   >"$LOGS/router.log" 2>&1 &
 pids+=($!)
@@ -57,7 +64,7 @@ echo
 grep -q '"choices"' "$LOGS/router-answer.json"
 
 echo "== 3. the operator (/tmp writable, as the chart runs it)"
-"$PY" image/podrun.py --image "$IMAGE" --writable /tmp -- kvpilot operator --help | head -5
+"$PY" image/podrun.py --image "$IMAGE" --container "$container" --writable /tmp -- kvpilot operator --help | head -5
 
 echo "== stopped (SIGTERM); what they wrote, all of it in their writable volumes"
 for pid in "${pids[@]}"; do kill "$pid"; done
