@@ -26,6 +26,7 @@ import subprocess
 import sys
 import tempfile
 from dataclasses import dataclass, field
+from pathlib import Path
 
 STORAGE = ["--storage-driver", os.environ.get("STORAGE_DRIVER", "vfs")]
 
@@ -71,6 +72,13 @@ def image_env(image: str) -> dict[str, str]:
     return dict(item.split("=", 1) for item in config.get("Env", []))
 
 
+def terminate_children(pid: int) -> None:
+    """SIGTERM to the children of pid."""
+    children = Path(f"/proc/{pid}/task/{pid}/children")
+    for child in children.read_text().split() if children.exists() else []:
+        os.kill(int(child), signal.SIGTERM)
+
+
 def report_writes(paths: list[str], scratch: str) -> None:
     """What the command left in its writable volumes (sizes by top folder), on stderr."""
     for index, path in enumerate(paths):
@@ -113,12 +121,14 @@ def run(image: str, netns: str, command: PodCommand, container: str = "") -> int
                 ]
             )
             netns_cmd = ["ip", "netns", "exec", netns] if netns else []
-            # --kill-child: a SIGTERM to podrun reaches the command as a kubelet's would.
-            unshare = ["unshare", "--mount", "--pid", "--fork", "--kill-child=SIGTERM"]
+            # unshare ignores SIGTERM while it waits: a SIGTERM to podrun goes to the command
+            # itself (pid 1 of its namespace), as a kubelet's would; --kill-child ends the
+            # command should unshare itself die.
+            unshare = ["unshare", "--mount", "--pid", "--fork", "--kill-child"]
             child = subprocess.Popen(
                 [*netns_cmd, *unshare, "--propagation", "private", "sh", "-c", script]
             )
-            signal.signal(signal.SIGTERM, lambda *_: child.terminate())
+            signal.signal(signal.SIGTERM, lambda *_: terminate_children(child.pid))
             code = child.wait()
             report_writes(command.writable, scratch)
             return code
