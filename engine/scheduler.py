@@ -18,16 +18,18 @@ KV blocks free, takes them from the worst. With equal ranks the policies schedul
 
 A step cannot be interrupted, so what bounds a better request's time to its first token is the
 step it arrives into and the steps its prefill shares. Under priority, when ranks differ:
-- Isolation (isolate_prefills). While a sequence of rank r has prompt tokens to compute (waiting, its grammar ready,
-  or running a chunked prefill), the step holds only work of rank r or better: worse decodes and
-  prefills skip it (they keep their places, blocks and slots). The better prefill runs as fast as
-  alone. Should that leave the step empty (the better one waits for an adapter or for blocks no
-  worse sequence holds), the step is scheduled as if it did not wait.
-- Guard. For guard_window_s after a rank last had a sequence here (waiting or running), the ranks
-  worse than it share guard_step_tokens of each step: their decodes, prefill chunks and resumed
-  (preempted) sequences' recompute together. A better request arriving meanwhile finds a step of
-  at most that much worse work ahead of it. Worse ranks still progress while the better ones only
-  decode: they join those steps, within the guard.
+- Isolation (isolate_prefills). While a sequence of rank r has prompt tokens to compute
+  (waiting, its grammar ready, or running a chunked prefill), the step holds only work of rank r
+  or better: worse decodes and prefills skip it (they keep their places, blocks and slots). The
+  better prefill runs as fast as alone. Should that leave the step empty (the better one waits
+  for an adapter or for blocks no worse sequence holds), the step is scheduled as if it did not
+  wait.
+- Guard (guard_window_s, guard_step_tokens). For guard_window_s after a rank last had a
+  sequence here (waiting or running), the ranks worse than it share guard_step_tokens of each
+  step: their decodes, prefill chunks and resumed (preempted) sequences' recompute together, in
+  queue and admission order. A better request arriving meanwhile finds a step of at most that
+  much worse work ahead of it. Worse ranks still progress while the better ones only decode:
+  they join those steps, within the guard.
 Equal ranks are neither isolated from nor guarded against each other, so a single rank schedules
 exactly as fcfs.
 """

@@ -159,3 +159,39 @@ def test_equal_ranks_and_fcfs_fill_the_step() -> None:
 def test_a_bad_guard_is_refused(field: str, value: float, message: str) -> None:
     with pytest.raises(ValueError, match=message):
         SchedulerConfig(**{field: value})
+
+
+def test_async_scheduling_isolates_a_better_prefill_and_guards_the_steps_beside_it() -> None:
+    """The engine's overlapped steps (step N+1 scheduled while N runs) through the same
+    decisions: a worse decode with its token in flight sits a step out and resumes intact."""
+    from kvpilot.engine import LLM, SamplingParams
+
+    llm = LLM(dtype="float32", async_scheduling=True, policy="priority", guard_step_tokens=2)
+    engine = llm.engine
+    plans: list[list[tuple[str, int]]] = []
+    schedule = engine.core.scheduler.schedule
+
+    def recorded() -> object:
+        out = schedule()
+        plans.append(plan(out))
+        return out
+
+    engine.core.scheduler.schedule = recorded  # type: ignore[method-assign]
+    params = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)
+    for i in range(3):
+        engine.add_request(f"low{i}", [1, *range(300 + 9 * i, 308 + 9 * i)], params, priority=1)
+    outputs: dict[str, list[int]] = {}
+    for _ in range(3):
+        for out in engine.step():
+            outputs[out.request_id] = out.outputs[0].token_ids
+    engine.add_request("high", [1, *range(500, 530)], params, priority=-1)
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            outputs[out.request_id] = out.outputs[0].token_ids
+    assert [("high", 31)] in plans  # its prefill: a step of its own
+    # Then the lows share 2 tokens of each step beside its decodes, and all finish.
+    beside = [p for p in plans if ("high", 1) in p]
+    assert beside and all(1 < len(p) <= 3 for p in beside), plans
+    assert sorted(outputs) == ["high", "low0", "low1", "low2"]
+    assert all(len(t) == 5 for t in outputs.values())
+    assert engine.core.in_flight is None and engine.block_manager.usage == 0.0
