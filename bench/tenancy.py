@@ -220,6 +220,9 @@ async def priority_phase(
 ) -> dict[str, Any]:
     rng = random.Random(f"{args.seed}/{name}")
     queued_before = await queue_seconds(url)
+    load_before = os.getloadavg()[0]
+    lags: list[float] = []
+    lag_task = asyncio.create_task(loop_lag(lags))
     client = StreamClient(url)
     burst_replies: list[Reply] = []
     burst_tasks: list[asyncio.Task[Reply]] = []
@@ -241,6 +244,7 @@ async def priority_phase(
     for task in burst_tasks:
         task.cancel()
     await asyncio.gather(*burst_tasks, return_exceptions=True)
+    lag_task.cancel()
     client.close()
     queued_after = await queue_seconds(url)
     queued = {
@@ -293,14 +297,29 @@ async def priority_phase(
         else 0,
         "window_s": round(premium_end - started, 2),
         "router_fair_queue_wait": queued,
+        # The load generator's own delay in noticing a chunk (its event loop busy with the
+        # burst's streams): a TTFT measured here includes it.
+        "client_loop_lag_p50_ms": ms(percentile(lags, 50)) if lags else None,
+        "client_loop_lag_p99_ms": ms(percentile(lags, 99)) if lags else None,
+        "load_average_1m": [round(load_before, 2), round(os.getloadavg()[0], 2)],
     }
     log(
         f"{name}: premium TTFT p50 {result['premium_ttft_p50_ms']} ms p99 "
         f"{result['premium_ttft_p99_ms']} ms over {len(ttfts)} (refused {refused}); burst step "
         f"p50 {result['burst_step_gap_p50_ms']} ms, streaming "
-        f"{result['burst_streaming_when_premium_sent_median']}; router queue {queued}"
+        f"{result['burst_streaming_when_premium_sent_median']}; router queue {queued}; client "
+        f"loop lag p50/p99 {result['client_loop_lag_p50_ms']}/{result['client_loop_lag_p99_ms']}"
+        f" ms; load average {result['load_average_1m']}"
     )
     return result
+
+
+async def loop_lag(lags: list[float], interval_s: float = 0.01) -> None:
+    """How late this process's event loop wakes a sleeper, every interval_s, until cancelled."""
+    while True:
+        asked = time.perf_counter()
+        await asyncio.sleep(interval_s)
+        lags.append(max(0.0, time.perf_counter() - asked - interval_s))
 
 
 async def run_priority(args: argparse.Namespace, plat: Platform) -> dict[str, Any]:
