@@ -9,18 +9,22 @@ Tenant + Secret manifests in a `--tenants-file`; the routers share the redis-ser
 chunk; each request's usage is recorded next to its count).
 
 - `priority`: a premium tenant (class critical) sends one short chat request (max_tokens 16)
-  every `--premium-interval` s; its TTFT per phase, all on the same engine in the same run:
+  every `--premium-interval` s, steadily: from `--premium-lead-s` before the burst (those not
+  counted), or, with 0, from `--burst-lead-s` after it; the TTFT of those sent from the burst
+  on, per phase, all on the same engine in the same run:
   (1) alone, through the tenancy router; (2) while a best-effort tenant bursts `--burst`
   concurrent streams (max_tokens `--burst-max-tokens`, ignore_eos) through the tenancy router
   (fair queue + engine priority), replica concurrency as the engine reports it; (3) `knob`: the
-  same through a tenancy router with `--replica-concurrency` `--knob-rc` (it bounds the batch a
-  premium request joins, but counts the premium's own requests too); (4) `fcfs`: the same burst
+  same through a tenancy router with `--replica-concurrency` `--knob-rc` (it bounds the
+  best-effort requests in flight; the critical class only by the engine's max_num_seqs); (4)
+  `fcfs`: the same burst
   through a router without tenancy. `--phases` picks which (alone first: the ratios are to it).
   The router's fair-queue wait per tenant (its kvpilot_router_tenant_queue_seconds) is recorded
   per phase.
-  Each phase sends premium requests for `--phase-s`; the burst is cancelled once the premium
-  requests of the phase have their answers. The burst streams' gaps between chunks (the
-  engine's step time while the premium requests join it) are reported per phase.
+  Each phase counts premium requests for `--phase-s`; the burst is cancelled once the premium
+  requests of the phase have their answers. The load generator's event-loop lag and the load
+  average are recorded per phase (a TTFT measured here includes the former), and the burst
+  streams' gaps between chunks (the engine's step time while the premium requests join it).
 - `fairness`: three standard tenants with `--clients` concurrent streams each (max_tokens
   `--max-tokens`, ignore_eos), router `--replica-concurrency` small so the fair queue decides;
   weights 1:1:1, then 2:1:1 (a fresh router each); tokens per tenant in the steady window
@@ -226,20 +230,29 @@ async def priority_phase(
     client = StreamClient(url)
     burst_replies: list[Reply] = []
     burst_tasks: list[asyncio.Task[Reply]] = []
+    premium: list[asyncio.Task[Reply]] = []
+    lead_started = time.perf_counter()
+    # The premium tenant's steady traffic is on before the burst (--premium-lead-s; 0: it
+    # starts --burst-lead-s after the burst): only the requests sent from the burst on count.
+    while time.perf_counter() - lead_started < args.premium_lead_s:
+        body = chat_body(question(rng, 8), 16)
+        premium.append(asyncio.create_task(stream_chat(client, body, premium_key)))
+        await asyncio.sleep(args.premium_interval)
+    started = time.perf_counter()
+    lead_in = len(premium)
     if burst:
         for _ in range(args.burst):
             reply = Reply()
             burst_replies.append(reply)
             body = chat_body(question(rng), args.burst_max_tokens, ignore_eos=True)
             burst_tasks.append(asyncio.create_task(stream_chat(client, body, burst_key, reply)))
+    if not args.premium_lead_s:
         await asyncio.sleep(args.burst_lead_s)  # the burst reaches the router first
-    started = time.perf_counter()
-    premium: list[asyncio.Task[Reply]] = []
     while time.perf_counter() - started < args.phase_s:
         body = chat_body(question(rng, 8), 16)
         premium.append(asyncio.create_task(stream_chat(client, body, premium_key)))
         await asyncio.sleep(args.premium_interval)
-    replies = await asyncio.gather(*premium)
+    replies = (await asyncio.gather(*premium))[lead_in:]
     premium_end = time.perf_counter()
     for task in burst_tasks:
         task.cancel()
@@ -756,6 +769,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--burst-max-tokens", type=int, default=64)
     p.add_argument("--burst-lead-s", type=float, default=1.0)
     p.add_argument("--premium-interval", type=float, default=0.5)
+    p.add_argument(
+        "--premium-lead-s",
+        type=float,
+        default=3.0,
+        help="premium traffic before the burst, not counted (0: premium starts after the burst)",
+    )
     p.add_argument("--phase-s", type=float, default=25.0)
     p.add_argument("--knob-rc", type=int, default=4, help="the knob phase's --replica-concurrency")
     p.add_argument(
