@@ -24,12 +24,12 @@ step it arrives into and the steps its prefill shares. Under priority, when rank
   better prefill runs as fast as alone. Should that leave the step empty (the better one waits
   for an adapter or for blocks no worse sequence holds), the step is scheduled as if it did not
   wait.
-- Guard (guard_window_s, guard_step_tokens). For guard_window_s after a rank last had a
-  sequence here (waiting or running), the ranks worse than it share guard_step_tokens of each
-  step: their decodes, prefill chunks and resumed (preempted) sequences' recompute together, in
-  queue and admission order. A better request arriving meanwhile finds a step of at most that
-  much worse work ahead of it. Worse ranks still progress while the better ones only decode:
-  they join those steps, within the guard.
+- Guard (guard_window_s, guard_step_seqs, guard_step_tokens). For guard_window_s after a rank
+  last had a sequence here (waiting or running), the ranks worse than it share guard_step_seqs
+  sequences and guard_step_tokens tokens of each step: their decodes, prefill chunks and resumed
+  (preempted) sequences' recompute together, in queue and admission order. A better request
+  arriving meanwhile finds a step of at most that much worse work ahead of it. Worse ranks still
+  progress while the better ones only decode: they join those steps, within the guard.
 Equal ranks are neither isolated from nor guarded against each other, so a single rank schedules
 exactly as fcfs.
 """
@@ -85,16 +85,18 @@ class SchedulerOutput:
 @dataclass
 class _StepLimits:
     """What one step may hold beyond the token budget (None: no bound): only ranks up to
-    `cutoff` (isolation), and `guarded_tokens` at most for the ranks worse than `guard`."""
+    `cutoff` (isolation), and for the ranks worse than `guard` at most `guarded_seqs` sequences
+    and `guarded_tokens` tokens."""
 
     cutoff: int | None = None
     guard: int | None = None
+    guarded_seqs: int = 0
     guarded_tokens: int = 0
 
     def allows(self, rank: int) -> bool:
         if self.cutoff is not None and rank > self.cutoff:
             return False
-        return not self.is_guarded(rank) or self.guarded_tokens > 0
+        return not self.is_guarded(rank) or (self.guarded_seqs > 0 and self.guarded_tokens > 0)
 
     def is_guarded(self, rank: int) -> bool:
         return self.guard is not None and rank > self.guard
@@ -104,10 +106,12 @@ class _StepLimits:
 
     def spend(self, rank: int, num_tokens: int) -> None:
         if self.is_guarded(rank):
+            self.guarded_seqs -= 1
             self.guarded_tokens -= num_tokens
 
     def refund(self, rank: int, num_tokens: int) -> None:
         if self.is_guarded(rank):
+            self.guarded_seqs += 1
             self.guarded_tokens += num_tokens
 
 
@@ -167,7 +171,8 @@ class Scheduler:
         out = self._schedule(limits)
         if out.is_empty and not out.preempted and limits.cutoff is not None:
             # The better work could not start (see the module's docstring): no isolation.
-            out = self._schedule(_StepLimits(None, limits.guard, limits.guarded_tokens))
+            unisolated = _StepLimits(None, limits.guard, limits.guarded_seqs, limits.guarded_tokens)
+            out = self._schedule(unisolated)
         return out
 
     def _limits(self) -> _StepLimits:
@@ -192,6 +197,7 @@ class Scheduler:
         return _StepLimits(
             cutoff if ranks and cutoff is not None and max(ranks) > cutoff else None,
             guard,
+            self.config.guard_step_seqs,
             self.config.guard_step_tokens,
         )
 

@@ -31,6 +31,7 @@ def scheduler(
     adapters: Slots | None = None,
     isolate: bool = False,
     guard_window_s: float = 0.0,
+    guard_step_seqs: int = 4,
     guard_step_tokens: int = 4,
     clock: Clock | None = None,
 ) -> Scheduler:
@@ -43,6 +44,7 @@ def scheduler(
         policy=policy,
         isolate_prefills=isolate,
         guard_window_s=guard_window_s,
+        guard_step_seqs=guard_step_seqs,
         guard_step_tokens=guard_step_tokens,
     )
     return Scheduler(config, bm, adapters, clock or Clock())
@@ -288,6 +290,7 @@ def schedule_trace(policy: str, priority: int, seed: int) -> list[object]:
         prefix_caching=True,
         isolate=True,
         guard_window_s=2.0,
+        guard_step_seqs=1,
         guard_step_tokens=1,
     )
     workload = random_workload(seed)
