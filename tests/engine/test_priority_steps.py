@@ -154,6 +154,7 @@ def test_equal_ranks_and_fcfs_fill_the_step() -> None:
     [
         ("guard_window_s", -1.0, "guard_window_s must be >= 0"),
         ("guard_step_tokens", 0, "guard_step_tokens must be >= 1"),
+        ("guard_step_seqs", 0, "guard_step_seqs must be >= 1"),
     ],
 )
 def test_a_bad_guard_is_refused(field: str, value: float, message: str) -> None:
@@ -195,3 +196,19 @@ def test_async_scheduling_isolates_a_better_prefill_and_guards_the_steps_beside_
     assert sorted(outputs) == ["high", "low0", "low1", "low2"]
     assert all(len(t) == 5 for t in outputs.values())
     assert engine.core.in_flight is None and engine.block_manager.usage == 0.0
+
+
+def test_the_guard_bounds_worse_sequences_and_tokens_apart() -> None:
+    clock = Clock()
+    sched = scheduler(
+        isolate=True, guard_window_s=2.0, guard_step_seqs=2, guard_step_tokens=8, clock=clock
+    )
+    decoding_lows(sched, 3)
+    sched.add(make_seq(6, "high", 0, start=200))
+    run_step(sched)
+    assert plan(run_step(sched)) == [("low0", 1), ("low1", 1), ("high", 1)]  # two sequences
+    sched.finish(sched.running[0])
+    sched.finish(sched.running[0])
+    sched.add(make_seq(20, "late", 2, start=400))
+    # One decode and one prompt chunk: the tokens left (7) bound the chunk.
+    assert plan(run_step(sched)) == [("low2", 1), ("high", 1), ("late", 7)]
