@@ -185,8 +185,9 @@ class Scheduler:
         for rank in ranks:
             self.last_seen[rank] = now
         window = self.config.guard_window_s
-        recent = [r for r, seen in self.last_seen.items() if now - seen <= window]
-        guard = min(recent) if window > 0 and recent else None
+        # Only the ranks inside the window are kept: clients may send any integer priority.
+        self.last_seen = {r: seen for r, seen in self.last_seen.items() if now - seen <= window}
+        guard = min(self.last_seen) if window > 0 and self.last_seen else None
         prefilling = [self.rank(s) for s in self.running if not s.is_decoding]
         prefilling += [
             self.rank(s)
