@@ -9,18 +9,22 @@ Tenant + Secret manifests in a `--tenants-file`; the routers share the redis-ser
 chunk; each request's usage is recorded next to its count).
 
 - `priority`: a premium tenant (class critical) sends one short chat request (max_tokens 16)
-  every `--premium-interval` s; its TTFT per phase, all on the same engine in the same run:
+  every `--premium-interval` s, steadily: from `--premium-lead-s` before the burst (those not
+  counted), or, with 0, from `--burst-lead-s` after it; the TTFT of those sent from the burst
+  on, per phase, all on the same engine in the same run:
   (1) alone, through the tenancy router; (2) while a best-effort tenant bursts `--burst`
   concurrent streams (max_tokens `--burst-max-tokens`, ignore_eos) through the tenancy router
   (fair queue + engine priority), replica concurrency as the engine reports it; (3) `knob`: the
-  same through a tenancy router with `--replica-concurrency` `--knob-rc` (it bounds the batch a
-  premium request joins, but counts the premium's own requests too); (4) `fcfs`: the same burst
+  same through a tenancy router with `--replica-concurrency` `--knob-rc` (it bounds the
+  best-effort requests in flight; the critical class only by the engine's max_num_seqs); (4)
+  `fcfs`: the same burst
   through a router without tenancy. `--phases` picks which (alone first: the ratios are to it).
   The router's fair-queue wait per tenant (its kvpilot_router_tenant_queue_seconds) is recorded
   per phase.
-  Each phase sends premium requests for `--phase-s`; the burst is cancelled once the premium
-  requests of the phase have their answers. The burst streams' gaps between chunks (the
-  engine's step time while the premium requests join it) are reported per phase.
+  Each phase counts premium requests for `--phase-s`; the burst is cancelled once the premium
+  requests of the phase have their answers. The load generator's event-loop lag and the load
+  average are recorded per phase (a TTFT measured here includes the former), and the burst
+  streams' gaps between chunks (the engine's step time while the premium requests join it).
 - `fairness`: three standard tenants with `--clients` concurrent streams each (max_tokens
   `--max-tokens`, ignore_eos), router `--replica-concurrency` small so the fair queue decides;
   weights 1:1:1, then 2:1:1 (a fresh router each); tokens per tenant in the steady window
@@ -220,27 +224,40 @@ async def priority_phase(
 ) -> dict[str, Any]:
     rng = random.Random(f"{args.seed}/{name}")
     queued_before = await queue_seconds(url)
+    load_before = os.getloadavg()[0]
+    lags: list[float] = []
+    lag_task = asyncio.create_task(loop_lag(lags))
     client = StreamClient(url)
     burst_replies: list[Reply] = []
     burst_tasks: list[asyncio.Task[Reply]] = []
+    premium: list[asyncio.Task[Reply]] = []
+    lead_started = time.perf_counter()
+    # The premium tenant's steady traffic is on before the burst (--premium-lead-s; 0: it
+    # starts --burst-lead-s after the burst): only the requests sent from the burst on count.
+    while time.perf_counter() - lead_started < args.premium_lead_s:
+        body = chat_body(question(rng, 8), 16)
+        premium.append(asyncio.create_task(stream_chat(client, body, premium_key)))
+        await asyncio.sleep(args.premium_interval)
+    started = time.perf_counter()
+    lead_in = len(premium)
     if burst:
         for _ in range(args.burst):
             reply = Reply()
             burst_replies.append(reply)
             body = chat_body(question(rng), args.burst_max_tokens, ignore_eos=True)
             burst_tasks.append(asyncio.create_task(stream_chat(client, body, burst_key, reply)))
+    if not args.premium_lead_s:
         await asyncio.sleep(args.burst_lead_s)  # the burst reaches the router first
-    started = time.perf_counter()
-    premium: list[asyncio.Task[Reply]] = []
     while time.perf_counter() - started < args.phase_s:
         body = chat_body(question(rng, 8), 16)
         premium.append(asyncio.create_task(stream_chat(client, body, premium_key)))
         await asyncio.sleep(args.premium_interval)
-    replies = await asyncio.gather(*premium)
+    replies = (await asyncio.gather(*premium))[lead_in:]
     premium_end = time.perf_counter()
     for task in burst_tasks:
         task.cancel()
     await asyncio.gather(*burst_tasks, return_exceptions=True)
+    lag_task.cancel()
     client.close()
     queued_after = await queue_seconds(url)
     queued = {
@@ -293,14 +310,29 @@ async def priority_phase(
         else 0,
         "window_s": round(premium_end - started, 2),
         "router_fair_queue_wait": queued,
+        # The load generator's own delay in noticing a chunk (its event loop busy with the
+        # burst's streams): a TTFT measured here includes it.
+        "client_loop_lag_p50_ms": ms(percentile(lags, 50)) if lags else None,
+        "client_loop_lag_p99_ms": ms(percentile(lags, 99)) if lags else None,
+        "load_average_1m": [round(load_before, 2), round(os.getloadavg()[0], 2)],
     }
     log(
         f"{name}: premium TTFT p50 {result['premium_ttft_p50_ms']} ms p99 "
         f"{result['premium_ttft_p99_ms']} ms over {len(ttfts)} (refused {refused}); burst step "
         f"p50 {result['burst_step_gap_p50_ms']} ms, streaming "
-        f"{result['burst_streaming_when_premium_sent_median']}; router queue {queued}"
+        f"{result['burst_streaming_when_premium_sent_median']}; router queue {queued}; client "
+        f"loop lag p50/p99 {result['client_loop_lag_p50_ms']}/{result['client_loop_lag_p99_ms']}"
+        f" ms; load average {result['load_average_1m']}"
     )
     return result
+
+
+async def loop_lag(lags: list[float], interval_s: float = 0.01) -> None:
+    """How late this process's event loop wakes a sleeper, every interval_s, until cancelled."""
+    while True:
+        asked = time.perf_counter()
+        await asyncio.sleep(interval_s)
+        lags.append(max(0.0, time.perf_counter() - asked - interval_s))
 
 
 async def run_priority(args: argparse.Namespace, plat: Platform) -> dict[str, Any]:
@@ -737,6 +769,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--burst-max-tokens", type=int, default=64)
     p.add_argument("--burst-lead-s", type=float, default=1.0)
     p.add_argument("--premium-interval", type=float, default=0.5)
+    p.add_argument(
+        "--premium-lead-s",
+        type=float,
+        default=3.0,
+        help="premium traffic before the burst, not counted (0: premium starts after the burst)",
+    )
     p.add_argument("--phase-s", type=float, default=25.0)
     p.add_argument("--knob-rc", type=int, default=4, help="the knob phase's --replica-concurrency")
     p.add_argument(

@@ -42,6 +42,13 @@ SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2")
 
 DEVICE_PATTERN = re.compile(r"auto|cpu|cuda(:[0-9]+)?")
 SEED_MIN, SEED_END = -(2**63), 2**64
+# The priority policy's guard (SchedulerConfig): a few seconds covers a tenant's steady traffic
+# between its requests; a few sequences keep a worse rank's step short next to a better prefill
+# (on a CPU a step costs mostly per sequence), and a chunk of prompt tokens lets its prompts
+# start in a few steps.
+DEFAULT_GUARD_WINDOW_S = 2.0
+DEFAULT_GUARD_STEP_SEQS = 4
+DEFAULT_GUARD_STEP_TOKENS = 32
 
 
 @dataclass(frozen=True)
@@ -197,8 +204,25 @@ class SchedulerConfig:
     max_num_seqs: int = DEFAULT_MAX_NUM_SEQS
     # fcfs: arrival order; priority: by each request's priority (lower first), then arrival.
     policy: str = DEFAULT_SCHEDULING_POLICY
+    # Under priority: for this long after a rank last had a request here, the ranks worse than
+    # it get at most guard_step_seqs sequences and guard_step_tokens tokens of each step (their
+    # decodes and prefill chunks together), so a better request never waits long for the step
+    # it arrives into. 0: no guard.
+    guard_window_s: float = DEFAULT_GUARD_WINDOW_S
+    guard_step_seqs: int = DEFAULT_GUARD_STEP_SEQS
+    guard_step_tokens: int = DEFAULT_GUARD_STEP_TOKENS
+    # Under priority: a step with a better rank's prefill in it holds no worse work (False: worse
+    # work fills what the budget leaves, more throughput for it, a longer first token for the
+    # better one).
+    isolate_prefills: bool = True
 
     def __post_init__(self) -> None:
+        if self.guard_window_s < 0:
+            raise ValueError(f"guard_window_s must be >= 0, got {self.guard_window_s:g}")
+        if self.guard_step_seqs < 1:
+            raise ValueError(f"guard_step_seqs must be >= 1, got {self.guard_step_seqs}")
+        if self.guard_step_tokens < 1:
+            raise ValueError(f"guard_step_tokens must be >= 1, got {self.guard_step_tokens}")
         if self.policy not in SCHEDULING_POLICIES:
             raise ValueError(
                 f"scheduling policy must be one of {', '.join(SCHEDULING_POLICIES)}, got "

@@ -15,11 +15,30 @@ rank (a preempted sequence goes before the others of its rank, as fcfs puts it a
 KV victim is the last admitted running sequence of the worst rank (under fcfs: the newest); and a
 waiting sequence of a strictly better rank than a running one, which finds no sequence slot or no
 KV blocks free, takes them from the worst. With equal ranks the policies schedule alike.
+
+A step cannot be interrupted, so what bounds a better request's time to its first token is the
+step it arrives into and the steps its prefill shares. Under priority, when ranks differ:
+- Isolation (isolate_prefills). While a sequence of rank r has prompt tokens to compute
+  (waiting, its grammar ready, or running a chunked prefill), the step holds only work of rank r
+  or better: worse decodes and prefills skip it (they keep their places, blocks and slots). The
+  better prefill runs as fast as alone. Should that leave the step empty (the better one waits
+  for an adapter or for blocks no worse sequence holds), the step is scheduled as if it did not
+  wait.
+- Guard (guard_window_s, guard_step_seqs, guard_step_tokens). For guard_window_s after a rank
+  last had a sequence here (waiting or running), the ranks worse than it share guard_step_seqs
+  sequences and guard_step_tokens tokens of each step: their decodes, prefill chunks and resumed
+  (preempted) sequences' recompute together, in queue and admission order. A better request
+  arriving meanwhile finds a step of at most that much worse work ahead of it. Worse ranks still
+  progress while the better ones only decode: they join those steps, within the guard.
+Equal ranks are neither isolated from nor guarded against each other, so a single rank schedules
+exactly as fcfs.
 """
 
 from __future__ import annotations
 
+import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -63,12 +82,46 @@ class SchedulerOutput:
         return not self.scheduled
 
 
+@dataclass
+class _StepLimits:
+    """What one step may hold beyond the token budget (None: no bound): only ranks up to
+    `cutoff` (isolation), and for the ranks worse than `guard` at most `guarded_seqs` sequences
+    and `guarded_tokens` tokens."""
+
+    cutoff: int | None = None
+    guard: int | None = None
+    guarded_seqs: int = 0
+    guarded_tokens: int = 0
+
+    def allows(self, rank: int) -> bool:
+        if self.cutoff is not None and rank > self.cutoff:
+            return False
+        return not self.is_guarded(rank) or (self.guarded_seqs > 0 and self.guarded_tokens > 0)
+
+    def is_guarded(self, rank: int) -> bool:
+        return self.guard is not None and rank > self.guard
+
+    def cap(self, rank: int, num_tokens: int) -> int:
+        return min(num_tokens, self.guarded_tokens) if self.is_guarded(rank) else num_tokens
+
+    def spend(self, rank: int, num_tokens: int) -> None:
+        if self.is_guarded(rank):
+            self.guarded_seqs -= 1
+            self.guarded_tokens -= num_tokens
+
+    def refund(self, rank: int, num_tokens: int) -> None:
+        if self.is_guarded(rank):
+            self.guarded_seqs += 1
+            self.guarded_tokens += num_tokens
+
+
 class Scheduler:
     def __init__(
         self,
         config: SchedulerConfig,
         block_manager: BlockManager,
         adapters: AdapterSlots | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.config = config
         self.block_manager = block_manager
@@ -77,6 +130,8 @@ class Scheduler:
         self.running: list[Sequence] = []  # admission order: the last is the newest
         self.num_preemptions = 0
         self.by_priority = config.policy == "priority"
+        self.clock = clock
+        self.last_seen: dict[int, float] = {}  # rank -> when it last had a sequence here
 
     @property
     def num_waiting(self) -> int:
@@ -112,6 +167,42 @@ class Scheduler:
         seq.status = SequenceStatus.FINISHED
 
     def schedule(self) -> SchedulerOutput:
+        limits = self._limits()
+        out = self._schedule(limits)
+        if out.is_empty and not out.preempted and limits.cutoff is not None:
+            # The better work could not start (see the module's docstring): no isolation.
+            unisolated = _StepLimits(None, limits.guard, limits.guarded_seqs, limits.guarded_tokens)
+            out = self._schedule(unisolated)
+        return out
+
+    def _limits(self) -> _StepLimits:
+        """This step's isolation and guard (none under fcfs, nor while ranks are equal)."""
+        if not self.by_priority:
+            return _StepLimits()
+        now = self.clock()
+        ranks = {self.rank(s) for s in self.running}
+        ranks.update(self.rank(s) for s in self.waiting)
+        for rank in ranks:
+            self.last_seen[rank] = now
+        window = self.config.guard_window_s
+        # Only the ranks inside the window are kept: clients may send any integer priority.
+        self.last_seen = {r: seen for r, seen in self.last_seen.items() if now - seen <= window}
+        guard = min(self.last_seen) if window > 0 and self.last_seen else None
+        prefilling = [self.rank(s) for s in self.running if not s.is_decoding]
+        prefilling += [
+            self.rank(s)
+            for s in self.waiting
+            if s.grammar is None or s.grammar.is_ready  # one still compiling cannot start
+        ]
+        cutoff = min(prefilling, default=None) if self.config.isolate_prefills else None
+        return _StepLimits(
+            cutoff if ranks and cutoff is not None and max(ranks) > cutoff else None,
+            guard,
+            self.config.guard_step_seqs,
+            self.config.guard_step_tokens,
+        )
+
+    def _schedule(self, limits: _StepLimits) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
         by_seq: dict[int, ScheduledSequence] = {}
@@ -124,29 +215,40 @@ class Scheduler:
                 break
             if seq.status is not SequenceStatus.RUNNING:  # preempted earlier in this loop
                 continue
-            num_new = min(seq.num_uncomputed_tokens, budget)
+            rank = self.rank(seq)
+            if not limits.allows(rank):
+                continue  # it keeps its place, its blocks and its slot
+            num_new = limits.cap(rank, min(seq.num_uncomputed_tokens, budget))
             while not self.block_manager.allocate(seq, num_new):
                 victim = self._worst(self.running)
-                budget += self._preempt(victim, out, by_seq)
+                budget += self._preempt(victim, out, by_seq, limits)
                 if victim is seq:
                     break
             else:
                 by_seq[seq.seq_id] = ScheduledSequence(seq, num_new)
                 budget -= num_new
+                limits.spend(rank, num_new)
 
         # New work waits while the pool is under pressure (it would only be preempted again).
         if not out.preempted:
-            budget = self._admit_waiting(budget, out, by_seq)
+            budget = self._admit_waiting(budget, out, by_seq, limits)
         out.scheduled = list(by_seq.values())
         return out
 
     def _admit_waiting(
-        self, budget: int, out: SchedulerOutput, by_seq: dict[int, ScheduledSequence]
+        self,
+        budget: int,
+        out: SchedulerOutput,
+        by_seq: dict[int, ScheduledSequence],
+        limits: _StepLimits,
     ) -> int:
         bm = self.block_manager
         passed_over: list[Sequence] = []
         while self.waiting:
             seq = self.waiting[0]
+            rank = self.rank(seq)
+            if not limits.allows(rank):
+                break  # the queue is in rank order: the rest are no better
             if seq.grammar is not None and not seq.grammar.is_ready:
                 passed_over.append(self.waiting.popleft())
                 continue
@@ -161,16 +263,16 @@ class Scheduler:
                 passed_over.append(self.waiting.popleft())
                 continue
             if displaced is not None:
-                budget += self._preempt(displaced, out, by_seq)
+                budget += self._preempt(displaced, out, by_seq, limits)
                 if budget == 0:
                     break  # its place is free from the next step on
             cached = bm.find_cached_prefix(seq) if not seq.block_table else []
             num_computed = len(cached) * bm.block_size
-            num_new = min(seq.num_tokens - num_computed, budget)
+            num_new = limits.cap(rank, min(seq.num_tokens - num_computed, budget))
             is_allocated = bm.allocate(seq, num_new, cached)
             while not is_allocated and (displaced := self._displaceable(seq)) is not None:
-                budget += self._preempt(displaced, out, by_seq)
-                num_new = min(seq.num_tokens - num_computed, budget)
+                budget += self._preempt(displaced, out, by_seq, limits)
+                num_new = limits.cap(rank, min(seq.num_tokens - num_computed, budget))
                 is_allocated = bm.allocate(seq, num_new, cached)
             if not is_allocated:
                 break
@@ -184,6 +286,7 @@ class Scheduler:
             self.running.append(seq)
             by_seq[seq.seq_id] = ScheduledSequence(seq, num_new)
             budget -= num_new
+            limits.spend(rank, num_new)
         self.waiting.extendleft(reversed(passed_over))
         return budget
 
@@ -223,10 +326,14 @@ class Scheduler:
         return victim if self.rank(victim) > self.rank(seq) else None
 
     def _preempt(
-        self, seq: Sequence, out: SchedulerOutput, by_seq: dict[int, ScheduledSequence]
+        self,
+        seq: Sequence,
+        out: SchedulerOutput,
+        by_seq: dict[int, ScheduledSequence],
+        limits: _StepLimits,
     ) -> int:
         """Send a running sequence back to wait, before the others of its rank; returns the
-        tokens it had been given in this step (now free again)."""
+        tokens it had been given in this step (now free again, in the guard's share too)."""
         self.running.remove(seq)
         self.block_manager.free(seq)
         seq.num_computed_tokens = 0
@@ -239,4 +346,7 @@ class Scheduler:
         self.num_preemptions += 1
         out.preempted.append(seq)
         scheduled = by_seq.pop(seq.seq_id, None)
-        return 0 if scheduled is None else scheduled.num_new_tokens
+        if scheduled is None:
+            return 0
+        limits.refund(rank, scheduled.num_new_tokens)
+        return scheduled.num_new_tokens

@@ -75,7 +75,8 @@ def parse_args(argv: list[str]) -> RouterConfig:
         type=int,
         default=None,
         help="requests of a class or better a replica takes from this router before the rest "
-        "wait in its fair queue; unset, the engine's max_num_seqs (as it reports it)",
+        "wait in its fair queue, for the classes below critical (critical: the engine's "
+        "max_num_seqs); unset, the engine's max_num_seqs (as it reports it)",
     )
     tenancy.add_argument(
         "--max-queued", type=int, default=TenancyConfig.max_queued_per_model,

@@ -57,10 +57,12 @@ class Replica:
 
     def has_room(self, rank: int, concurrency: int | None, default_concurrency: int) -> bool:
         """Whether a request of this priority rank fits: fewer requests of its rank or a better
-        one in flight here than `concurrency`, or (None) than the engine runs at once (its
-        max_num_seqs; the default where it does not say). Worse ranks do not count: the engine
-        preempts them for it."""
-        limit = concurrency or self.load.max_num_seqs or default_concurrency
+        one in flight here than the engine runs at once (its max_num_seqs; the default where it
+        does not say) and, below the best class, than `concurrency` too. Worse ranks do not
+        count: the engine preempts them for it. The best class is bounded by the engine alone,
+        so its own requests never hold it back while the engine can take them."""
+        capacity = self.load.max_num_seqs or default_concurrency
+        limit = capacity if rank == 0 or concurrency is None else concurrency
         return sum(self.in_flight_by_rank[: rank + 1]) < limit
 
     def desync(self) -> None:

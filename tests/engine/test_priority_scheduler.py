@@ -29,12 +29,25 @@ def scheduler(
     max_num_batched_tokens: int = 64,
     prefix_caching: bool = False,
     adapters: Slots | None = None,
+    isolate: bool = False,
+    guard_window_s: float = 0.0,
+    guard_step_seqs: int = 4,
+    guard_step_tokens: int = 4,
+    clock: Clock | None = None,
 ) -> Scheduler:
+    """Without isolation and the guard unless asked: most tests here are about order and
+    preemption, which they leave alone; test_priority_steps.py is about them."""
     bm = BlockManager(num_blocks=num_blocks, block_size=BS, enable_prefix_caching=prefix_caching)
     config = SchedulerConfig(
-        max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs, policy=policy
+        max_num_batched_tokens=max_num_batched_tokens,
+        max_num_seqs=max_num_seqs,
+        policy=policy,
+        isolate_prefills=isolate,
+        guard_window_s=guard_window_s,
+        guard_step_seqs=guard_step_seqs,
+        guard_step_tokens=guard_step_tokens,
     )
-    return Scheduler(config, bm, adapters)
+    return Scheduler(config, bm, adapters, clock or Clock())
 
 
 def run_step(sched: Scheduler, sampled_token: int = 7) -> SchedulerOutput:
@@ -55,6 +68,16 @@ def plan(out: SchedulerOutput) -> list[tuple[str, int]]:
 
 def names(seqs: object) -> list[str]:
     return [s.request_id for s in seqs]  # type: ignore[attr-defined]
+
+
+class Clock:
+    """The scheduler's clock, moved by hand."""
+
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
 
 
 class Slots:
@@ -259,12 +282,16 @@ def random_workload(seed: int) -> list[tuple[int, str, int, int]]:
 
 def schedule_trace(policy: str, priority: int, seed: int) -> list[object]:
     """Every step's plan, preemptions and queue for one workload, run to the end."""
-    sched = scheduler(
+    sched = scheduler(  # isolation and the guard on: among equal ranks they change nothing
         num_blocks=14,
         policy=policy,
         max_num_seqs=4,
         max_num_batched_tokens=12,
         prefix_caching=True,
+        isolate=True,
+        guard_window_s=2.0,
+        guard_step_seqs=1,
+        guard_step_tokens=1,
     )
     workload = random_workload(seed)
     targets: dict[str, int] = {}

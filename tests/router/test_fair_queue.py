@@ -11,8 +11,11 @@ from dataclasses import dataclass, field
 
 import pytest
 
+from kvpilot.contract.kv_events import Load
 from kvpilot.contract.tenancy import priority_rank
 from kvpilot.router.fair_queue import FairQueue, QueueFull, QueueTimeout, Ticket
+from kvpilot.router.index import BlockIndex
+from kvpilot.router.replica import Replica
 
 BEST = priority_rank("critical")
 HIGH = priority_rank("high")
@@ -341,3 +344,30 @@ async def test_a_weight_below_one_is_refused() -> None:
     queue = FairQueue(lambda rank: True, max_queued=1, timeout_s=1)
     with pytest.raises(ValueError, match="weight 0"):
         await queue.acquire("a", STANDARD, 0, 1.0)
+
+
+def test_a_replicas_room_per_rank_under_a_replica_concurrency() -> None:
+    """What has_capacity asks of each replica: a class counts itself and the better ones, never
+    the worse; `concurrency` bounds the classes below the best, and the best class only the
+    engine's max_num_seqs (its own requests do not queue it behind themselves)."""
+    replica = Replica("r", "http://r", BlockIndex(8), load=Load(max_num_seqs=16))
+    replica.in_flight_by_rank[BEST] = 4
+    assert replica.has_room(BEST, 4, 32)  # 4 of its own, the engine runs 16
+    assert not replica.has_room(WORST, 4, 32)  # 4 better ones in flight: at its bound
+    replica.in_flight_by_rank[BEST] = 2
+    replica.in_flight_by_rank[WORST] = 1
+    assert replica.has_room(WORST, 4, 32) and replica.has_room(HIGH, 4, 32)
+    replica.in_flight_by_rank[WORST] = 2
+    assert not replica.has_room(WORST, 4, 32) and replica.has_room(HIGH, 4, 32)
+    replica.in_flight_by_rank[BEST] = 16
+    assert not replica.has_room(BEST, 4, 32)  # the engine's own bound
+    # Without a concurrency every class is bounded by the engine; without its report, the default.
+    replica.in_flight_by_rank[BEST] = 14
+    replica.in_flight_by_rank[WORST] = 0
+    replica.in_flight_by_rank[STANDARD] = 1
+    assert replica.has_room(STANDARD, None, 32)
+    replica.in_flight_by_rank[STANDARD] = 2
+    assert not replica.has_room(STANDARD, None, 32) and replica.has_room(BEST, None, 32)
+    unknown = Replica("u", "http://u", BlockIndex(8))
+    unknown.in_flight_by_rank[STANDARD] = 31
+    assert unknown.has_room(STANDARD, None, 32) and not unknown.has_room(WORST, 4, 32)
