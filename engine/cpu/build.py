@@ -273,6 +273,7 @@ def load_library(extra_flags: tuple[str, ...] = ()) -> ctypes.CDLL | None:
             flags = _compile(compiler, out, extra_flags)
             log.info("built the CPU kernels (%s) at %s", " ".join(flags), out)
         lib = ctypes.CDLL(str(out))
+        log.info("using the CPU kernels built for this CPU at %s", out)
     except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
         log.warning("the CPU kernels fall back to plain torch: %s", exc)
         return None
