@@ -11,13 +11,14 @@ from __future__ import annotations
 import importlib.metadata
 import sys
 
-USAGE = """usage: kvpilot [--version] {generate,serve,operator,router} [options]
+USAGE = """usage: kvpilot [--version] {generate,serve,operator,router,prepare} [options]
 
   generate   run the engine offline on a few chat prompts (default model: bundled
   SmolLM2-135M-Instruct)
   serve      serve an OpenAI-compatible API on one model
   operator   run the Kubernetes operator (kopf)
   router     route OpenAI requests to InferenceServices (prefix-cache aware, scale from zero)
+  prepare    convert a model into the shared model cache; prebuild the CPU kernels
 
 `kvpilot COMMAND --help` for the options of each command."""
 
@@ -47,6 +48,8 @@ def main(argv: list[str] | None = None) -> int:
         from kvpilot.engine.generate_cli import main as run
     elif command == "serve":
         from kvpilot.engine.server.cli import main as run
+    elif command == "prepare":
+        from kvpilot.engine.prepare import main as run
     elif command == "operator":
         from kvpilot.operator.cli import main as run
     elif command == "router":

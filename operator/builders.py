@@ -216,8 +216,10 @@ def _user_env(spec: InferenceServiceSpec) -> list[dict[str, Any]]:
 def build_model_fetch_container(
     spec: InferenceServiceSpec, source: HfModel, image: str
 ) -> dict[str, Any]:
-    """The init container that downloads an hf:// model into the model-cache volume."""
+    """The init container that downloads an hf:// model into the model-cache volume and converts
+    a GGUF there, into the cache the engine reads (engine_cache_dir), once for every pod."""
     args = ["--repo", source.repo, "--dest", source.local_dir]
+    args += ["--cache-dir", engine_cache_dir(spec)]
     if source.revision is not None:
         args += ["--revision", source.revision]
     for pattern in spec.model.allow_patterns or DEFAULT_ALLOW_PATTERNS:
@@ -240,7 +242,7 @@ def build_model_fetch_container(
         "command": ["python", "-m", "kvpilot.operator.modelfetch"],
         "args": args,
         "env": env,
-        "resources": MODEL_FETCH_RESOURCES,
+        "resources": model_fetch_resources(spec),
         "volumeMounts": [
             {"name": MODEL_CACHE_VOLUME, "mountPath": MODEL_CACHE_MOUNT},
             _tmp_volume_mount(),
@@ -251,6 +253,16 @@ def build_model_fetch_container(
     if spec.engine.image_pull_policy is not None:
         container["imagePullPolicy"] = spec.engine.image_pull_policy
     return container
+
+
+def model_fetch_resources(spec: InferenceServiceSpec) -> dict[str, Any]:
+    """The init container's resources: converting a GGUF holds the dequantized weights, as the
+    engine would have, so it may use the engine's memory limit (an init container's resources
+    do not add to the pod's: the larger of the two counts)."""
+    memory = build_engine_resources(spec).get("limits", {}).get("memory")
+    if memory is None:
+        return MODEL_FETCH_RESOURCES
+    return {**MODEL_FETCH_RESOURCES, "limits": {"memory": memory}}
 
 
 def build_model_cache_volume(spec: InferenceServiceSpec, source: ModelSource) -> dict[str, Any]:

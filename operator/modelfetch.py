@@ -1,9 +1,14 @@
 """The model-fetch init container: downloads an hf:// model into the model-cache volume.
 
     python -m kvpilot.operator.modelfetch --repo org/name [--revision R] --dest DIR
-        [--allow-pattern GLOB ...]
+        [--allow-pattern GLOB ...] [--cache-dir CACHE]
 
-Idempotent: files already complete in DIR are not fetched again (a cache claim survives pods).
+With --cache-dir (the engine's KVPILOT_CACHE_DIR on the same volume), a GGUF model is converted
+there too (`kvpilot prepare`), once for every pod that shares the volume: the engine then loads
+the converted weights instead of converting before it serves.
+
+Idempotent: files already complete in DIR are not fetched again (a cache claim survives pods), and
+a model already converted is not converted again.
 On failure the reason goes to the termination log, which the operator shows in the
 InferenceService's Degraded condition (reason ModelDownloadFailed).
 """
@@ -32,6 +37,12 @@ def build_parser() -> argparse.ArgumentParser:
         dest="allow_patterns",
         default=None,
         help="glob of files to fetch (repeatable; default: all files)",
+    )
+    parser.add_argument(
+        "--cache-dir",
+        type=Path,
+        default=None,
+        help="convert a GGUF model into this engine cache (default: no conversion)",
     )
     parser.add_argument("--termination-log", type=Path, default=Path(TERMINATION_LOG))
     return parser
@@ -78,6 +89,19 @@ def fetch(repo: str, revision: str | None, dest: Path, allow_patterns: list[str]
         )
 
 
+def convert(dest: Path, cache_dir: Path) -> Path | None:
+    """Converts the downloaded GGUF model into the engine's cache (None: an HF directory, nothing
+    to convert); raises RuntimeError with the reason."""
+    # Imported here: the engine (torch, gguf) is only paid for by a pod that converts.
+    from kvpilot.engine.model.gguf_convert import ModelFileError
+    from kvpilot.engine.prepare import convert_model
+
+    try:
+        return convert_model(str(dest), cache_dir)
+    except ModelFileError as error:
+        raise RuntimeError(f"converting the downloaded model failed: {error}") from error
+
+
 def _first_line(error: BaseException) -> str:
     text = str(error).strip()
     return text.splitlines()[0] if text else type(error).__name__
@@ -89,6 +113,10 @@ def main(argv: list[str] | None = None) -> int:
     print(f"fetching {args.repo}@{args.revision or 'main'} into {args.dest}", flush=True)
     try:
         fetch(args.repo, args.revision, args.dest, args.allow_patterns)
+        if args.cache_dir is not None:
+            converted = convert(args.dest, args.cache_dir)
+            if converted is not None:
+                print(f"converted {args.repo} into {converted}", flush=True)
     except Exception as error:  # whatever it is, the pod's status must say it
         message = str(error) if isinstance(error, RuntimeError) else f"unexpected error: {error!r}"
         print(f"model fetch failed: {message}", file=sys.stderr, flush=True)

@@ -1,10 +1,14 @@
 """Compiles csrc/cpu_ops.c, csrc/linear.c and csrc/lora.c into one library for this machine and
 loads it, once per process.
 
-The library is cached under the kvpilot cache directory, keyed by the sources, the compiler, the
-flags and the CPU (the build targets -march=native), so a second start and every other process on
-the machine reuse it. A build is written to a temporary file and renamed into place, so concurrent
-starts never load half a file.
+A library prebuilt for a named instruction set (ISAS, `python -m kvpilot.engine.prepare
+--kernels-dir`, e.g. at image build) is taken from a read-only directory when this CPU has every
+feature it needs and it was built from these sources (prebuilt_dir()/<source_key()>/<isa>/
+cpu_ops.so, the richest ISA first). Only for a CPU none of them fits (or sources no build matches)
+is the library compiled here, for -march=native, and cached under the kvpilot cache directory
+keyed by the sources, the compiler, the flags and the CPU, so a second start and every other
+process on the machine reuse it. A build is written to a temporary file and renamed into place,
+so concurrent starts never load half a file.
 """
 
 from __future__ import annotations
@@ -18,17 +22,23 @@ import platform
 import shutil
 import subprocess
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 log = logging.getLogger("kvpilot")
 
+# Where prebuilt kernel libraries are looked up (read-only; see the module docstring).
+PREBUILT_ENV = "KVPILOT_PREBUILT_KERNELS"
+PREBUILT_PACKAGE_DIR = Path(__file__).with_name("prebuilt")
+LIBRARY_NAME = "cpu_ops.so"
+
 CSRC = Path(__file__).with_name("csrc")
 SOURCES = (CSRC / "cpu_ops.c", CSRC / "linear.c", CSRC / "lora.c")
-BASE_FLAGS = (
+NATIVE_FLAGS = ("-march=native",)
+PORTABLE_FLAGS = (
     "-O3",
-    "-march=native",
     "-fno-math-errno",
     "-fno-trapping-math",
     "-ffp-contract=off",
@@ -36,6 +46,29 @@ BASE_FLAGS = (
     "-fPIC",
     "-shared",
 )
+BASE_FLAGS = (*PORTABLE_FLAGS[:1], *NATIVE_FLAGS, *PORTABLE_FLAGS[1:])
+
+
+@dataclass(frozen=True)
+class Isa:
+    """An instruction set a library can be prebuilt for: its compiler flags and the
+    /proc/cpuinfo flags a CPU needs to run what they emit."""
+
+    name: str
+    march: tuple[str, ...]
+    cpu_flags: frozenset[str]
+
+
+_X86_V3 = frozenset({"avx", "avx2", "bmi1", "bmi2", "f16c", "fma", "movbe", "abm"})
+_X86_V4 = _X86_V3 | {"avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl"}
+# Richest first: the first one a CPU runs is the one it loads. The kernels branch on __AVX2__,
+# __FMA__, __AVX512F__, __AVX512BW__ and __AVX512BF16__ (csrc/*.c), so these three cover every path.
+ISAS: tuple[Isa, ...] = (
+    Isa("avx512bf16", ("-march=x86-64-v4", "-mavx512bf16"), _X86_V4 | {"avx512_bf16"}),
+    Isa("avx512", ("-march=x86-64-v4",), _X86_V4),
+    Isa("avx2", ("-march=x86-64-v3",), _X86_V3),
+)
+ISA_NAMES = tuple(isa.name for isa in ISAS)
 # The storage dtypes the kernels are built for, and their function-name suffixes.
 SUFFIXES = {torch.float32: "f32", torch.bfloat16: "bf16"}
 _PTR, _I64, _F32, _INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
@@ -113,11 +146,73 @@ def _cpu_signature() -> str:
     return "\n".join(sorted(set(keep)))
 
 
-def _compile(compiler: str, out: Path, extra_flags: tuple[str, ...]) -> list[str]:
+def cpu_flags() -> frozenset[str]:
+    """This CPU's feature flags as /proc/cpuinfo names them (empty where it cannot be read)."""
+    try:
+        info = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return frozenset()
+    line = next((line for line in info.splitlines() if line.startswith("flags")), "")
+    return frozenset(line.partition(":")[2].split())
+
+
+def source_key() -> str:
+    """What a prebuilt library must have been built from: the sources, the portable flags and the
+    entry points' signatures (a library from other sources is never loaded)."""
+    parts = [
+        *(source.read_text() for source in SOURCES),
+        " ".join(PORTABLE_FLAGS),
+        repr(sorted((name, repr(sig)) for name, sig in signatures().items())),
+    ]
+    return hashlib.sha256("\0".join(parts).encode()).hexdigest()[:16]
+
+
+def prebuilt_dir() -> Path:
+    """$KVPILOT_PREBUILT_KERNELS, else the package's own prebuilt/ directory."""
+    return Path(os.environ.get(PREBUILT_ENV) or PREBUILT_PACKAGE_DIR)
+
+
+def find_prebuilt(
+    directory: Path, flags: frozenset[str], key: str | None = None
+) -> tuple[Isa, Path] | None:
+    """The richest prebuilt library under directory that a CPU with these flags runs."""
+    base = directory / (key or source_key())
+    for isa in ISAS:
+        path = base / isa.name / LIBRARY_NAME
+        if isa.cpu_flags <= flags and path.is_file():
+            return isa, path
+    return None
+
+
+def build_prebuilt(directory: Path, names: tuple[str, ...]) -> dict[str, Path]:
+    """Compiles the library for each named ISA into directory/<source_key()>/<isa>/ (the layout
+    find_prebuilt reads); returns name -> library. Raises RuntimeError without a compiler."""
+    by_name = {isa.name: isa for isa in ISAS}
+    unknown = sorted(set(names) - set(by_name))
+    if unknown:
+        raise ValueError(f"unknown instruction sets {unknown}: choose from {list(ISA_NAMES)}")
+    compiler = c_compiler()
+    if compiler is None:
+        raise RuntimeError("no C compiler found (set CC) to prebuild the CPU kernels")
+    built = {}
+    for name in names:
+        out = directory / source_key() / name / LIBRARY_NAME
+        out.parent.mkdir(parents=True, exist_ok=True)
+        _compile(compiler, out, by_name[name].march, base=PORTABLE_FLAGS)
+        built[name] = out
+    return built
+
+
+def _compile(
+    compiler: str,
+    out: Path,
+    extra_flags: tuple[str, ...],
+    base: tuple[str, ...] = BASE_FLAGS,
+) -> list[str]:
     """Builds the library into `out`; returns the flags used (OpenMP when the compiler has it)."""
     last_error = ""
     for openmp in (["-fopenmp"], []):
-        flags = [*BASE_FLAGS, *extra_flags, *openmp]
+        flags = [*base, *extra_flags, *openmp]
         with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
             target = Path(tmp) / out.name
             proc = subprocess.run(
@@ -145,6 +240,14 @@ def load_library(extra_flags: tuple[str, ...] = ()) -> ctypes.CDLL | None:
     kernels share torch's thread pool and its torch.set_num_threads setting."""
     from kvpilot.engine.model.gguf_convert import cache_root
 
+    prebuilt = None if extra_flags else find_prebuilt(prebuilt_dir(), cpu_flags())
+    if prebuilt is not None:
+        try:
+            lib = ctypes.CDLL(str(prebuilt[1]))
+            log.info("using the CPU kernels prebuilt for %s at %s", prebuilt[0].name, prebuilt[1])
+            return _bind(lib)
+        except OSError as exc:
+            log.warning("the prebuilt CPU kernels at %s did not load: %s", prebuilt[1], exc)
     compiler = c_compiler()
     if compiler is None:
         log.warning("no C compiler found: the CPU kernels fall back to plain torch")
@@ -164,15 +267,21 @@ def load_library(extra_flags: tuple[str, ...] = ()) -> ctypes.CDLL | None:
                 ]
             ).encode()
         ).hexdigest()[:16]
-        out = cache_root() / "cpu_kernels" / key / "cpu_ops.so"
+        out = cache_root() / "cpu_kernels" / key / LIBRARY_NAME
         if not out.exists():
             out.parent.mkdir(parents=True, exist_ok=True)
             flags = _compile(compiler, out, extra_flags)
             log.info("built the CPU kernels (%s) at %s", " ".join(flags), out)
         lib = ctypes.CDLL(str(out))
+        log.info("using the CPU kernels built for this CPU at %s", out)
     except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
         log.warning("the CPU kernels fall back to plain torch: %s", exc)
         return None
+    return _bind(lib)
+
+
+def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
+    """Sets every entry point's argtypes and restype (see TYPED)."""
     for name, (argtypes, restype) in signatures().items():
         fn = getattr(lib, name)
         fn.argtypes = argtypes

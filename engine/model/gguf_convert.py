@@ -59,14 +59,15 @@ def cache_root() -> Path:
     return Path(os.environ.get("KVPILOT_CACHE_DIR", Path.home() / ".cache" / "kvpilot"))
 
 
-def content_digest(path: Path) -> str:
+def content_digest(path: Path, root: Path | None = None) -> str:
     """SHA-256 of the file's bytes. Hashing ~100 MB-10 GB takes a while, so the digest is kept
     under a key of what identifies this version of the file cheaply (a new file at the same path,
     or a rewrite, changes size, mtime or inode: that key then misses and the bytes are hashed
     again; the same bytes give the same digest whatever the path)."""
     st = path.stat()
     identity = f"{path.resolve()}:{st.st_size}:{st.st_mtime_ns}:{st.st_ino}"
-    memo = cache_root() / "gguf" / "digests" / hashlib.sha256(identity.encode()).hexdigest()[:32]
+    memo_name = hashlib.sha256(identity.encode()).hexdigest()[:32]
+    memo = (root or cache_root()) / "gguf" / "digests" / memo_name
     with contextlib.suppress(OSError):
         known = memo.read_text().strip()
         if len(known) == 64:
@@ -84,8 +85,10 @@ def content_digest(path: Path) -> str:
     return digest
 
 
-def gguf_cache_dir(gguf_path: Path) -> Path:
-    return cache_root() / "gguf" / f"sha256-{content_digest(gguf_path)[:32]}"
+def gguf_cache_dir(gguf_path: Path, root: Path | None = None) -> Path:
+    """Where gguf_path's conversion lies under the cache root (default: cache_root())."""
+    root = root or cache_root()
+    return root / "gguf" / f"sha256-{content_digest(gguf_path, root)[:32]}"
 
 
 def is_converted(out_dir: Path) -> bool:
@@ -157,7 +160,6 @@ def _dequantize(tensor: Any) -> torch.Tensor:
 def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
     """Writes the HF-style directory for gguf_path into out_dir (an empty directory)."""
     from gguf import GGUFReader
-    from transformers import AutoTokenizer
 
     try:
         reader = GGUFReader(str(gguf_path))
@@ -179,17 +181,20 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
     save_file(tensors, str(out_dir / "model.safetensors"))
     (out_dir / "config.json").write_text(json.dumps(cfg, indent=2))
     log.info("converting the tokenizer of %s", gguf_path.name)
+    from transformers import AutoTokenizer  # seconds to import: only once the weights are read
+
     tokenizer = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
     tokenizer.save_pretrained(str(out_dir))
     (out_dir / "SOURCE").write_text(str(gguf_path.resolve()))
 
 
-def gguf_to_hf_dir(gguf_path: str | os.PathLike[str]) -> Path:
-    """The cached HF-style directory for a GGUF file, converting it on first use."""
+def gguf_to_hf_dir(gguf_path: str | os.PathLike[str], root: Path | None = None) -> Path:
+    """The cached HF-style directory for a GGUF file under the cache root (default:
+    cache_root()), converting it on first use."""
     path = Path(gguf_path)
     if not path.is_file():
         raise ModelFileError(f"model file not found: {path}")
-    out = gguf_cache_dir(path)
+    out = gguf_cache_dir(path, root)
 
     def build(tmp: Path) -> None:
         log.info("converting %s (dequantizing to float32; cached in %s)", path, out)

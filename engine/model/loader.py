@@ -60,6 +60,21 @@ def bundled_gguf_path() -> Path:
     return path
 
 
+def gguf_in_dir(path: Path) -> Path | None:
+    """The one GGUF file of a model directory without a config.json (an hf:// download of a
+    GGUF repo), or None when the directory has a config.json. Raises ModelFileError when it has
+    neither, or several GGUF files (which one is meant is not ours to guess)."""
+    if (path / "config.json").is_file():
+        return None
+    found = sorted(path.rglob("*.gguf"))
+    if len(found) > 1:
+        names = ", ".join(str(p.relative_to(path)) for p in found[:5])
+        raise ModelFileError(f"{path}: several GGUF files ({names}); name one as the model")
+    if not found:
+        raise ModelFileError(f"{path}: no config.json (nor a *.gguf) in the model directory")
+    return found[0]
+
+
 def resolve_model(model: str | None, load_format: str) -> ResolvedModel:
     if model is None:
         return ResolvedModel(
@@ -72,8 +87,9 @@ def resolve_model(model: str | None, load_format: str) -> ResolvedModel:
         if path.suffix != ".gguf" and load_format != "gguf":
             raise ModelFileError(f"{path}: a model file must be a .gguf (or pass a directory)")
         return ResolvedModel(gguf_to_hf_dir(path), path.stem, _fmt(load_format))
-    if not (path / "config.json").is_file():
-        raise ModelFileError(f"{path}: no config.json in the model directory")
+    gguf = gguf_in_dir(path)
+    if gguf is not None:
+        return ResolvedModel(gguf_to_hf_dir(gguf), gguf.stem, _fmt(load_format))
     return ResolvedModel(path, path.name, _fmt(load_format))
 
 
@@ -82,7 +98,10 @@ def peek_model_config(model: str | None) -> ModelConfig:
     (checks that must pass before any process starts)."""
     path = bundled_gguf_path() if model is None else Path(model).expanduser()
     if path.is_dir():
-        return ModelConfig.from_hf_config(read_hf_config(path))
+        gguf = gguf_in_dir(path)
+        if gguf is None:
+            return ModelConfig.from_hf_config(read_hf_config(path))
+        path = gguf
     if not path.is_file():
         raise ModelFileError(f"model path not found: {path}")
     from gguf import GGUFReader

@@ -215,6 +215,8 @@ def test_hf_model_downloads_in_an_init_container_with_the_token() -> None:
         "meta-llama/Llama-3.1-8B",
         "--dest",
         "/models/hf/meta-llama/Llama-3.1-8B/main",
+        "--cache-dir",
+        "/models/.kvpilot-cache",
         "--revision",
         "main",
         "--allow-pattern",
@@ -233,6 +235,24 @@ def test_hf_model_downloads_in_an_init_container_with_the_token() -> None:
     assert flag(args_of(manifest), "--model") == "/models/hf/meta-llama/Llama-3.1-8B/main"
     # The engine never sees the token.
     assert "HF_TOKEN" not in {var["name"] for var in at(manifest, f"{ENGINE}.env")}
+
+
+def test_model_fetch_converts_into_the_cache_the_engine_reads() -> None:
+    manifest = deployment(model={"uri": "hf://o/m"})
+    fetch = at(manifest, FETCH)
+    cache_dir = fetch["args"][fetch["args"].index("--cache-dir") + 1]
+    engine_env = {var["name"]: var.get("value") for var in at(manifest, f"{ENGINE}.env")}
+    assert cache_dir == engine_env["KVPILOT_CACHE_DIR"]
+    # The cache lies on the volume the init container writes (shared by the pods on a claim).
+    mounts = {m["mountPath"]: m["name"] for m in fetch["volumeMounts"]}
+    assert cache_dir.startswith("/models/") and mounts["/models"] == "model-cache"
+
+
+def test_model_fetch_may_use_the_engines_memory_limit_to_convert() -> None:
+    assert at(deployment(model={"uri": "hf://o/m"}), f"{FETCH}.resources.limits.memory") == "4Gi"
+    manifest = deployment(model={"uri": "hf://o/m"}, resources={"limits": {"memory": "24Gi"}})
+    assert at(manifest, f"{FETCH}.resources.limits.memory") == "24Gi"
+    assert at(manifest, f"{FETCH}.resources.requests.memory") == "256Mi"
 
 
 def test_hf_default_download_patterns_skip_duplicate_weights() -> None:

@@ -146,3 +146,27 @@ def test_unreachable_hub_fails_with_a_message(
     argv = ["--repo", "org/model", "--dest", str(tmp_path / "m"), "--termination-log", str(log)]
     assert main(argv) == 1
     assert log.read_text().startswith("downloading org/model failed")
+
+
+def test_a_downloaded_gguf_that_does_not_convert_fails_with_the_reason(
+    hub: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setitem(FILES, "model.Q4_0.gguf", b"GGUF" + b"\x00" * 64)
+    monkeypatch.delitem(FILES, "config.json")
+    log, dest, cache = tmp_path / "termination-log", tmp_path / "m", tmp_path / "cache"
+    argv = ["--repo", "org/model", "--dest", str(dest), "--termination-log", str(log)]
+    assert main([*argv, "--allow-pattern", "*.gguf"]) == 0  # without --cache-dir: fetched only
+    assert main([*argv, "--allow-pattern", "*.gguf", "--cache-dir", str(cache)]) == 1
+    text = log.read_text()
+    assert text.startswith("converting the downloaded model failed")
+    assert "not a readable GGUF file" in text
+
+
+def test_an_hf_directory_needs_no_conversion(
+    hub: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    cache = tmp_path / "cache"
+    argv = ["--repo", "org/model", "--dest", str(tmp_path / "m"), "--cache-dir", str(cache)]
+    assert main([*argv, "--termination-log", str(tmp_path / "log")]) == 0
+    assert "converted" not in capsys.readouterr().out
+    assert not (cache / "gguf").exists()
