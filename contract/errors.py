@@ -81,14 +81,20 @@ def unauthorized() -> APIError:
     )
 
 
-def model_not_found(requested: str, served: str) -> APIError:
+def model_does_not_exist(requested: str, hint: str) -> APIError:
+    """OpenAI's answer for an unknown model (404 invalid_request_error, model_not_found), from
+    the engine and the router alike; `hint` says where the served models are."""
     return APIError(
         404,
-        f"The model `{requested}` does not exist. This server serves `{served}`.",
+        f"The model `{requested}` does not exist. {hint}",
         type="invalid_request_error",
         param="model",
         code="model_not_found",
     )
+
+
+def model_not_found(requested: str, served: str) -> APIError:
+    return model_does_not_exist(requested, f"This server serves `{served}`.")
 
 
 def queue_full(num_waiting: int, max_queue: int, retry_after_s: int) -> APIError:

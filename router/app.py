@@ -17,6 +17,7 @@ from kvpilot.contract import errors
 from kvpilot.contract.http_errors import install_error_handlers
 from kvpilot.engine.gc_freeze import freeze_startup_objects
 from kvpilot.router.openai_routes import OpenAIRoutes, unexpected_error
+from kvpilot.router.proxy import LISTED_MODELS_HINT
 from kvpilot.router.runtime import RouterRuntime
 from kvpilot.router.tenants import check_grant, is_route_granted, not_granted
 
@@ -155,9 +156,7 @@ def add_model_routes(app: FastAPI, runtime: RouterRuntime, *, created: int) -> N
         if tenant is not None:
             check_grant(tenant, model)  # 403 alike for a model that does not exist
         if model not in runtime.registry.routes:
-            raise errors.APIError(
-                404, f"The model `{model}` does not exist.", type="not_found_error", param="model"
-            )
+            raise errors.model_does_not_exist(model, LISTED_MODELS_HINT)
         if not visible(request, model):
             raise not_granted(model)
         return JSONResponse(card(model))

@@ -49,6 +49,10 @@ _CONNECT_ERRORS = (ConnectError, asyncio.TimeoutError, OSError)
 _STREAM_ERRORS = (BrokenResponse, asyncio.TimeoutError, OSError)
 
 
+# Where a client finds the models an unknown one could have been.
+LISTED_MODELS_HINT = "GET /v1/models lists the served models."
+
+
 def unavailable(model: str, why: str, retry_after_s: int) -> errors.APIError:
     error = errors.unavailable(
         f"The model `{model}` has no ready replica: {why}.", code="no_replica"
@@ -101,13 +105,7 @@ class Proxy:
             self.admission.check_grant(tenant, model)
         route = self.registry.resolve(model)
         if route is None:
-            raise errors.APIError(
-                404,
-                f"The model `{model}` does not exist. GET /v1/models lists the served models.",
-                type="not_found_error",
-                param="model",
-                code="model_not_found",
-            )
+            raise errors.model_does_not_exist(model, LISTED_MODELS_HINT)
         if tenant is not None:
             check_route_grant(tenant, model, is_adapter=route.adapter is not None)
         pool = route.pool
