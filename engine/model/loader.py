@@ -3,6 +3,7 @@ decoder."""
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import json
 import logging
@@ -104,10 +105,18 @@ def peek_model_config(model: str | None) -> ModelConfig:
         path = gguf
     if not path.is_file():
         raise ModelFileError(f"model path not found: {path}")
+    stat = path.stat()
+    return gguf_model_config(str(path), stat.st_size, stat.st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=8)
+def gguf_model_config(path: str, size: int, mtime_ns: int) -> ModelConfig:
+    """A GGUF's shape, read once per file version (size and mtime in the key): the reader maps
+    and indexes every tensor, seconds for a model that checks may ask about many times."""
     from gguf import GGUFReader
 
     try:
-        reader = GGUFReader(str(path))
+        reader = GGUFReader(path)
     except Exception as exc:  # the gguf package raises assorted errors on a damaged file
         raise ModelFileError(f"{path}: not a readable GGUF file ({exc})") from exc
     return ModelConfig.from_hf_config(hf_config_from_gguf(reader))
