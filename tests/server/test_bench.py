@@ -355,10 +355,24 @@ def test_serve_startup_splits_a_start_by_the_servers_log_lines(bench: ModuleType
         line("kvpilot.server", "loading the bundled SmolLM2-135M-Instruct", t0 + 1.5),
         line("uvicorn.error", "Uvicorn running on http://127.0.0.1:1234", t0 + 1.6),
         line("kvpilot", "loading model (bundled SmolLM2-135M-Instruct)", t0 + 2.75),
+        line("kvpilot", "using the converted GGUF in /cache/x", t0 + 3.0),
+        line("kvpilot", "using the CPU kernels of /k/avx2/cpu_ops.so", t0 + 3.125),
+        line("kvpilot", "model weights: 0.5 GiB", t0 + 4.0),
         line("kvpilot", "engine core ready in 2.0 s: SmolLM2-135M-Instruct", t0 + 4.75),
     ]
     got = startup.phases(t0, t0 + 5.25, lines)
-    expected = {"imports": 1.5, "core start": 1.25, "core load": 2.0, "after core": 0.5}
+    # No packing line: that phase took no time of its own; the rest of the core's load is what
+    # follows the last phase's line.
+    expected = {
+        "imports": 1.5,
+        "core start": 1.25,
+        "model files": 0.25,
+        "kernels": 0.125,
+        "weights": 0.875,
+        "pack": 0.0,
+        "core rest": 0.75,
+        "after core": 0.5,
+    }
     assert {k: round(v, 3) for k, v in got.items()} == {**expected, "total": 5.25}
     with pytest.raises(RuntimeError, match="engine core ready"):
         startup.phases(t0, t0 + 5.25, lines[:-1])
