@@ -13,6 +13,7 @@ import openai
 import pytest
 import uvicorn
 
+from kvpilot.contract import errors
 from kvpilot.router.app import create_app
 from kvpilot.router.config import RouterConfig
 from kvpilot.router.runtime import RouterRuntime
@@ -71,3 +72,31 @@ async def test_refusals_have_openai_bodies(router_url: str) -> None:
         unknown = await http.post(f"{router_url}/v1/embeddings", json={})
         assert unknown.status_code == 404
         assert unknown.json()["error"]["type"] == "not_found_error"
+
+
+@pytest.mark.parametrize(
+    ("method", "path", "body"),
+    [
+        ("GET", "/v1/models/nope", None),
+        (
+            "POST",
+            "/v1/chat/completions",
+            {"model": "nope", "messages": [{"role": "user", "content": "hi"}]},
+        ),
+        ("POST", "/v1/completions", {"model": "nope", "prompt": "hi"}),
+    ],
+)
+async def test_an_unknown_model_is_answered_as_the_engine_answers_it(
+    router_url: str, method: str, path: str, body: dict[str, object] | None
+) -> None:
+    engine = errors.model_not_found("nope", "m")
+    async with httpx.AsyncClient(timeout=10) as http:
+        got = await http.request(method, f"{router_url}{path}", json=body)
+    assert got.status_code == engine.status_code == 404
+    error = got.json()["error"]
+    assert (error["type"], error["code"], error["param"]) == (
+        engine.type,
+        engine.code,
+        engine.param,
+    )
+    assert "`nope`" in error["message"]
