@@ -194,9 +194,10 @@ def build_prebuilt(directory: Path, names: tuple[str, ...]) -> dict[str, Path]:
     compiler = c_compiler()
     if compiler is None:
         raise RuntimeError("no C compiler found (set CC) to prebuild the CPU kernels")
+    base = directory / source_key()
     built = {}
     for name in names:
-        out = directory / source_key() / name / LIBRARY_NAME
+        out = base / name / LIBRARY_NAME
         out.parent.mkdir(parents=True, exist_ok=True)
         _compile(compiler, out, by_name[name].march, base=PORTABLE_FLAGS)
         built[name] = out
