@@ -31,6 +31,9 @@ from kvpilot.contract.lora import (
 )
 from kvpilot.contract.sizing import kv_bytes_per_token
 
+# The engine's log lines (server, engine core, prepare); bench/serve_startup.py reads their times.
+LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+
 if TYPE_CHECKING:
     import torch
 

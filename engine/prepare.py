@@ -17,11 +17,11 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from kvpilot.engine.config import LOG_FORMAT
 from kvpilot.engine.cpu.build import ISA_NAMES, build_prebuilt
 from kvpilot.engine.model.gguf_convert import ModelFileError
 
 log = logging.getLogger("kvpilot")
-LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
 
 @dataclass(frozen=True)
@@ -32,24 +32,11 @@ class PrepareConfig:
     isas: tuple[str, ...]
 
 
-def gguf_of(model: str | None) -> Path | None:
-    """The GGUF file a model names, or None for an HF directory (nothing to convert)."""
-    from kvpilot.engine.model.loader import bundled_gguf_path, gguf_in_dir
-
-    if model is None:
-        return bundled_gguf_path()
-    path = Path(model).expanduser()
-    if path.is_file():
-        return path
-    if not path.is_dir():
-        raise ModelFileError(f"model path not found: {path}")
-    return gguf_in_dir(path)
-
-
 def convert_model(model: str | None, cache_dir: Path) -> Path | None:
     """Converts the model's GGUF into cache_dir (once: a converted one is reused); returns the
     converted directory, or None when the model needs no conversion."""
     from kvpilot.engine.model.gguf_convert import gguf_to_hf_dir
+    from kvpilot.engine.model.loader import gguf_of
 
     gguf = gguf_of(model)
     if gguf is None:

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING
 import msgspec
 import zmq
 
-from kvpilot.engine.config import EngineConfig
+from kvpilot.engine.config import LOG_FORMAT, EngineConfig
 from kvpilot.engine.core.messages import (
     Abort,
     AddRequest,
@@ -66,9 +66,7 @@ def run_engine_core(
     die_with_parent(parent_pid)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    logging.basicConfig(
-        level=log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr
-    )
+    logging.basicConfig(level=log_level, format=LOG_FORMAT, stream=sys.stderr)
     import torch
     from tqdm import tqdm
 

@@ -94,17 +94,23 @@ def resolve_model(model: str | None, load_format: str) -> ResolvedModel:
     return ResolvedModel(path, path.name, _fmt(load_format))
 
 
+def gguf_of(model: str | None) -> Path | None:
+    """The GGUF file a model names (None: the bundled one), or None for an HF directory;
+    ModelFileError when the path does not exist."""
+    path = bundled_gguf_path() if model is None else Path(model).expanduser()
+    if path.is_dir():
+        return gguf_in_dir(path)
+    if not path.is_file():
+        raise ModelFileError(f"model path not found: {path}")
+    return path
+
+
 def peek_model_config(model: str | None) -> ModelConfig:
     """The model's shape from its config.json or GGUF header alone: nothing converted or loaded
     (checks that must pass before any process starts)."""
-    path = bundled_gguf_path() if model is None else Path(model).expanduser()
-    if path.is_dir():
-        gguf = gguf_in_dir(path)
-        if gguf is None:
-            return ModelConfig.from_hf_config(read_hf_config(path))
-        path = gguf
-    if not path.is_file():
-        raise ModelFileError(f"model path not found: {path}")
+    path = gguf_of(model)
+    if path is None:  # an HF directory (a None model is the bundled GGUF)
+        return ModelConfig.from_hf_config(read_hf_config(Path(str(model)).expanduser()))
     stat = path.stat()
     return gguf_model_config(str(path), stat.st_size, stat.st_mtime_ns)
 

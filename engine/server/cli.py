@@ -25,7 +25,7 @@ import uvicorn
 from prometheus_client import CollectorRegistry
 
 from kvpilot.contract.engine_flags import API_KEY_ENV, build_parser
-from kvpilot.engine.config import EngineConfig
+from kvpilot.engine.config import LOG_FORMAT, EngineConfig
 from kvpilot.engine.cpu.affinity import bind_this_process, place
 from kvpilot.engine.cpu.threads import read_cpu_limit
 from kvpilot.engine.server.app import create_app
@@ -39,7 +39,6 @@ from kvpilot.engine.server.settings import ChatOptions, ServerSettings
 from kvpilot.engine.server.state import ServerState
 
 logger = logging.getLogger("kvpilot.server")
-LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 # After the engine core died: long enough for failed requests' error bodies to go out and for a
 # probe to read /health 503, short enough that the pod restarts at once.
 ENGINE_DEAD_LINGER_S = 1.0
