@@ -30,6 +30,7 @@ from kvpilot.contract.engine_defaults import (
     DEFAULT_MAX_NUM_SEQS,
     DEFAULT_SCHEDULING_POLICY,
 )
+from kvpilot.contract.help_format import DefaultsOnceFormatter
 from kvpilot.contract.limits import RequestLimits
 from kvpilot.contract.lora import (
     DEFAULT_MAX_LORA_RANK,
@@ -112,18 +113,21 @@ FLAGS: tuple[Flag, ...] = (
          help="HF model directory or .gguf file (default: bundled SmolLM2-135M-Instruct)"),
     flag(MODEL, "--served-model-name", default=None,
          help="the name clients pass as `model` (default: derived from the model)"),
-    flag(HTTP, "--host", default="127.0.0.1"),
+    flag(HTTP, "--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every one)"),
     flag(HTTP, "--port", type=port_number, default=8000,
          help="0 picks a free port (logged at startup)"),
     flag(HTTP, "--api-key", default=None,
          help="require `Authorization: Bearer KEY` on /v1/*; visible to `ps`: prefer "
-         f"--api-key-file or ${API_KEY_ENV}"),
+         f"--api-key-file or ${API_KEY_ENV} (default: none)"),
     flag(HTTP, "--api-key-file", default=None,
-         help="read the API key from this file (a mounted Secret)"),
-    flag(ENGINE, "--dtype", default="auto", choices=["auto", *DTYPE_NAMES]),
+         help="read the API key from this file (a mounted Secret; default: none)"),
+    flag(ENGINE, "--dtype", default="auto", choices=["auto", *DTYPE_NAMES],
+         help="weights' and activations' dtype (auto: float32 on CPU, bfloat16 on GPU)"),
     flag(ENGINE, "--device", default="auto", help="auto, cpu, cuda or cuda:N"),
-    flag(ENGINE, "--load-format", default="auto", choices=LOAD_FORMATS),
-    flag(ENGINE, "--attention-backend", default="auto", choices=ATTENTION_BACKENDS),
+    flag(ENGINE, "--load-format", default="auto", choices=LOAD_FORMATS,
+         help="how to read the weights (auto: from the model's files; dummy: random weights)"),
+    flag(ENGINE, "--attention-backend", default="auto", choices=ATTENTION_BACKENDS,
+         help="attention kernels (auto: cpu, the C kernels, on CPU; torch on GPU)"),
     flag(ENGINE, "--enforce-eager", action="store_true",
          help="run every step eagerly: no CUDA graphs for decode and mixed steps (on CUDA they "
          "are captured at start for the triton attention backend)"),
@@ -132,19 +136,21 @@ FLAGS: tuple[Flag, ...] = (
          "(default: on for one CUDA rank, off on CPU)"),
     flag(SCHEDULER, "--max-model-len", type=int, default=None,
          help="default: the model's context length"),
-    flag(ENGINE, "--seed", type=int, default=0),
-    flag(KV_CACHE, "--block-size", type=int, default=16, choices=BLOCK_SIZES),
+    flag(ENGINE, "--seed", type=int, default=0,
+         help="the engine's seed (a request with `seed` is reproducible regardless)"),
+    flag(KV_CACHE, "--block-size", type=int, default=16, choices=BLOCK_SIZES,
+         help="tokens per KV-cache block"),
     flag(KV_CACHE, "--enable-prefix-caching", action=argparse.BooleanOptionalAction,
-         default=True),
+         default=True, help="reuse the KV blocks of prompts' shared prefixes"),
     flag(KV_CACHE, "--kv-cache-gib", type=float, default=DEFAULT_KV_CACHE_GIB,
          help="KV-cache budget on CPU"),
     flag(KV_CACHE, "--kv-cache-memory-bytes", type=int, default=None,
          help="KV-cache budget in bytes on CPU or GPU (overrides --kv-cache-gib and the budget "
-         "--gpu-memory-utilization leaves)"),
+         "--gpu-memory-utilization leaves; default: none)"),
     flag(KV_CACHE, "--gpu-memory-utilization", type=float, default=0.9,
          help="fraction of GPU memory the engine may use"),
     flag(KV_CACHE, "--num-gpu-blocks-override", type=int, default=None,
-         help="exact number of KV blocks (overrides both budgets)"),
+         help="exact number of KV blocks (overrides both budgets; default: none)"),
     flag(PARALLELISM, "--tensor-parallel-size", "-tp", type=int, default=1,
          help="split the model over this many ranks (processes; one GPU each on CUDA)"),
     flag(PARALLELISM, "--distributed-timeout", type=float, default=120.0,
@@ -156,10 +162,13 @@ FLAGS: tuple[Flag, ...] = (
     flag(PARALLELISM, "--api-cpus", exclusive="cpus", type=positive_int, default=None,
          metavar="N",
          help="leave N of this process's CPUs to the API process and bind the engine core to "
-         "the rest (under a CPU quota alone: N fewer engine threads than the quota)"),
-    flag(SCHEDULER, "--max-num-seqs", type=int, default=DEFAULT_MAX_NUM_SEQS),
+         "the rest (under a CPU quota alone: N fewer engine threads than the quota; default: "
+         "none)"),
+    flag(SCHEDULER, "--max-num-seqs", type=int, default=DEFAULT_MAX_NUM_SEQS,
+         help="sequences in the running batch"),
     flag(SCHEDULER, "--max-num-batched-tokens", type=int,
-         default=DEFAULT_MAX_NUM_BATCHED_TOKENS),
+         default=DEFAULT_MAX_NUM_BATCHED_TOKENS,
+         help="tokens per engine step (longer prefills are chunked)"),
     flag(SCHEDULER, "--scheduling-policy", default=DEFAULT_SCHEDULING_POLICY,
          choices=SCHEDULING_POLICIES,
          help="fcfs: arrival order; priority: each request's `priority` (lower first), then "
@@ -175,16 +184,20 @@ FLAGS: tuple[Flag, ...] = (
     flag(REQUEST_LIMITS, "--max-sequences-per-request", type=int,
          default=_LIMITS.max_sequences, help="400 when prompts x n exceeds it"),
     flag(REQUEST_LIMITS, "--max-stop-strings", type=int, default=_LIMITS.max_stop,
-         help="per request"),
+         help="400 for more stop strings in a request"),
     flag(REQUEST_LIMITS, "--max-logit-bias", type=int, default=_LIMITS.max_logit_bias,
-         help="entries per request"),
+         help="400 for more logit_bias entries in a request"),
     flag(REQUEST_LIMITS, "--max-tokens-limit", type=int, default=_LIMITS.max_tokens,
          help="400 for a larger max_tokens; also caps an absent one (default: the context)"),
     flag(SERVER, "--shutdown-timeout", type=float, default=30.0,
          help="seconds in-flight requests get to finish after SIGTERM"),
     flag(SERVER, "--disable-vllm-metrics", action="store_true",
          help="expose only kvpilot:* metrics, not the vllm:* names"),
-    flag(SERVER, "--log-level", default="info", choices=["debug", "info", "warning", "error"]),
+    flag(SERVER, "--disable-uvicorn-access-log", action="store_true",
+         help="no log line per request (method, path, status, ms; /health, /ready and /metrics "
+         "only at --log-level debug)"),
+    flag(SERVER, "--log-level", default="info", choices=["debug", "info", "warning", "error"],
+         help="the lowest level logged"),
     flag(STRUCTURED, "--structured-outputs-backend", "--guided-decoding-backend",
          default="auto", choices=STRUCTURED_OUTPUTS_BACKENDS,
          help="grammar library for response_format / structured_outputs / forced tool calls "
@@ -194,19 +207,20 @@ FLAGS: tuple[Flag, ...] = (
          "hermes)"),
     flag(STRUCTURED, "--chat-template", type=non_empty, default=None,
          help="a Jinja chat template to use instead of the model's: a file path, or the "
-         "template"),
+         "template (default: the model's)"),
     flag(LORA, "--enable-lora", action="store_true",
          help="serve LoRA adapters: a request's `model` names an adapter or the base model"),
     flag(LORA, "--lora-modules", nargs="+", action="extend", default=None,
          metavar="NAME=PATH",
          help="adapters loaded at start: name=path, or JSON {\"name\": ..., \"path\": ..., "
-         "\"base_model_name\": ...}; a path is a PEFT adapter directory or a Hugging Face repo"),
+         "\"base_model_name\": ...}; a path is a PEFT adapter directory or a Hugging Face repo "
+         "(default: none)"),
     flag(LORA, "--max-loras", type=positive_int, default=DEFAULT_MAX_LORAS,
          help="adapters one step may use (their weights stay on the device)"),
     flag(LORA, "--max-lora-rank", type=positive_int, default=DEFAULT_MAX_LORA_RANK,
          help="the largest adapter rank accepted"),
     flag(LORA, "--max-cpu-loras", type=positive_int, default=None,
-         help="adapters kept read in host memory, least recently used out (None: "
+         help="adapters kept read in host memory, least recently used out (default: "
          "--max-loras)"),
     flag(LORA, RUNTIME_LORA_FLAG, action="store_true",
          help="serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter (also "
@@ -221,7 +235,7 @@ def build_parser(
     parser = parser_class(
         prog="kvpilot serve",
         description="Serve one model over an OpenAI-compatible HTTP API.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=DefaultsOnceFormatter,
     )
     groups = {title: parser.add_argument_group(title) for title in GROUPS}
     exclusive: dict[str, argparse._MutuallyExclusiveGroup] = {}

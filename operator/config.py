@@ -170,7 +170,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--engine-image",
-        help="engine image when spec.engine.image is not set (env KVPILOT_ENGINE_IMAGE)",
+        help="engine image when spec.engine.image is not set (env KVPILOT_ENGINE_IMAGE; "
+        f"default {DEFAULT_ENGINE_IMAGE})",
     )
     parser.add_argument(
         "--annotation-prefix",

@@ -10,15 +10,17 @@ import sys
 
 import uvicorn
 
+from kvpilot.contract.help_format import DefaultsOnceFormatter
 from kvpilot.router.config import HoldConfig, RouterConfig, RoutingConfig, TenancyConfig
 
 
-def parse_args(argv: list[str]) -> RouterConfig:
+def build_parser() -> argparse.ArgumentParser:
+    """`kvpilot router`'s options, each with its help text and default."""
     parser = argparse.ArgumentParser(
         prog="kvpilot router",
         description="Route OpenAI requests to InferenceServices by model name, prefix-cache "
         "aware, holding requests for models scaled to zero.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=DefaultsOnceFormatter,
     )
     parser.add_argument(
         "--namespace",
@@ -34,21 +36,24 @@ def parse_args(argv: list[str]) -> RouterConfig:
         action="append",
         default=[],
         metavar="MODEL=URL[,URL...]",
-        help="serve MODEL from these engine URLs, without Kubernetes (development, benchmarks)",
+        help="serve MODEL from these engine URLs, without Kubernetes (development, benchmarks; "
+        "repeatable; default: none)",
     )
     parser.add_argument(
         "--static-adapters",
         action="append",
         default=[],
         metavar="MODEL=NAME[,NAME...]",
-        help="the LoRA adapters the engines of static MODEL serve (requests name them in `model`)",
+        help="the LoRA adapters the engines of static MODEL serve (requests name them in `model`; "
+        "repeatable; default: none)",
     )
     parser.add_argument(
         "--static-shared-prefix",
         action="append",
         default=[],
         metavar="MODEL=FILE",
-        help="a text (in FILE) whose KV the tenants of static MODEL share (repeatable)",
+        help="a text (in FILE) whose KV the tenants of static MODEL share (repeatable; default: "
+        "none)",
     )
     tenancy = parser.add_argument_group(
         "tenants", "API keys per team, grants, quotas, priority and fair sharing"
@@ -62,13 +67,13 @@ def parse_args(argv: list[str]) -> RouterConfig:
     tenancy.add_argument(
         "--tenants-file",
         help="Tenant and Secret manifests (YAML) instead of the Kubernetes API; re-read when it "
-        "changes (implies --tenancy)",
+        "changes (implies --tenancy; default: none)",
     )
     tenancy.add_argument(
         "--quota-store-url",
         default=None,
         help="Redis URL of the quota counters all routers share, else $KVPILOT_QUOTA_STORE_URL; "
-        "with neither, this router counts alone",
+        "with neither (the default), this router counts alone",
     )
     tenancy.add_argument(
         "--replica-concurrency",
@@ -76,7 +81,7 @@ def parse_args(argv: list[str]) -> RouterConfig:
         default=None,
         help="requests of a class or better a replica takes from this router before the rest "
         "wait in its fair queue, for the classes below critical (critical: the engine's "
-        "max_num_seqs); unset, the engine's max_num_seqs (as it reports it)",
+        "max_num_seqs; default: the engine's max_num_seqs, as it reports it)",
     )
     tenancy.add_argument(
         "--max-queued", type=int, default=TenancyConfig.max_queued_per_model,
@@ -86,19 +91,42 @@ def parse_args(argv: list[str]) -> RouterConfig:
         "--queue-timeout", type=float, default=TenancyConfig.queue_timeout_s,
         help="seconds a request may wait in the fair queue",
     )  # fmt: skip
-    parser.add_argument("--host", default="0.0.0.0")
+    parser.add_argument("--host", default="0.0.0.0", help="address to listen on")
     parser.add_argument("--port", type=int, default=8080, help="0 picks a free port")
-    parser.add_argument("--load-factor", type=float, default=RoutingConfig.load_factor)
-    parser.add_argument("--hold-timeout", type=float, default=HoldConfig.timeout_s)
-    parser.add_argument("--max-held", type=int, default=HoldConfig.max_held_per_model)
-    parser.add_argument("--retry-after", type=int, default=HoldConfig.retry_after_s)
-    parser.add_argument("--dead-after", type=float, default=RouterConfig.dead_after_s)
     parser.add_argument(
-        "--engine-api-key-file", help="file holding the engines' API key (a mounted Secret)"
+        "--load-factor", type=float, default=RoutingConfig.load_factor,
+        help="no replica takes a request that puts its in-flight count above this many times "
+        "the mean (bounded load)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--hold-timeout", type=float, default=HoldConfig.timeout_s,
+        help="seconds a request for a model with no ready replica (scaled to zero) is held",
+    )  # fmt: skip
+    parser.add_argument(
+        "--max-held", type=int, default=HoldConfig.max_held_per_model,
+        help="requests held per model; beyond, 503 with Retry-After",
+    )  # fmt: skip
+    parser.add_argument(
+        "--retry-after", type=int, default=HoldConfig.retry_after_s,
+        help="the Retry-After (seconds) of a 503 while a model has no ready replica",
+    )  # fmt: skip
+    parser.add_argument(
+        "--dead-after", type=float, default=RouterConfig.dead_after_s,
+        help="seconds a replica's event stream may be silent before it leaves the rotation",
+    )  # fmt: skip
+    parser.add_argument(
+        "--engine-api-key-file",
+        help="file holding the engines' API key (a mounted Secret; default: none)",
     )
     parser.add_argument(
-        "--log-level", default="info", choices=("debug", "info", "warning", "error")
-    )
+        "--log-level", default="info", choices=("debug", "info", "warning", "error"),
+        help="log level",
+    )  # fmt: skip
+    return parser
+
+
+def parse_args(argv: list[str]) -> RouterConfig:
+    parser = build_parser()
     args = parser.parse_args(argv)
     namespaces = args.namespaces or [
         n for n in os.environ.get("KVPILOT_NAMESPACES", "").split(",") if n

@@ -22,6 +22,7 @@ import torch
 
 from kvpilot.contract import sizing
 from kvpilot.engine.config import EngineConfig, LoRAConfig, ModelConfig
+from kvpilot.engine.core.fit import check_prompt_fits
 from kvpilot.engine.core.messages import (
     AddRequest,
     EngineStats,
@@ -74,24 +75,6 @@ def check_logit_bias(params: SamplingParams, vocab_size: int) -> None:
     bad = [t for t, _ in params.logit_bias if t >= vocab_size]
     if bad:
         raise ValueError(f"logit_bias token ids must be in [0, {vocab_size}); got {bad[0]}")
-
-
-def check_prompt_fits(
-    num_tokens: int, *, max_model_len: int, num_blocks: int, block_size: int
-) -> None:
-    """The length half of check_prompt (the API side has checked the ids while preprocessing)."""
-    if num_tokens == 0:
-        raise ValueError("the prompt is empty")
-    if num_tokens >= max_model_len:
-        raise ValueError(
-            f"the prompt has {num_tokens} tokens, but this model's context is {max_model_len} "
-            "tokens, including at least one generated token"
-        )
-    if num_tokens >= num_blocks * block_size:
-        raise ValueError(
-            f"the prompt has {num_tokens} tokens, but the whole KV cache holds "
-            f"{num_blocks * block_size} tokens ({num_blocks} blocks of {block_size})"
-        )
 
 
 def cpu_memory_need(config: EngineConfig, model: ModelConfig) -> sizing.MemoryNeed:

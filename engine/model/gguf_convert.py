@@ -22,6 +22,7 @@ import torch
 from safetensors.torch import save_file
 from tqdm import tqdm
 
+from kvpilot.engine.model.files import ModelFileError as ModelFileError
 from kvpilot.engine.model.publish import publish_once
 
 log = logging.getLogger("kvpilot")
@@ -49,10 +50,6 @@ _GLOBAL_NAMES = {
     "output_norm.weight": "model.norm.weight",
     "output.weight": "lm_head.weight",
 }
-
-
-class ModelFileError(ValueError):
-    """A model file that is missing, unreadable or not what it claims to be."""
 
 
 def cache_root() -> Path:

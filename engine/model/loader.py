@@ -7,7 +7,6 @@ import functools
 import importlib.util
 import json
 import logging
-import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -18,7 +17,12 @@ from tqdm import tqdm
 
 from kvpilot.engine.attention.base import AttentionBackend
 from kvpilot.engine.config import ModelConfig
-from kvpilot.engine.model.gguf_convert import ModelFileError, gguf_to_hf_dir, hf_config_from_gguf
+from kvpilot.engine.model.files import ModelFileError as ModelFileError
+from kvpilot.engine.model.files import eos_token_ids as eos_token_ids
+from kvpilot.engine.model.files import has_tokenizer as has_tokenizer
+from kvpilot.engine.model.files import load_tokenizer as load_tokenizer
+from kvpilot.engine.model.files import set_offline_defaults as set_offline_defaults
+from kvpilot.engine.model.gguf_convert import gguf_to_hf_dir, hf_config_from_gguf
 from kvpilot.engine.model.layer_ops import LayerOps
 from kvpilot.engine.model.layers import rope_cos_sin_cache
 from kvpilot.engine.model.llama import LlamaForCausalLM
@@ -273,30 +277,6 @@ def init_dummy_weights(model: LlamaForCausalLM, seed: int = 0) -> None:
                 p.normal_(0.0, 0.02, generator=gen)
 
 
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
-
-
-def has_tokenizer(hf_dir: Path) -> bool:
-    return any((hf_dir / name).exists() for name in TOKENIZER_FILES)
-
-
-def load_tokenizer(hf_dir: Path) -> Any:
-    from transformers import AutoTokenizer
-
-    try:
-        return AutoTokenizer.from_pretrained(str(hf_dir))
-    except Exception as exc:
-        raise ModelFileError(f"{hf_dir}: no usable tokenizer ({exc})") from exc
-
-
-def eos_token_ids(model_eos: tuple[int, ...], tokenizer: Any) -> tuple[int, ...]:
-    """The model config's EOS ids and the tokenizer's, if it names one."""
-    ids = set(model_eos)
-    if tokenizer is not None and tokenizer.eos_token_id is not None:
-        ids.add(tokenizer.eos_token_id)
-    return tuple(sorted(ids))
-
-
 def model_size_gib(model: torch.nn.Module) -> float:
     seen: set[int] = set()
     total = 0
@@ -305,9 +285,3 @@ def model_size_gib(model: torch.nn.Module) -> float:
             seen.add(id(p))
             total += p.numel() * p.element_size()
     return total / 2**30
-
-
-def set_offline_defaults() -> None:
-    # Nothing is ever fetched from a model hub at run time.
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")

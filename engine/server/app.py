@@ -18,6 +18,7 @@ from kvpilot.contract import errors
 from kvpilot.contract.http_errors import ErrorObserver, install_error_handlers
 from kvpilot.contract.kv_events import KV_EVENTS_PATH, TOKENIZER_FILE_PATH, TOKENIZER_FILES
 from kvpilot.contract.openai import PATHS, ChatCompletionRequest, CompletionRequest
+from kvpilot.engine.server.access_log import AccessLogMiddleware
 from kvpilot.engine.server.kv_events import KvEventHub, encode_lines
 from kvpilot.engine.server.lora_routes import adapter_cards, add_lora_routes
 from kvpilot.engine.server.request_id import HEADER, RequestIdMiddleware, request_id_of
@@ -59,6 +60,8 @@ def create_app(state: ServerState) -> FastAPI:
     app = FastAPI(title="kvpilot", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.kvpilot = state
     app.add_middleware(RequestIdMiddleware)
+    if state.settings.access_log:
+        app.add_middleware(AccessLogMiddleware)
     install_error_handlers(app, unexpected=unexpected_error, observe=error_observer(state))
     add_probe_routes(app, state)
     add_kv_event_routes(app, state)

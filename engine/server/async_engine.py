@@ -36,7 +36,7 @@ from kvpilot.contract.kv_events import Load
 from kvpilot.contract.limits import RequestLimits
 from kvpilot.engine.config import EngineConfig
 from kvpilot.engine.core.client import CoreProcessExited, EngineCoreClient
-from kvpilot.engine.core.engine_core import check_prompt_fits
+from kvpilot.engine.core.fit import check_prompt_fits
 from kvpilot.engine.core.messages import (
     Abort,
     AddRequest,
@@ -50,8 +50,7 @@ from kvpilot.engine.core.messages import (
     UnloadLoRA,
 )
 from kvpilot.engine.gc_freeze import freeze_startup_objects
-from kvpilot.engine.llm_engine import eos_token_ids
-from kvpilot.engine.model.loader import has_tokenizer, load_tokenizer
+from kvpilot.engine.model.files import eos_token_ids, has_tokenizer, load_tokenizer
 from kvpilot.engine.output_processor import OutputProcessor
 from kvpilot.engine.outputs import OutputKind, RequestOutput, merge_deltas
 from kvpilot.engine.sampling_params import SamplingParams

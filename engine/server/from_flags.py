@@ -98,6 +98,7 @@ def server_settings(
         chat=chat or ChatOptions(tool_call_parser=args.tool_call_parser),
         shutdown_timeout_s=args.shutdown_timeout,
         cpu_placement=cpu_placement,
+        access_log=not args.disable_uvicorn_access_log,
     )
 
 

@@ -259,7 +259,7 @@ def init_worker(hf_dir: str | None, limits: PromptLimits, parent_pid: int) -> No
     # process waiting forever: the kernel ends it with its parent instead.
     die_with_parent(parent_pid)
     lower_priority()
-    from kvpilot.engine.model.loader import load_tokenizer, set_offline_defaults
+    from kvpilot.engine.model.files import load_tokenizer, set_offline_defaults
 
     set_offline_defaults()
     _worker["tokenizer"] = None if hf_dir is None else load_tokenizer(Path(hf_dir))

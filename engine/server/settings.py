@@ -39,6 +39,8 @@ class ServerSettings:
     shutdown_timeout_s: float = 30.0
     # --engine-cpus among this machine's CPUs (None: the engine core and the API share them all).
     cpu_placement: CpuPlacement | None = None
+    # A log line per request (engine/server/access_log.py); off: --disable-uvicorn-access-log.
+    access_log: bool = True
 
     def __post_init__(self) -> None:
         if self.max_queue is not None and self.max_queue < 0:

@@ -121,8 +121,17 @@ class ServerState:
             logger.exception("the preprocessing worker died")
             raise errors.internal_error("The request's preprocessing worker died.") from None
 
+    def start_big_body_worker(self) -> None:
+        """Spawn the worker that parses bodies over BIG_BODY_BYTES, and let it load its tokenizer,
+        now (once the model is loaded): started by the first big request instead, it took seconds
+        of CPU while streams ran, and they stalled. The worker runs niced."""
+        info = self.engine.info
+        if info is not None:
+            # The pool spawns its worker on the first task: int() is a picklable no-op.
+            self._big_body_executor(info).submit(int)
+
     def _big_body_executor(self, info: ModelInfo) -> ProcessPoolExecutor:
-        """Started on the first big request (most servers never see one)."""
+        """The pool of start_big_body_worker, started again after its worker died."""
         if self._big_body_pool is None:
             self._big_body_pool = ProcessPoolExecutor(
                 1,

@@ -5,9 +5,10 @@ checked grammar text."""
 from __future__ import annotations
 
 import json
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 from kvpilot.engine.structured.backend import (
     CachedCompiles,
@@ -102,5 +103,7 @@ class LLGuidanceBackend(CachedCompiles):
         return _LLGuidanceMatcher(matcher)
 
     def allocate_bitmask(self, num_rows: int) -> torch.Tensor:
+        import torch
+
         words = (self.vocab_size + 31) // 32
         return torch.full((num_rows, words), -1, dtype=torch.int32)

@@ -14,8 +14,8 @@ import httpx
 import pytest
 
 from kvpilot.engine.server.async_engine import AsyncEngine
-from kvpilot.engine.server.cli import DrainingServer
 from kvpilot.engine.server.inprocess import serve_in_thread
+from kvpilot.engine.server.run import DrainingServer
 from kvpilot.engine.server.state import ServerState
 
 from .serve_process import ServeProcess, is_running, launch_serve
@@ -104,7 +104,9 @@ def test_drain_timeout_cuts_the_rest_with_a_readable_error(
 ) -> None:
     """In process, on the shared engine: a 1 s --shutdown-timeout against a 1000-token stream."""
     state = ServerState(engine)
-    live = serve_in_thread(state, make_server=lambda config: DrainingServer(config, state, 1.0))
+    live = serve_in_thread(
+        state, make_server=lambda config: DrainingServer(config, state, 1.0, "http://in-process")
+    )
     server, url = live.server, live.url
     assert isinstance(server, DrainingServer)
     body = {"model": model_name, "prompt": "Once", "max_tokens": 1000, "ignore_eos": True}
