@@ -10,7 +10,7 @@ import os
 import queue
 import threading
 from collections.abc import Callable
-from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
+from concurrent.futures import Future, ProcessPoolExecutor, ThreadPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from typing import Any
 
@@ -63,6 +63,7 @@ class ServerState:
         self._tokenizer_pool = ThreadPoolExecutor(TOKENIZER_THREADS, "kvpilot-tokenize")
         self._tokenizers = threading.local()
         self._big_body_pool: ProcessPoolExecutor | None = None
+        self.big_body_worker_up: Future[int] | None = None
 
     def _thread_tokenizer(self, info: ModelInfo) -> Any:
         """This pool thread's own copy of the tokenizer (copies never share Rust borrows): one
@@ -124,11 +125,12 @@ class ServerState:
     def start_big_body_worker(self) -> None:
         """Spawn the worker that parses bodies over BIG_BODY_BYTES, and let it load its tokenizer,
         now (once the model is loaded): started by the first big request instead, it took seconds
-        of CPU while streams ran, and they stalled. The worker runs niced."""
+        of CPU while streams ran, and they stalled. The worker runs niced. `big_body_worker_up`
+        resolves once it has started."""
         info = self.engine.info
-        if info is not None:
+        if info is not None and self.big_body_worker_up is None:
             # The pool spawns its worker on the first task: int() is a picklable no-op.
-            self._big_body_executor(info).submit(int)
+            self.big_body_worker_up = self._big_body_executor(info).submit(int)
 
     def _big_body_executor(self, info: ModelInfo) -> ProcessPoolExecutor:
         """The pool of start_big_body_worker, started again after its worker died."""
