@@ -55,6 +55,13 @@ class DrainingServer(uvicorn.Server):
         self.drain_requested = False
         self.drain_started: float | None = None
 
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        await super().startup(sockets)
+        if sockets is not None and self.started:
+            # uvicorn says where it listens only for sockets it opened itself; tools (and
+            # people) read this line for the port.
+            self._log_started_message(sockets)
+
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         # Runs in the main thread between bytecodes: only set flags; on_tick does the work.
         # Not recording the signal keeps uvicorn from re-raising it at exit (which would make
