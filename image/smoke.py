@@ -1,9 +1,10 @@
 """The image's smoke test, run by its build (as the user the pods run as) and runnable in the
 image: `python /opt/kvpilot/smoke.py`. Exits non-zero, naming the check, when one fails.
 
-Checks that every command's entry point imports, that the bundled model is there, that the C
-compiler builds the CPU kernels, that the bundled model generates a few tokens on the CPU, and
-that the CPU variant carries no Triton. Writes only under a temporary folder, removed after."""
+Checks that every command's entry point imports, that the bundled model is there, that the CPU
+kernels load (in the CPU variant on an x86 CPU with AVX2: the prebuilt ones, as it has no
+compiler), that the bundled model generates a few tokens on the CPU, and that the CPU variant
+carries no Triton. Writes only under a temporary folder, removed after."""
 
 from __future__ import annotations
 
@@ -42,11 +43,20 @@ def main() -> None:
         os.environ["HOME"] = scratch
         os.environ["HF_HUB_OFFLINE"] = "1"
         from kvpilot.engine import LLM, SamplingParams
-        from kvpilot.engine.cpu.build import load_library
+        from kvpilot.engine.cpu.build import (
+            ISAS,
+            cpu_flags,
+            find_prebuilt,
+            load_library,
+            prebuilt_dir,
+        )
         from kvpilot.engine.model.loader import bundled_gguf_path
 
         check(bundled_gguf_path().is_file(), f"the bundled model is at {bundled_gguf_path()}")
-        check(load_library() is not None, "the C compiler builds the CPU kernels")
+        prebuilt = find_prebuilt(prebuilt_dir(), cpu_flags())
+        if variant == "cpu" and ISAS[-1].cpu_flags <= cpu_flags():
+            check(prebuilt is not None, f"the CPU kernels are prebuilt for this CPU ({prebuilt})")
+        check(load_library() is not None, "the CPU kernels load (prebuilt, or compiled)")
         llm = LLM()
         outputs = llm.chat(
             [[{"role": "user", "content": "What is the capital of France?"}]],

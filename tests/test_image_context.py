@@ -193,3 +193,40 @@ def test_the_cpu_image_needs_no_triton() -> None:
     ]
     assert "triton" not in names
     assert any(dep.startswith("triton") for dep in project["optional-dependencies"]["gpu"])
+
+
+def stages(dockerfile: str) -> list[str]:
+    """The Dockerfile's stages, each from its FROM line on (continuation lines joined)."""
+    text = dockerfile.replace("\\\n", " ")
+    return ["FROM" + part for part in re.split(r"(?m)^FROM", text)[1:]]
+
+
+def test_the_cpu_kernels_are_prebuilt_into_the_image() -> None:
+    """The build stage compiles the kernels for every instruction set the engine can load
+    prebuilt; the runtime stage copies them and points the engine at them, so a replica on a
+    known CPU compiles nothing before it serves."""
+    from kvpilot.engine.cpu.build import ISA_NAMES, PREBUILT_ENV
+
+    build, runtime = stages((ROOT / "Dockerfile").read_text())
+    prepare = re.search(
+        r"python -m kvpilot\.engine\.prepare\s+--kernels-dir\s+(\S+)((?:\s+--isa\s+[\w-]+)+)", build
+    )
+    assert prepare, "the build stage does not run kvpilot.engine.prepare --kernels-dir"
+    kernels_dir, isas = prepare.group(1), prepare.group(2).split()[1::2]
+    assert sorted(isas) == sorted(ISA_NAMES)
+    assert re.search(r"install [^&]*\bgcc\b", build), "the build stage has no compiler"
+    assert f"COPY --from=build {kernels_dir} {kernels_dir}" in runtime
+    assert re.search(rf"\b{PREBUILT_ENV}={re.escape(kernels_dir)}(\s|$)", runtime)
+
+
+def test_the_cpu_runtime_has_no_compiler_but_the_kernels_openmp() -> None:
+    """Only the cuda variant installs gcc (Triton compiles its launchers at run time)."""
+    runtime = stages((ROOT / "Dockerfile").read_text())[-1]
+    packages = dict(re.findall(r'(\w+)\) packages="([^"]*)"', runtime))
+    assert set(packages) == {"cpu", "cuda"}, packages
+    cpu = packages["cpu"].split()
+    assert not {"gcc", "cc", "clang", "libc6-dev", "build-essential"} & set(cpu), cpu
+    assert "libgomp1" in cpu  # the prebuilt kernels' NEEDED libgomp.so.1
+    assert "gcc" in packages["cuda"].split()
+    installs = re.findall(r"apt-get install[^&]*", runtime)
+    assert installs and all("$packages" in line for line in installs), installs
