@@ -175,3 +175,26 @@ def test_cluster_role_grants_nothing_it_does_not_need() -> None:
     for resource in ("deployments", "services", "inferenceservices"):
         group = {"deployments": "apps", "services": ""}.get(resource, "kvpilot.dev")
         assert not rbac_allows(rules, group, resource, "delete")  # garbage collection deletes
+
+
+def install_notes(values: dict[str, Any] | None) -> str:
+    """What `helm install` prints (templates/NOTES.txt) for these values."""
+    with helm.Chart.load(CHART) as chart:
+        rendered = chart.render(values, name="kvpilot", namespace="kvpilot-system", is_install=True)
+    return rendered["kvpilot/templates/NOTES.txt"]
+
+
+def test_the_install_notes_name_the_router_endpoint_when_it_runs() -> None:
+    """With the router (the default) the notes point at its Service, the endpoint the operator
+    also writes into each InferenceService's status; without it, at the model's own Service."""
+    (router,) = of_kind(render(component="router"), "Service")
+    (operator,) = of_kind(render(), "Deployment")
+    args = operator["spec"]["template"]["spec"]["containers"][0]["args"]
+    (router_url,) = [a.split("=", 1)[1] for a in args if a.startswith("--router-url=")]
+    port = router["spec"]["ports"][0]["port"]
+    notes = install_notes(None)
+    assert router_url in notes
+    assert f"port-forward svc/{router['metadata']['name']} 8080:{port}" in notes
+    assert "svc/smollm2" not in notes
+    alone = install_notes({"router": {"enabled": False}})
+    assert "router" not in alone and "port-forward svc/smollm2 8000:8000" in alone
