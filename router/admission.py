@@ -10,7 +10,6 @@ the grant are checked, and a request refused by its quota never waits in a queue
 
 from __future__ import annotations
 
-import asyncio
 import logging
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -92,7 +91,6 @@ class Admission:
         self.directory = directory
         self.keeper = keeper
         self.metrics = metrics
-        self._settling: set[asyncio.Task[None]] = set()
 
     def authenticate(self, headers: Mapping[str, str]) -> Tenant:
         """The request's tenant by its key (401 otherwise): asked before anything else."""
@@ -204,21 +202,6 @@ class Admission:
         if usage is not None or counted:
             self.metrics.tenant_tokens.labels(tenant, model, "prompt").inc(prompt)
             self.metrics.tenant_tokens.labels(tenant, model, "completion").inc(completion)
-        if admitted.lease is None:
-            return
-        task = asyncio.get_running_loop().create_task(self._settle(admitted, completion))
-        self._settling.add(task)  # held until done: the loop keeps only weak references
-        task.add_done_callback(self._settling.discard)
-
-    async def _settle(self, admitted: Admitted, completion: int) -> None:
-        try:
-            await self.keeper.settle(admitted.lease, completion)
-        except Exception:
-            # The keeper fails open or closed by itself; a settle it cannot make expires with
-            # its lease.
-            log.debug("settling a request of %s failed", admitted.tenant.key, exc_info=True)
-
-    async def drain(self) -> None:
-        """Wait for the settles under way (the router stops)."""
-        if self._settling:
-            await asyncio.gather(*self._settling, return_exceptions=True)
+        # The keeper fails open or closed by itself; a settle the store does not take expires
+        # with its lease.
+        self.keeper.settle_soon(admitted.lease, completion)
