@@ -76,7 +76,7 @@ def encode(*args: bytes | str | int) -> bytes:
     return b"".join(out)
 
 
-class _Incomplete(Exception):
+class IncompleteReply(Exception):
     """The buffer ends inside a reply: wait for more bytes."""
 
 
@@ -86,7 +86,7 @@ def parse_reply(buffer: bytes | bytearray, pos: int) -> tuple[Any, int]:
     ReplyError instance (not raised: it answers one command only)."""
     end = buffer.find(b"\r\n", pos)
     if end < 0:
-        raise _Incomplete
+        raise IncompleteReply
     kind, line = buffer[pos], buffer[pos + 1 : end]
     pos = end + 2
     if kind == 0x3A:  # ':'
@@ -96,7 +96,7 @@ def parse_reply(buffer: bytes | bytearray, pos: int) -> tuple[Any, int]:
         if size < 0:
             return None, pos
         if len(buffer) < pos + size + 2:
-            raise _Incomplete
+            raise IncompleteReply
         return bytes(buffer[pos : pos + size]), pos + size + 2
     if kind == 0x2A:  # '*'
         count = int(line)
@@ -143,7 +143,7 @@ class _Connection(asyncio.Protocol):
             while pos < len(buffer) and self.pending:
                 try:
                     reply, pos = parse_reply(buffer, pos)
-                except _Incomplete:
+                except IncompleteReply:
                     break
                 entry = self.pending.popleft()
                 if entry.timer is not None:
