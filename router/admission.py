@@ -21,7 +21,7 @@ from kvpilot.router.config import TenancyConfig
 from kvpilot.router.fair_queue import FairQueue, QueueFull, QueueTimeout, Ticket
 from kvpilot.router.metrics import RouterMetrics
 from kvpilot.router.prompts import ParsedRequest
-from kvpilot.router.quota import Lease, QuotaKeeper, Scope, model_scope_key, tenant_scope_key
+from kvpilot.router.quota import Lease, QuotaKeeper
 from kvpilot.router.tenants import Tenant, TenantDirectory, check_grant, presented_key
 from kvpilot.router.usage_meter import Usage
 
@@ -109,15 +109,6 @@ class Admission:
             self.metrics.tenant_rejections.labels(tenant.key, "not_granted").inc()
             raise
 
-    def scopes(self, tenant: Tenant, model: str) -> list[Scope]:
-        scopes = []
-        if tenant.quota.is_limited:
-            scopes.append(Scope(tenant_scope_key(tenant.namespace, tenant.name), tenant.quota))
-        per_model = tenant.spec.model_quota(model)
-        if per_model is not None and per_model.is_limited:
-            scopes.append(Scope(model_scope_key(tenant.namespace, tenant.name, model), per_model))
-        return scopes
-
     async def admit(
         self,
         tenant: Tenant,
@@ -131,7 +122,7 @@ class Admission:
         the model's held-requests gauge child, which counts the wait too (the operator's
         autoscaler adds it to the model's queue: a queue at the router is a queue)."""
         decision = await self.keeper.admit(
-            self.scopes(tenant, model), prompt_tokens, tenant.spec.on_store_failure
+            tenant.scopes(model), prompt_tokens, tenant.spec.on_store_failure
         )
         self.metrics.quota_store_up.set(1 if self.keeper.store_up else 0)
         headers = {**decision.headers, TENANT_HEADER: tenant.key}
