@@ -10,6 +10,7 @@ the grant are checked, and a request refused by its quota never waits in a queue
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -193,6 +194,7 @@ class Admission:
         if usage is not None or counted:
             self.metrics.tenant_tokens.labels(tenant, model, "prompt").inc(prompt)
             self.metrics.tenant_tokens.labels(tenant, model, "completion").inc(completion)
-        # The keeper fails open or closed by itself; a settle the store does not take expires
-        # with its lease.
-        self.keeper.settle_soon(admitted.lease, completion)
+        # Once the response is on its way (the handler's step ends first): no task, and off
+        # the request's path. The keeper fails open or closed by itself; a settle the store
+        # does not take expires with its lease.
+        asyncio.get_running_loop().call_soon(self.keeper.settle_soon, admitted.lease, completion)

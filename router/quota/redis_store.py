@@ -21,7 +21,14 @@ from typing import Any
 
 from kvpilot.contract.tenancy import QUOTA_WINDOW_S
 from kvpilot.router.quota.model import LIMIT_KINDS, Scope, Usage, Verdict, window_index
-from kvpilot.router.quota.resp import RedisAddress, ReplyError, RespClient, encode
+from kvpilot.router.quota.resp import (
+    RedisAddress,
+    ReplyError,
+    RespClient,
+    encode,
+    encode_ascii,
+    encode_bulks,
+)
 
 DEFAULT_KEY_PREFIX = "kvpilot:quota:"
 # A dead store must answer fast: every admission waits on it. A new connection gets longer (a
@@ -30,6 +37,8 @@ DEFAULT_KEY_PREFIX = "kvpilot:quota:"
 SOCKET_TIMEOUT_S = 0.25
 CONNECT_TIMEOUT_S = 1.0
 WINDOW_TTL_S = 2 * QUOTA_WINDOW_S
+# Scope sets whose encoded commands are kept (per window); past it they are encoded afresh.
+_ENCODED_KEPT = 1024
 
 # What a failed call raises: connection refused or reset, a timeout (TimeoutError and
 # ConnectionError are OSErrors), a store that answers with an error. The keeper falls back on
@@ -109,6 +118,16 @@ class _Script:
         self.source = source
         self.sha = hashlib.sha1(source.encode()).hexdigest()
         self.load = encode("SCRIPT", "LOAD", source)
+        self._name_and_sha = encode_bulks("EVALSHA", self.sha)
+
+    def evalsha_parts(
+        self, keys: Sequence[str], args_before: int, args_after: Sequence[str | int]
+    ) -> tuple[bytes, bytes]:
+        """A call's encoding around `args_before` arguments that change per call: its head
+        (array header, EVALSHA, the SHA-1, the keys) and its tail (`args_after`)."""
+        count = 3 + len(keys) + args_before + len(args_after)
+        head = b"*%d\r\n" % count + self._name_and_sha + encode_bulks(len(keys), *keys)
+        return head, encode_bulks(*args_after)
 
     def evalsha(self, keys: Sequence[str], args: Sequence[str | int]) -> bytes:
         return encode("EVALSHA", self.sha, len(keys), *keys, *args)
@@ -137,6 +156,10 @@ class RedisQuotaStore:
         self._prefix = key_prefix
         # scope key -> its lease-set key and the tail of its window keys: worked out once.
         self._keys: dict[str, tuple[str, str]] = {}
+        # Per scope set, its calls of a script encoded for one window: (the window, the head,
+        # the tail); the arguments that change per request go between.
+        self._admits: dict[tuple[Scope, ...], tuple[int, bytes, bytes]] = {}
+        self._finishes: dict[tuple[str, ...], tuple[int, bytes, bytes]] = {}
 
     def _scope_keys(self, scope_key: str) -> tuple[str, str]:
         keys = self._keys.get(scope_key)
@@ -152,7 +175,10 @@ class RedisQuotaStore:
         return self._scope_keys(scope_key)[0]
 
     def _both_keys(self, scope_keys: Iterable[str], now: float) -> list[str]:
-        window = f"{self._prefix}w:{window_index(now)}"
+        return self._window_keys(scope_keys, window_index(now))
+
+    def _window_keys(self, scope_keys: Iterable[str], index: int) -> list[str]:
+        window = f"{self._prefix}w:{index}"
         keys: list[str] = []
         for scope_key in scope_keys:
             lease_key, tail = self._scope_keys(scope_key)
@@ -167,31 +193,44 @@ class RedisQuotaStore:
         now: float,
         lease_expiry: float,
     ) -> Verdict:
-        keys = self._both_keys([scope.key for scope in scopes], now)
         lease_ttl = _lease_set_ttl(now, lease_expiry)
-        args: list[str | int] = [
-            repr(now), lease_id, repr(lease_expiry), lease_ttl, prompt_tokens, WINDOW_TTL_S
-        ]  # fmt: skip
-        for scope in scopes:
-            args += [-1 if (v := scope.limit(kind)) is None else v for kind in LIMIT_KINDS]
+        varying = (repr(now), lease_id, repr(lease_expiry), str(lease_ttl), str(prompt_tokens))
+        index = window_index(now)
+        scope_set = tuple(scopes)
+        encoded = self._admits.get(scope_set)
+        if encoded is None or encoded[0] != index:
+            keys = self._window_keys([scope.key for scope in scopes], index)
+            parts = _ADMIT.evalsha_parts(keys, 5, _admit_fixed_args(scopes))
+            encoded = _keep(self._admits, scope_set, (index, *parts))
+        _, head, tail = encoded
         try:
-            answer = await self._client.call(_ADMIT.evalsha(keys, args))
+            answer = await self._client.call(head + encode_ascii(*varying) + tail)
         except ReplyError as error:
             if not str(error).startswith("NOSCRIPT"):
                 raise
-            answer = await self._client.call(_ADMIT.eval(keys, args))
+            keys = self._both_keys([scope.key for scope in scopes], now)
+            answer = await self._client.call(
+                _ADMIT.eval(keys, [*varying, *_admit_fixed_args(scopes)])
+            )
         usage = tuple(Usage(*answer[i : i + 3]) for i in range(2, len(answer), 3))
         if answer[0] == 0:
             return Verdict(None, None, usage)
         return Verdict(LIMIT_KINDS[answer[0] - 1], answer[1] - 1, usage)
 
     def finish(
-        self, scope_keys: Sequence[str], lease_id: str | None, tokens: int, now: float
+        self, scope_keys: tuple[str, ...], lease_id: str | None, tokens: int, now: float
     ) -> asyncio.Future[Any]:
         """Add `tokens` to each scope's current window and drop the lease (None: keep it), in
-        one step. Written at once; the Future says whether the store took it."""
-        keys = self._both_keys(scope_keys, now)
-        return self._client.send(_FINISH.evalsha(keys, [tokens, lease_id or "", WINDOW_TTL_S]))[0]
+        one step. Written at once; the Future says whether the store took it (a store that lost
+        the script fails it, and the lease expires with its ttl)."""
+        index = window_index(now)
+        encoded = self._finishes.get(scope_keys)
+        if encoded is None or encoded[0] != index:
+            parts = _FINISH.evalsha_parts(self._window_keys(scope_keys, index), 2, [WINDOW_TTL_S])
+            encoded = _keep(self._finishes, scope_keys, (index, *parts))
+        _, head, tail = encoded
+        command = head + encode_ascii(str(tokens), lease_id or "") + tail
+        return self._client.send(command)[0]
 
     async def renew(
         self, leases: Iterable[tuple[Sequence[str], str]], now: float, expiry: float
@@ -241,6 +280,23 @@ class RedisQuotaStore:
 
     async def close(self) -> None:
         await self._client.close()
+
+
+def _keep(cache: dict[Any, Any], key: Any, value: Any) -> Any:
+    """Store `value` in a cache bounded by _ENCODED_KEPT (emptied when full)."""
+    if len(cache) >= _ENCODED_KEPT:
+        cache.clear()
+    cache[key] = value
+    return value
+
+
+def _admit_fixed_args(scopes: Iterable[Scope]) -> list[str | int]:
+    """The admission script's arguments after the per-request ones: the window ttl, then per
+    scope its limits."""
+    args: list[str | int] = [WINDOW_TTL_S]
+    for scope in scopes:
+        args += [-1 if (v := scope.limit(kind)) is None else v for kind in LIMIT_KINDS]
+    return args
 
 
 def _slotted(scope_key: str) -> str:

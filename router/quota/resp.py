@@ -69,11 +69,22 @@ class RedisAddress:
 
 def encode(*args: bytes | str | int) -> bytes:
     """One command as RESP: an array of bulk strings."""
-    out = [b"*%d\r\n" % len(args)]
+    return b"*%d\r\n" % len(args) + encode_bulks(*args)
+
+
+def encode_bulks(*args: bytes | str | int) -> bytes:
+    """Arguments as bulk strings, without the array's header: a part of a command."""
+    out = []
     for arg in args:
         data = arg if isinstance(arg, bytes) else str(arg).encode()
         out.append(b"$%d\r\n%s\r\n" % (len(data), data))
     return b"".join(out)
+
+
+def encode_ascii(*args: str) -> bytes:
+    """Bulk strings of ASCII arguments (numbers, ids), without the array's header: the part of a
+    command that changes per call, the rest encoded once by the caller."""
+    return "".join([f"${len(arg)}\r\n{arg}\r\n" for arg in args]).encode()
 
 
 class IncompleteReply(Exception):
@@ -115,11 +126,11 @@ def parse_reply(buffer: bytes | bytearray, pos: int) -> tuple[Any, int]:
 
 
 class _Pending:
-    __slots__ = ("future", "timer")
+    __slots__ = ("future", "written_at")
 
     def __init__(self, future: asyncio.Future[Any]) -> None:
         self.future = future
-        self.timer: asyncio.TimerHandle | None = None
+        self.written_at = 0.0  # the loop's clock
 
 
 class _Connection(asyncio.Protocol):
@@ -131,6 +142,10 @@ class _Connection(asyncio.Protocol):
         self.transport: asyncio.Transport | None = None
         self.pending: collections.deque[_Pending] = collections.deque()
         self.closed = False
+        # One timer, not one per command: armed for the oldest command awaiting its reply
+        # (replies come in order, so it is the first one late).
+        self._watchdog: asyncio.TimerHandle | None = None
+        self._timeout_s = 0.0
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = cast(asyncio.Transport, transport)
@@ -146,8 +161,6 @@ class _Connection(asyncio.Protocol):
                 except IncompleteReply:
                     break
                 entry = self.pending.popleft()
-                if entry.timer is not None:
-                    entry.timer.cancel()
                 if not entry.future.done():  # its caller may have stopped waiting
                     if isinstance(reply, ReplyError):
                         entry.future.set_exception(reply)
@@ -172,16 +185,24 @@ class _Connection(asyncio.Protocol):
         assert self.transport is not None
         self.transport.write(data)
         loop = asyncio.get_running_loop()
+        now = loop.time()
         for entry in entries:
-            entry.timer = loop.call_later(timeout_s, self._expired, entry)
-            self.pending.append(entry)
+            entry.written_at = now
+        self.pending.extend(entries)
+        self._timeout_s = timeout_s
+        if self._watchdog is None:
+            self._watchdog = loop.call_at(now + timeout_s, self._check)
 
-    def _expired(self, entry: _Pending) -> None:
-        if entry.future.done():
-            # Its caller stopped waiting; the reply may still come (and is then skipped).
-            entry.timer = None
+    def _check(self) -> None:
+        self._watchdog = None
+        if not self.pending or self.closed:
             return
-        self.fail(TimeoutError("the quota store did not answer in time"))
+        loop = asyncio.get_running_loop()
+        due = self.pending[0].written_at + self._timeout_s
+        if loop.time() >= due:
+            self.fail(TimeoutError("the quota store did not answer in time"))
+        else:
+            self._watchdog = loop.call_at(due, self._check)
 
     def fail(self, error: Exception, *, abort: bool = True) -> None:
         """End the connection: every command without its reply fails with `error`. `abort`
@@ -195,10 +216,11 @@ class _Connection(asyncio.Protocol):
                 self.transport.abort()
             else:
                 self.transport.close()
+        if self._watchdog is not None:
+            self._watchdog.cancel()
+            self._watchdog = None
         while self.pending:
             entry = self.pending.popleft()
-            if entry.timer is not None:
-                entry.timer.cancel()
             if not entry.future.done():
                 entry.future.set_exception(error)
 
