@@ -37,8 +37,11 @@ chunk; each request's usage is recorded next to its count).
 - `overhead`: a non-stream completion (token-id prompt, max_tokens 1) to a stand-in engine
   (aiohttp on loopback, answering at once: the engine's variance would drown a millisecond)
   straight, through a router without tenancy, and through a router with tenancy as a tenant with
-  a quota (Redis store) and as one without, the four alternating request by request; p50 and
-  p99 of each.
+  a quota (Redis store) and as one without, the four alternating request by request
+  (`--samples` each), `--repeats` times; p50 and p99 of each, and per repeat. After each repeat,
+  per router variant a block of `--cpu-requests` requests and the router process's CPU time over
+  it (and redis-server's), from /proc: CPU per request, which a loaded machine does not inflate
+  as it does latency.
 
     python bench/tenancy.py priority
     python bench/tenancy.py fairness
@@ -147,12 +150,17 @@ class Platform:
         log(f"router {name} ready at {url}: {' '.join(args)}")
         return url
 
-    def stop_router(self, url: str) -> None:
+    def process_at(self, url: str) -> ServerProcess:
+        """The process serving `url` (one this platform started)."""
         for process in self.processes:
             if process.port and url.endswith(f":{process.port[0]}"):
-                process.stop()
-                self.processes.remove(process)
-                return
+                return process
+        raise KeyError(url)
+
+    def stop_router(self, url: str) -> None:
+        process = self.process_at(url)
+        process.stop()
+        self.processes.remove(process)
 
     def engine_pgid(self) -> int:
         return self.processes[0].proc.pid
@@ -666,12 +674,22 @@ def stand_in_main(args: argparse.Namespace) -> None:
     asyncio.run(main())
 
 
+def cpu_seconds(pid: int) -> float:
+    """A process's CPU time so far (user + system): what the machine's load does not inflate
+    (a process waiting for a core is not charged)."""
+    # /proc/PID/stat: the fields after the command's closing parenthesis; utime and stime are
+    # the 12th and 13th of them, in clock ticks.
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 async def run_overhead(args: argparse.Namespace, plat: Platform) -> dict[str, Any]:
     cmd = [sys.executable, str(Path(__file__).resolve()), "stand-in"]
     stand_in = ServerProcess("stand-in", cmd, "/ready", log=plat.work / "stand-in.log")
     plat.processes.append(stand_in)
     engine = stand_in.wait_ready(60)
     redis_url = plat.start_redis()
+    assert plat.redis is not None
     tenant = TenantDef(
         "metered", "sk-metered",
         quota={"tokensPerMinute": 10**9, "requestsPerMinute": 10**7, "maxConcurrent": 64},
@@ -680,16 +698,24 @@ async def run_overhead(args: argparse.Namespace, plat: Platform) -> dict[str, An
     tenants_file = write_tenants(plat.work / "tenants.yaml", [tenant, unmetered])
     tenancy_args = ["--tenants-file", str(tenants_file), "--quota-store-url", redis_url]
     tenancy = plat.router("router-tenancy", tenancy_args, engine)
+    plain = plat.router("router-plain", [], engine)
     variants = {
         "direct": (engine, None),
-        "router": (plat.router("router-plain", [], engine), None),
+        "router": (plain, None),
         "router+tenancy": (tenancy, tenant.key),
         # The same router, a tenant without a quota: what the quota's store costs.
         "router+tenancy, no quota": (tenancy, unmetered.key),
     }
+    router_pids = {
+        name: plat.process_at(url).proc.pid for name, (url, _) in variants.items() if url != engine
+    }
     # Token ids as the prompt: the routers need no tokenizer (the stand-in serves none).
     body = {"model": MODEL, "prompt": STAND_IN_PROMPT, "max_tokens": 1}
-    samples: dict[str, list[float]] = {name: [] for name in variants}
+    names = list(variants)
+    samples: dict[str, list[list[float]]] = {name: [] for name in names}  # per repeat
+    cpu_ms: dict[str, list[float]] = {name: [] for name in router_pids}  # per repeat
+    redis_cpu_ms: dict[str, list[float]] = {name: [] for name in router_pids}
+    load: list[list[float]] = []
     async with httpx.AsyncClient(timeout=30) as http:
 
         async def one(name: str) -> float:
@@ -705,27 +731,75 @@ async def run_overhead(args: argparse.Namespace, plat: Platform) -> dict[str, An
         for name in variants:  # connections and first-request paths warm
             for _ in range(20):
                 await one(name)
-        names = list(variants)
-        for i in range(args.samples):
-            order = names[i % len(names) :] + names[: i % len(names)]  # each first as often
-            for name in order:
-                samples[name].append(await one(name))
-            if (i + 1) % 200 == 0:
-                log(f"{i + 1}/{args.samples} rounds")
-    p50 = {name: statistics.median(v) for name, v in samples.items()}
+        for repeat in range(args.repeats):
+            load.append(list(os.getloadavg()))
+            # Latency: the four alternate request by request, each first as often.
+            for name in names:
+                samples[name].append([])
+            for i in range(args.samples):
+                order = names[i % len(names) :] + names[: i % len(names)]
+                for name in order:
+                    samples[name][-1].append(await one(name))
+            # CPU: a block of requests per router variant, its router's (and redis-server's)
+            # CPU time over the block.
+            for name, pid in router_pids.items():
+                before, redis_before = cpu_seconds(pid), cpu_seconds(plat.redis.proc.pid)
+                for _ in range(args.cpu_requests):
+                    await one(name)
+                used = cpu_seconds(pid) - before
+                redis_used = cpu_seconds(plat.redis.proc.pid) - redis_before
+                cpu_ms[name].append(round(1000 * used / args.cpu_requests, 4))
+                redis_cpu_ms[name].append(round(1000 * redis_used / args.cpu_requests, 4))
+            p50 = {name: 1000 * statistics.median(samples[name][-1]) for name in names}
+            log(
+                f"repeat {repeat + 1}/{args.repeats}: p50 ms "
+                + ", ".join(f"{n} {v:.3f}" for n, v in p50.items())
+                + "; router CPU ms/request "
+                + ", ".join(f"{n} {v[-1]:.3f}" for n, v in cpu_ms.items())
+            )
+        load.append(list(os.getloadavg()))
+    flat = {name: [x for run in runs for x in run] for name, runs in samples.items()}
+    p50 = {name: statistics.median(v) for name, v in flat.items()}
+    per_repeat = {
+        name: [round(1000 * statistics.median(run), 3) for run in runs]
+        for name, runs in samples.items()
+    }
+
+    def added(runs_a: list[float], runs_b: list[float]) -> list[float]:
+        return [round(a - b, 3) for a, b in zip(runs_a, runs_b, strict=True)]
+
+    cpu_median = {name: statistics.median(v) for name, v in cpu_ms.items()}
     result = {
-        "samples_per_variant": args.samples,
+        "samples_per_variant": args.samples * args.repeats,
+        "repeats": args.repeats,
         "p50_ms": {n: round(1000 * v, 3) for n, v in p50.items()},
-        "p99_ms": {n: round(percentile(v, 99) * 1000, 3) for n, v in samples.items()},
+        "p99_ms": {n: round(percentile(v, 99) * 1000, 3) for n, v in flat.items()},
+        "p50_ms_per_repeat": per_repeat,
         "router_added_p50_ms": round(1000 * (p50["router"] - p50["direct"]), 3),
         "tenancy_added_p50_ms": round(1000 * (p50["router+tenancy"] - p50["router"]), 3),
+        "tenancy_added_p50_ms_per_repeat": added(
+            per_repeat["router+tenancy"], per_repeat["router"]
+        ),
         "tenancy_without_quota_added_p50_ms": round(
             1000 * (p50["router+tenancy, no quota"] - p50["router"]), 3
         ),
-        "samples_ms": {n: [round(1000 * s, 3) for s in v] for n, v in samples.items()},
+        "cpu_requests_per_block": args.cpu_requests,
+        "router_cpu_ms_per_request": cpu_ms,
+        "redis_cpu_ms_per_request": redis_cpu_ms,
+        "tenancy_added_cpu_ms_per_request": round(
+            cpu_median["router+tenancy"] - cpu_median["router"], 4
+        ),
+        "tenancy_without_quota_added_cpu_ms_per_request": round(
+            cpu_median["router+tenancy, no quota"] - cpu_median["router"], 4
+        ),
+        "load_average_1_5_15": load,
+        "samples_ms": {n: [round(1000 * s, 3) for s in v] for n, v in flat.items()},
         "goal": "tenancy adds <= 1 ms p50",
     }
-    log(f"p50 ms {result['p50_ms']}; tenancy adds {result['tenancy_added_p50_ms']} ms")
+    log(
+        f"p50 ms {result['p50_ms']}; tenancy adds {result['tenancy_added_p50_ms']} ms p50, "
+        f"{result['tenancy_added_cpu_ms_per_request']} ms of router CPU per request"
+    )
     return result
 
 
@@ -793,7 +867,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     q.add_argument("--stop-before-s", type=float, default=5.0)
     q.add_argument("--refused-pause-s", type=float, default=1.0)
     o = cases.add_parser("overhead", help="latency tenancy adds (stand-in engine)")
-    o.add_argument("--samples", type=int, default=1000, help="requests per variant")
+    o.add_argument("--samples", type=int, default=500, help="requests per variant per repeat")
+    o.add_argument("--repeats", type=int, default=3)
+    o.add_argument(
+        "--cpu-requests", type=int, default=300, help="requests per router CPU block per repeat"
+    )
     cases.add_parser("stand-in", help="(internal) the overhead case's stand-in engine")
     return parser.parse_args(argv)
 

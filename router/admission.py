@@ -22,7 +22,7 @@ from kvpilot.router.config import TenancyConfig
 from kvpilot.router.fair_queue import FairQueue, QueueFull, QueueTimeout, Ticket
 from kvpilot.router.metrics import RouterMetrics
 from kvpilot.router.prompts import ParsedRequest
-from kvpilot.router.quota import Lease, QuotaKeeper, Scope, model_scope_key, tenant_scope_key
+from kvpilot.router.quota import Lease, QuotaKeeper
 from kvpilot.router.tenants import Tenant, TenantDirectory, check_grant, presented_key
 from kvpilot.router.usage_meter import Usage
 
@@ -92,7 +92,6 @@ class Admission:
         self.directory = directory
         self.keeper = keeper
         self.metrics = metrics
-        self._settling: set[asyncio.Task[None]] = set()
 
     def authenticate(self, headers: Mapping[str, str]) -> Tenant:
         """The request's tenant by its key (401 otherwise): asked before anything else."""
@@ -111,15 +110,6 @@ class Admission:
             self.metrics.tenant_rejections.labels(tenant.key, "not_granted").inc()
             raise
 
-    def scopes(self, tenant: Tenant, model: str) -> list[Scope]:
-        scopes = []
-        if tenant.quota.is_limited:
-            scopes.append(Scope(tenant_scope_key(tenant.namespace, tenant.name), tenant.quota))
-        per_model = tenant.spec.model_quota(model)
-        if per_model is not None and per_model.is_limited:
-            scopes.append(Scope(model_scope_key(tenant.namespace, tenant.name, model), per_model))
-        return scopes
-
     async def admit(
         self,
         tenant: Tenant,
@@ -133,7 +123,7 @@ class Admission:
         the model's held-requests gauge child, which counts the wait too (the operator's
         autoscaler adds it to the model's queue: a queue at the router is a queue)."""
         decision = await self.keeper.admit(
-            self.scopes(tenant, model), prompt_tokens, tenant.spec.on_store_failure
+            tenant.scopes(model), prompt_tokens, tenant.spec.on_store_failure
         )
         self.metrics.quota_store_up.set(1 if self.keeper.store_up else 0)
         headers = {**decision.headers, TENANT_HEADER: tenant.key}
@@ -204,21 +194,7 @@ class Admission:
         if usage is not None or counted:
             self.metrics.tenant_tokens.labels(tenant, model, "prompt").inc(prompt)
             self.metrics.tenant_tokens.labels(tenant, model, "completion").inc(completion)
-        if admitted.lease is None:
-            return
-        task = asyncio.get_running_loop().create_task(self._settle(admitted, completion))
-        self._settling.add(task)  # held until done: the loop keeps only weak references
-        task.add_done_callback(self._settling.discard)
-
-    async def _settle(self, admitted: Admitted, completion: int) -> None:
-        try:
-            await self.keeper.settle(admitted.lease, completion)
-        except Exception:
-            # The keeper fails open or closed by itself; a settle it cannot make expires with
-            # its lease.
-            log.debug("settling a request of %s failed", admitted.tenant.key, exc_info=True)
-
-    async def drain(self) -> None:
-        """Wait for the settles under way (the router stops)."""
-        if self._settling:
-            await asyncio.gather(*self._settling, return_exceptions=True)
+        # Once the response is on its way (the handler's step ends first): no task, and off
+        # the request's path. The keeper fails open or closed by itself; a settle the store
+        # does not take expires with its lease.
+        asyncio.get_running_loop().call_soon(self.keeper.settle_soon, admitted.lease, completion)

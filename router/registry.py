@@ -261,7 +261,15 @@ class Registry:
             if pool.service.model_uri == uri:  # not for weights replaced meanwhile
                 pool.tokenizer, pool.tokenizer_uri = tokenizer, uri
                 if tokenizer is None:
-                    log.info("%s's replica serves no tokenizer: routed by load", pool.service.model)
+                    # Asked again only after the retry interval: every request would otherwise
+                    # send the replica its tokenizer requests again.
+                    first = pool.tokenizer_failed_at == float("-inf")
+                    pool.tokenizer_failed_at = time.monotonic()
+                    log.log(
+                        logging.INFO if first else logging.DEBUG,
+                        "%s's replica serves no tokenizer: routed by load",
+                        pool.service.model,
+                    )
                 else:
                     log.info("tokenizer of %s loaded", pool.service.model)
         finally:

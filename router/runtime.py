@@ -170,10 +170,8 @@ class RouterRuntime:
                 await task
         self.registry.close()
         await self.proxy.stop()
-        if self.proxy.admission is not None:
-            await self.proxy.admission.drain()
         if self.quotas is not None:
-            await self.quotas.stop()
+            await self.quotas.stop()  # after the settles under way
         if self.registry.streams is not None:
             await self.registry.streams.close()
         await self.engines.aclose()

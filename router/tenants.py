@@ -15,7 +15,7 @@ import binascii
 import hmac
 import logging
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from kvpilot.contract import errors
@@ -30,7 +30,7 @@ from kvpilot.contract.tenancy import (
     priority_rank,
 )
 from kvpilot.contract.tenant_spec import TenantSpec, parse_tenant_spec
-from kvpilot.router.quota import tenant_scope_key
+from kvpilot.router.quota import Scope, model_scope_key, tenant_scope_key
 
 log = logging.getLogger("kvpilot.router")
 
@@ -38,28 +38,52 @@ ObjectKey = tuple[str, str]  # (namespace, name)
 _INDEX_BYTES = 4
 
 
+# Models whose scopes a tenant keeps worked out; past it they are worked out afresh (only models
+# that are served reach the quota, so this is a guard, not a limit met in practice).
+_SCOPES_KEPT = 256
+
+
 @dataclass(frozen=True)
 class Tenant:
+    """A tenant as requests meet it. What every request needs of it is worked out once, when
+    the tenant (a new object per change) is made."""
+
     namespace: str
     name: str
     spec: TenantSpec
+    # The tenant's identity in quota scopes, queues and metrics: `namespace/name`.
+    key: str = field(init=False)
+    rank: int = field(init=False)  # priority_rank of its class
+    engine_priority: int = field(init=False)
+    quota: Quota = field(init=False)
+    # model id -> the quota scopes its requests are charged to.
+    _scopes: dict[str, tuple[Scope, ...]] = field(
+        init=False, repr=False, compare=False, default_factory=dict
+    )
 
-    @property
-    def key(self) -> str:
-        """The tenant's identity in quota scopes, queues and metrics: `namespace/name`."""
-        return tenant_scope_key(self.namespace, self.name)
+    def __post_init__(self) -> None:
+        set_field = object.__setattr__  # frozen: fields set once, here
+        set_field(self, "key", tenant_scope_key(self.namespace, self.name))
+        set_field(self, "rank", priority_rank(self.spec.priority_class))
+        set_field(self, "engine_priority", engine_priority(self.spec.priority_class))
+        set_field(self, "quota", self.spec.quota.quota())
 
-    @property
-    def rank(self) -> int:
-        return priority_rank(self.spec.priority_class)
-
-    @property
-    def engine_priority(self) -> int:
-        return engine_priority(self.spec.priority_class)
-
-    @property
-    def quota(self) -> Quota:
-        return self.spec.quota.quota()
+    def scopes(self, model: str) -> tuple[Scope, ...]:
+        """The quota scopes a request for `model` is charged to: the tenant's total and its
+        budget on that model, those that limit anything."""
+        scopes = self._scopes.get(model)
+        if scopes is None:
+            found = []
+            if self.quota.is_limited:
+                found.append(Scope(self.key, self.quota))
+            per_model = self.spec.model_quota(model)
+            if per_model is not None and per_model.is_limited:
+                found.append(Scope(model_scope_key(self.namespace, self.name, model), per_model))
+            scopes = tuple(found)
+            if len(self._scopes) >= _SCOPES_KEPT:
+                self._scopes.clear()
+            self._scopes[model] = scopes
+        return scopes
 
 
 def unauthorized(message: str) -> errors.APIError:

@@ -17,11 +17,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import logging
 import time
 import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from kvpilot.contract.tenancy import StoreFailure
 from kvpilot.router.quota.decision import Decision, build_decision, store_unavailable
@@ -62,13 +64,16 @@ class QuotaKeeper:
         self._lease_ttl_s = lease_ttl_s
         self._probe_interval_s = probe_interval_s
         self._flights: dict[str, _Flight] = {}
+        # Lease ids: unique across routers by this keeper's random prefix, then a count.
+        self._lease_prefix = uuid.uuid4().hex[:16] + "-"
+        self._lease_numbers = itertools.count()
         self._store_up = True
         self._up = asyncio.Event()
         self._up.set()
         self._renewer: asyncio.Task[None] | None = None
         self._prober: asyncio.Task[None] | None = None
-        # Settles that go on after their caller was cancelled; stop() waits for them.
-        self._settling: set[asyncio.Task[None]] = set()
+        # The shared store's answers to settles and charges under way; stop() waits for them.
+        self._settling: set[asyncio.Future[Any]] = set()
 
     @property
     def store_up(self) -> bool:
@@ -93,7 +98,7 @@ class QuotaKeeper:
         """Finish the settles under way, stop renewing and close the store. Leases still in
         flight (never settled) expire after the ttl."""
         if self._settling:
-            await asyncio.gather(*self._settling, return_exceptions=True)
+            await asyncio.wait(self._settling)
         for task in (self._renewer, self._prober):
             if task is not None:
                 task.cancel()
@@ -118,7 +123,7 @@ class QuotaKeeper:
         if not limited:
             return Decision(admitted=True)
         now = self._clock()
-        lease_id = uuid.uuid4().hex
+        lease_id = f"{self._lease_prefix}{next(self._lease_numbers)}"
         expiry = now + self._lease_ttl_s
         keys = tuple(scope.key for scope in limited)
         if self._shared is not None and self._store_up:
@@ -129,14 +134,12 @@ class QuotaKeeper:
             else:
                 lease = None
                 if verdict.refused_kind is None:
-                    await self._local.admit(
-                        limited, prompt_tokens, lease_id, now, expiry, check=False
-                    )
+                    self._local.admit(limited, prompt_tokens, lease_id, now, expiry, check=False)
                     lease = self._hold(Lease(lease_id, keys, "shared"))
                 return build_decision(limited, prompt_tokens, verdict, now, lease)
         if self._shared is not None and on_store_failure == "closed":
             return store_unavailable()
-        verdict = await self._local.admit(limited, prompt_tokens, lease_id, now, expiry)
+        verdict = self._local.admit(limited, prompt_tokens, lease_id, now, expiry)
         lease = None if verdict.refused_kind else self._hold(Lease(lease_id, keys, "local"))
         return build_decision(limited, prompt_tokens, verdict, now, lease)
 
@@ -149,21 +152,26 @@ class QuotaKeeper:
         if flight is None or tokens == 0:
             return
         flight.charged += tokens
-        await self._finish(flight.lease, tokens, release=False)
+        await _answer(self._finish(flight.lease, tokens, release=False))
 
     async def settle(self, lease: Lease | None, completion_tokens: int) -> None:
+        """settle_soon(), then wait for the shared store's answer. The store takes the settle
+        even if the caller is cancelled (the client went away)."""
+        await _answer(self.settle_soon(lease, completion_tokens))
+
+    def settle_soon(
+        self, lease: Lease | None, completion_tokens: int
+    ) -> asyncio.Future[Any] | None:
         """The request is over: charge what `completion_tokens` (its true total) adds to what
         charge() already did (never less), and release its concurrency. A second settle of the
-        same lease does nothing. The store calls finish even if the caller is cancelled (the
-        client went away)."""
+        same lease does nothing. The local count is settled on return and the shared store's
+        command is on its way (no task): the Future of its answer, or None without one. A
+        failed answer marks the store down; nobody needs to await it."""
         flight = None if lease is None else self._flights.pop(lease.id, None)
         if flight is None:
-            return
+            return None
         extra = max(0, completion_tokens - flight.charged)
-        task = asyncio.create_task(self._finish(flight.lease, extra, release=True))
-        self._settling.add(task)
-        task.add_done_callback(self._settling.discard)
-        await asyncio.shield(task)
+        return self._finish(flight.lease, extra, release=True)
 
     async def usage(self, scope_key: str) -> Usage:
         """A scope's use in the current window: from the shared store while it answers, else
@@ -174,23 +182,38 @@ class QuotaKeeper:
                 return await self._shared.usage(scope_key, now)
             except STORE_ERRORS as error:
                 self._mark_down(error)
-        return await self._local.usage(scope_key, now)
+        return self._local.usage(scope_key, now)
 
     def _hold(self, lease: Lease) -> Lease:
         self._flights[lease.id] = _Flight(lease)
         return lease
 
-    async def _finish(self, lease: Lease, tokens: int, *, release: bool) -> None:
+    def _finish(self, lease: Lease, tokens: int, *, release: bool) -> asyncio.Future[Any] | None:
+        """Count on the local store now; send to the shared store, and return its answer's
+        Future (None when the lease is not the shared store's or the store is down)."""
         now = self._clock()
         lease_id = lease.id if release else None
         # The local store counts every lease: it is the home of some, the mirror of the others.
-        await self._local.finish(lease.scope_keys, lease_id, tokens, now)
-        if lease.home == "shared" and self._shared is not None and self._store_up:
+        self._local.finish(lease.scope_keys, lease_id, tokens, now)
+        if lease.home != "shared" or self._shared is None or not self._store_up:
             # A lease the store does not hear released expires with its ttl (no renewal).
-            try:
-                await self._shared.finish(lease.scope_keys, lease_id, tokens, now)
-            except STORE_ERRORS as error:
-                self._mark_down(error)
+            return None
+        try:
+            sent = self._shared.finish(lease.scope_keys, lease_id, tokens, now)
+        except STORE_ERRORS as error:
+            self._mark_down(error)
+            return None
+        self._settling.add(sent)
+        sent.add_done_callback(self._answered)
+        return sent
+
+    def _answered(self, sent: asyncio.Future[Any]) -> None:
+        self._settling.discard(sent)
+        error = None if sent.cancelled() else sent.exception()
+        if isinstance(error, STORE_ERRORS):
+            self._mark_down(error)
+        elif error is not None:
+            log.error("the quota store's answer to a settle", exc_info=error)
 
     async def _renew_forever(self) -> None:
         while True:
@@ -203,7 +226,7 @@ class QuotaKeeper:
             return
         now = self._clock()
         expiry = now + self._lease_ttl_s
-        await self._local.renew([(f.lease.scope_keys, f.lease.id) for f in flights], now, expiry)
+        self._local.renew([(f.lease.scope_keys, f.lease.id) for f in flights], now, expiry)
         shared = [(f.lease.scope_keys, f.lease.id) for f in flights if f.lease.home == "shared"]
         if not shared or self._shared is None or not self._store_up:
             return
@@ -243,3 +266,11 @@ class QuotaKeeper:
             self._up.set()
             log.info("quota store reachable again: quotas are shared by every router")
             return
+
+
+async def _answer(sent: asyncio.Future[Any] | None) -> None:
+    """Wait for a store command's answer; a failure was dealt with when it came (the store is
+    marked down), and the command stays on its way if the waiter is cancelled."""
+    if sent is not None:
+        with contextlib.suppress(*STORE_ERRORS):
+            await asyncio.shield(sent)

@@ -23,8 +23,8 @@ class _ScopeState:
 
 
 class LocalQuotaStore:
-    """The same semantics as RedisQuotaStore, in this process's memory. Every method completes
-    without awaiting, so one call is atomic on the event loop as one Redis script is."""
+    """The same semantics as RedisQuotaStore, in this process's memory. Its methods are plain
+    calls, so one call is atomic on the event loop as one Redis script is."""
 
     def __init__(self) -> None:
         self._scopes: dict[str, _ScopeState] = {}
@@ -43,7 +43,7 @@ class LocalQuotaStore:
             del state.leases[lease_id]
         return Usage(state.window.requests, state.window.tokens, len(state.leases))
 
-    async def admit(
+    def admit(
         self,
         scopes: Sequence[Scope],
         prompt_tokens: int,
@@ -70,7 +70,7 @@ class LocalQuotaStore:
             state.leases[lease_id] = lease_expiry
         return Verdict(None, None, tuple(self._usage(state, now) for state in states))
 
-    async def finish(
+    def finish(
         self, scope_keys: Sequence[str], lease_id: str | None, tokens: int, now: float
     ) -> None:
         """Add `tokens` to each scope's current window and drop the lease (None: keep it)."""
@@ -80,9 +80,7 @@ class LocalQuotaStore:
             if lease_id is not None:
                 state.leases.pop(lease_id, None)
 
-    async def renew(
-        self, leases: Iterable[tuple[Sequence[str], str]], now: float, expiry: float
-    ) -> None:
+    def renew(self, leases: Iterable[tuple[Sequence[str], str]], now: float, expiry: float) -> None:
         """Move the expiry of leases still in flight to `expiry`."""
         for scope_keys, lease_id in leases:
             for key in scope_keys:
@@ -90,7 +88,7 @@ class LocalQuotaStore:
                 if state is not None and lease_id in state.leases:
                     state.leases[lease_id] = expiry
 
-    async def usage(self, scope_key: str, now: float) -> Usage:
+    def usage(self, scope_key: str, now: float) -> Usage:
         return self._usage(self._state(scope_key, now), now)
 
 

@@ -13,30 +13,37 @@ routers compute, and tests can move time.
 
 from __future__ import annotations
 
+import asyncio
+import hashlib
 import math
 from collections.abc import Iterable, Sequence
-
-import redis.asyncio as redis
-from redis.asyncio.retry import Retry
-from redis.backoff import NoBackoff
-from redis.exceptions import RedisError
+from typing import Any
 
 from kvpilot.contract.tenancy import QUOTA_WINDOW_S
 from kvpilot.router.quota.model import LIMIT_KINDS, Scope, Usage, Verdict, window_index
+from kvpilot.router.quota.resp import (
+    RedisAddress,
+    ReplyError,
+    RespClient,
+    encode,
+    encode_ascii,
+    encode_bulks,
+)
 
 DEFAULT_KEY_PREFIX = "kvpilot:quota:"
 # A dead store must answer fast: every admission waits on it. A new connection gets longer (a
-# refused one fails at once anyway): a burst of admissions opens the pool's connections all at
-# once, and a busy event loop must not take that for a dead store.
+# refused one fails at once anyway): a busy event loop must not take a slow connect for a dead
+# store.
 SOCKET_TIMEOUT_S = 0.25
 CONNECT_TIMEOUT_S = 1.0
-MAX_CONNECTIONS = 32
-POOL_WAIT_S = 1.0
 WINDOW_TTL_S = 2 * QUOTA_WINDOW_S
+# Scope sets whose encoded commands are kept (per window); past it they are encoded afresh.
+_ENCODED_KEPT = 1024
 
-# What a failed call raises: connection refused or reset, a timeout, a store that answers with
-# an error. The keeper falls back on all of them.
-STORE_ERRORS: tuple[type[BaseException], ...] = (RedisError, OSError, TimeoutError)
+# What a failed call raises: connection refused or reset, a timeout (TimeoutError and
+# ConnectionError are OSErrors), a store that answers with an error. The keeper falls back on
+# all of them.
+STORE_ERRORS: tuple[type[BaseException], ...] = (ReplyError, OSError)
 
 # Check every scope, then charge every scope, in one step. KEYS: per scope its window hash and
 # its lease set. ARGV: now, lease id, lease expiry, lease-set ttl (s), prompt tokens, then per
@@ -86,34 +93,97 @@ end
 return out
 """
 
+# Settle or charge a lease, atomically. KEYS: per scope its window hash and its lease set. ARGV:
+# tokens to add to each window, the lease id to drop ('' = keep it), the window ttl (s).
+FINISH_LUA = """
+local tokens = tonumber(ARGV[1])
+for i = 1, #KEYS / 2 do
+  if tokens > 0 then
+    redis.call('HINCRBY', KEYS[2 * i - 1], 't', tokens)
+    redis.call('EXPIRE', KEYS[2 * i - 1], ARGV[3])
+  end
+  if ARGV[2] ~= '' then
+    redis.call('ZREM', KEYS[2 * i], ARGV[2])
+  end
+end
+return 0
+"""
+
+
+class _Script:
+    """A Lua script, called by its SHA-1 (loaded on every connection) with EVAL as the fallback
+    for a store that lost it."""
+
+    def __init__(self, source: str) -> None:
+        self.source = source
+        self.sha = hashlib.sha1(source.encode()).hexdigest()
+        self.load = encode("SCRIPT", "LOAD", source)
+        self._name_and_sha = encode_bulks("EVALSHA", self.sha)
+
+    def evalsha_parts(
+        self, keys: Sequence[str], args_before: int, args_after: Sequence[str | int]
+    ) -> tuple[bytes, bytes]:
+        """A call's encoding around `args_before` arguments that change per call: its head
+        (array header, EVALSHA, the SHA-1, the keys) and its tail (`args_after`)."""
+        count = 3 + len(keys) + args_before + len(args_after)
+        head = b"*%d\r\n" % count + self._name_and_sha + encode_bulks(len(keys), *keys)
+        return head, encode_bulks(*args_after)
+
+    def evalsha(self, keys: Sequence[str], args: Sequence[str | int]) -> bytes:
+        return encode("EVALSHA", self.sha, len(keys), *keys, *args)
+
+    def eval(self, keys: Sequence[str], args: Sequence[str | int]) -> bytes:
+        return encode("EVAL", self.source, len(keys), *keys, *args)
+
+
+_ADMIT = _Script(ADMIT_LUA)
+_FINISH = _Script(FINISH_LUA)
+_PING = encode("PING")
+
 
 class RedisQuotaStore:
-    """Quota counters shared by every router on one Redis. Each call is one round trip; each
-    raises one of STORE_ERRORS when the store cannot answer (within SOCKET_TIMEOUT_S once
-    connected)."""
+    """Quota counters shared by every router on one Redis (one connection, commands pipelined:
+    router.quota.resp). Each call is one round trip; each raises one of STORE_ERRORS when the
+    store cannot answer (within SOCKET_TIMEOUT_S once connected)."""
 
     def __init__(self, url: str, *, key_prefix: str = DEFAULT_KEY_PREFIX) -> None:
-        # Admissions beyond the pool's connections wait for one (each holds it for one round
-        # trip) rather than open a connection each.
-        pool = redis.BlockingConnectionPool.from_url(
-            url,
-            max_connections=MAX_CONNECTIONS,
-            timeout=POOL_WAIT_S,
-            socket_timeout=SOCKET_TIMEOUT_S,
-            socket_connect_timeout=CONNECT_TIMEOUT_S,
-            # The keeper decides what a failure means; a retry with backoff would only delay it.
-            retry=Retry(NoBackoff(), 0),
+        self._client = RespClient(
+            RedisAddress.from_url(url),
+            reply_timeout_s=SOCKET_TIMEOUT_S,
+            connect_timeout_s=CONNECT_TIMEOUT_S,
+            on_connect=(_ADMIT.load, _FINISH.load),
         )
-        self._redis = redis.Redis.from_pool(pool)
         self._prefix = key_prefix
-        # Calls EVALSHA and loads the script again when the store restarted without it.
-        self._admit = self._redis.register_script(ADMIT_LUA)
+        # scope key -> its lease-set key and the tail of its window keys: worked out once.
+        self._keys: dict[str, tuple[str, str]] = {}
+        # Per scope set, its calls of a script encoded for one window: (the window, the head,
+        # the tail); the arguments that change per request go between.
+        self._admits: dict[tuple[Scope, ...], tuple[int, bytes, bytes]] = {}
+        self._finishes: dict[tuple[str, ...], tuple[int, bytes, bytes]] = {}
+
+    def _scope_keys(self, scope_key: str) -> tuple[str, str]:
+        keys = self._keys.get(scope_key)
+        if keys is None:
+            slotted = _slotted(scope_key)
+            keys = self._keys[scope_key] = (f"{self._prefix}c:{slotted}", f":{slotted}")
+        return keys
 
     def _window_key(self, scope_key: str, now: float) -> str:
-        return f"{self._prefix}w:{window_index(now)}:{_slotted(scope_key)}"
+        return f"{self._prefix}w:{window_index(now)}{self._scope_keys(scope_key)[1]}"
 
     def _lease_key(self, scope_key: str) -> str:
-        return f"{self._prefix}c:{_slotted(scope_key)}"
+        return self._scope_keys(scope_key)[0]
+
+    def _both_keys(self, scope_keys: Iterable[str], now: float) -> list[str]:
+        return self._window_keys(scope_keys, window_index(now))
+
+    def _window_keys(self, scope_keys: Iterable[str], index: int) -> list[str]:
+        window = f"{self._prefix}w:{index}"
+        keys: list[str] = []
+        for scope_key in scope_keys:
+            lease_key, tail = self._scope_keys(scope_key)
+            keys += (window + tail, lease_key)
+        return keys
 
     async def admit(
         self,
@@ -123,65 +193,110 @@ class RedisQuotaStore:
         now: float,
         lease_expiry: float,
     ) -> Verdict:
-        keys: list[str] = []
-        limits: list[int] = []
-        for scope in scopes:
-            keys += [self._window_key(scope.key, now), self._lease_key(scope.key)]
-            limits += [-1 if (v := scope.limit(kind)) is None else v for kind in LIMIT_KINDS]
         lease_ttl = _lease_set_ttl(now, lease_expiry)
-        args = [repr(now), lease_id, repr(lease_expiry), lease_ttl, prompt_tokens, WINDOW_TTL_S]
-        answer = [int(v) for v in await self._admit(keys=keys, args=args + limits)]
+        varying = (repr(now), lease_id, repr(lease_expiry), str(lease_ttl), str(prompt_tokens))
+        index = window_index(now)
+        scope_set = tuple(scopes)
+        encoded = self._admits.get(scope_set)
+        if encoded is None or encoded[0] != index:
+            keys = self._window_keys([scope.key for scope in scopes], index)
+            parts = _ADMIT.evalsha_parts(keys, 5, _admit_fixed_args(scopes))
+            encoded = _keep(self._admits, scope_set, (index, *parts))
+        _, head, tail = encoded
+        try:
+            answer = await self._client.call(head + encode_ascii(*varying) + tail)
+        except ReplyError as error:
+            if not str(error).startswith("NOSCRIPT"):
+                raise
+            keys = self._both_keys([scope.key for scope in scopes], now)
+            answer = await self._client.call(
+                _ADMIT.eval(keys, [*varying, *_admit_fixed_args(scopes)])
+            )
         usage = tuple(Usage(*answer[i : i + 3]) for i in range(2, len(answer), 3))
         if answer[0] == 0:
             return Verdict(None, None, usage)
         return Verdict(LIMIT_KINDS[answer[0] - 1], answer[1] - 1, usage)
 
-    async def finish(
-        self, scope_keys: Sequence[str], lease_id: str | None, tokens: int, now: float
-    ) -> None:
-        """Add `tokens` to each scope's current window and drop the lease (None: keep it)."""
-        async with self._redis.pipeline(transaction=True) as pipe:
-            for key in scope_keys:
-                if tokens:
-                    window = self._window_key(key, now)
-                    pipe.hincrby(window, "t", tokens)
-                    pipe.expire(window, WINDOW_TTL_S)
-                if lease_id is not None:
-                    pipe.zrem(self._lease_key(key), lease_id)
-            await pipe.execute()
+    def finish(
+        self, scope_keys: tuple[str, ...], lease_id: str | None, tokens: int, now: float
+    ) -> asyncio.Future[Any]:
+        """Add `tokens` to each scope's current window and drop the lease (None: keep it), in
+        one step. Written at once; the Future says whether the store took it (a store that lost
+        the script fails it, and the lease expires with its ttl)."""
+        index = window_index(now)
+        encoded = self._finishes.get(scope_keys)
+        if encoded is None or encoded[0] != index:
+            parts = _FINISH.evalsha_parts(self._window_keys(scope_keys, index), 2, [WINDOW_TTL_S])
+            encoded = _keep(self._finishes, scope_keys, (index, *parts))
+        _, head, tail = encoded
+        command = head + encode_ascii(str(tokens), lease_id or "") + tail
+        return self._client.send(command)[0]
 
     async def renew(
         self, leases: Iterable[tuple[Sequence[str], str]], now: float, expiry: float
     ) -> None:
         """Move the expiry of leases still in flight to `expiry`, all in one round trip. A lease
         the store lost (it restarted) is written again: the request still runs."""
-        async with self._redis.pipeline(transaction=False) as pipe:
-            for scope_keys, lease_id in leases:
-                for key in scope_keys:
-                    pipe.zadd(self._lease_key(key), {lease_id: expiry})
-                    pipe.expire(self._lease_key(key), _lease_set_ttl(now, expiry))
-            await pipe.execute()
+        commands: list[bytes] = []
+        ttl = _lease_set_ttl(now, expiry)
+        for scope_keys, lease_id in leases:
+            for key in scope_keys:
+                commands.append(encode("ZADD", self._lease_key(key), repr(expiry), lease_id))
+                commands.append(encode("EXPIRE", self._lease_key(key), ttl))
+        await self._all(commands)
 
     async def drop(self, leases: Iterable[tuple[Sequence[str], str]]) -> None:
         """Remove leases (ones a renewal may have written back after they were settled)."""
-        async with self._redis.pipeline(transaction=False) as pipe:
-            for scope_keys, lease_id in leases:
-                for key in scope_keys:
-                    pipe.zrem(self._lease_key(key), lease_id)
-            await pipe.execute()
+        commands = [
+            encode("ZREM", self._lease_key(key), lease_id)
+            for scope_keys, lease_id in leases
+            for key in scope_keys
+        ]
+        await self._all(commands)
 
     async def usage(self, scope_key: str, now: float) -> Usage:
-        async with self._redis.pipeline(transaction=True) as pipe:
-            pipe.hmget(self._window_key(scope_key, now), "r", "t")
-            pipe.zcount(self._lease_key(scope_key), f"({now!r}", "+inf")
-            (requests, tokens), concurrent = await pipe.execute()
+        commands = [
+            encode("MULTI"),
+            encode("HMGET", self._window_key(scope_key, now), "r", "t"),
+            encode("ZCOUNT", self._lease_key(scope_key), f"({now!r}", "+inf"),
+            encode("EXEC"),
+        ]
+        (requests, tokens), concurrent = (await self._all(commands))[-1]
         return Usage(int(requests or 0), int(tokens or 0), int(concurrent))
 
+    async def _all(self, commands: list[bytes]) -> list[Any]:
+        """Pipelined: written together, their replies in order (the first error raised)."""
+        if not commands:
+            return []
+        replies = self._client.send(b"".join(commands), len(commands))
+        answers = await asyncio.gather(*replies, return_exceptions=True)
+        for answer in answers:
+            if isinstance(answer, BaseException):
+                raise answer
+        return answers
+
     async def ping(self) -> None:
-        await self._redis.ping()
+        await self._client.call(_PING)
 
     async def close(self) -> None:
-        await self._redis.aclose()
+        await self._client.close()
+
+
+def _keep(cache: dict[Any, Any], key: Any, value: Any) -> Any:
+    """Store `value` in a cache bounded by _ENCODED_KEPT (emptied when full)."""
+    if len(cache) >= _ENCODED_KEPT:
+        cache.clear()
+    cache[key] = value
+    return value
+
+
+def _admit_fixed_args(scopes: Iterable[Scope]) -> list[str | int]:
+    """The admission script's arguments after the per-request ones: the window ttl, then per
+    scope its limits."""
+    args: list[str | int] = [WINDOW_TTL_S]
+    for scope in scopes:
+        args += [-1 if (v := scope.limit(kind)) is None else v for kind in LIMIT_KINDS]
+    return args
 
 
 def _slotted(scope_key: str) -> str:

@@ -16,7 +16,13 @@ import uvicorn
 from aiohttp import web
 
 from kvpilot.contract.block_hash import HASH_SCHEME
-from kvpilot.contract.kv_events import KV_EVENTS_PATH, KvHeartbeat, KvSnapshot, Load
+from kvpilot.contract.kv_events import (
+    KV_EVENTS_PATH,
+    TOKENIZER_FILE_PATH,
+    KvHeartbeat,
+    KvSnapshot,
+    Load,
+)
 from kvpilot.router.app import create_app
 from kvpilot.router.config import RouterConfig
 from kvpilot.router.kube import KubeAccess
@@ -34,6 +40,11 @@ class StandIn:
     hashes: list[int]
     load: Load
     bodies: list[dict[str, Any]] = field(default_factory=list)
+    tokenizer_requests: int = 0  # it serves none: each is answered 404
+
+    async def tokenizer_file(self, request: web.Request) -> web.Response:
+        self.tokenizer_requests += 1
+        return web.Response(status=404)
 
     async def kv_events(self, request: web.Request) -> web.StreamResponse:
         response = web.StreamResponse(headers={"content-type": "application/x-ndjson"})
@@ -64,6 +75,7 @@ async def serve_stand_in(engine: StandIn) -> AsyncIterator[str]:
     app = web.Application()
     app.router.add_get(KV_EVENTS_PATH, engine.kv_events)
     app.router.add_post("/v1/completions", engine.completions)
+    app.router.add_get(TOKENIZER_FILE_PATH.format(name="{name}"), engine.tokenizer_file)
     runner = web.AppRunner(app, shutdown_timeout=0.1, handler_cancellation=True)
     await runner.setup()
     await web.TCPSite(runner, "127.0.0.1", 0).start()
