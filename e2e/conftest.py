@@ -124,11 +124,18 @@ def release(
         "watchNamespaces": [e2e.namespace],
         "resyncSeconds": RESYNC_SECONDS,
         "logLevel": "debug",
+        # Tenants name Secrets of API keys; the operator counts them (test_rbac_real_apiserver).
+        "rbac": {"readApiKeySecrets": True},
     }
     with helm.Config(
         kubeconfig_path=os.environ["KUBECONFIG"], namespace=e2e.operator_namespace
     ) as cfg:
-        cfg.install(CHART, "kvpilot", values, create_namespace=True, wait="watcher", timeout=300)
+        # Helm's wait holds the interpreter while it blocks: where the stand-ins run the pods
+        # in this process, the test waits for the Deployments itself.
+        wait = None if standin is not None else "watcher"
+        cfg.install(CHART, "kvpilot", values, create_namespace=True, wait=wait, timeout=300)
+        if standin is not None:
+            _wait_available(apis, e2e.operator_namespace, standin)
         try:
             yield "kvpilot"
         finally:
@@ -137,7 +144,20 @@ def release(
                     GROUP, VERSION, e2e.namespace, PLURAL
                 )
             time.sleep(5)  # let the operator release its finalizers before it goes
-            cfg.uninstall("kvpilot", wait="watcher", timeout=300, ignore_not_found=True)
+            cfg.uninstall("kvpilot", wait=wait, timeout=300, ignore_not_found=True)
             for namespace in (e2e.namespace, e2e.operator_namespace):
                 with contextlib.suppress(Exception):
                     apis["core"].delete_namespace(namespace)
+
+
+def _wait_available(apis: dict[str, Any], namespace: str, standin: StandinCluster) -> None:
+    """What Helm's wait does: every Deployment of `namespace` has all its replicas available."""
+    from .cluster import wait_for
+
+    def available() -> bool:
+        items = apis["apps"].list_namespaced_deployment(namespace).items
+        return bool(items) and all(
+            (d.status.available_replicas or 0) == d.spec.replicas for d in items
+        )
+
+    wait_for(available, 300, f"the release's Deployments in {namespace}", 1.0, standin.errors)

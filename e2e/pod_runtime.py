@@ -15,8 +15,9 @@ What the image would give, this gives with local means:
 - the env: values, fieldRef (name, namespace, pod IP, node, service account) and secretKeyRef
   (read as a kubelet reads them); never the test's own KUBECONFIG or admin credentials.
 - the ServiceAccount: a token from the TokenRequest API, bound to the pod (it dies with it), in a
-  kubeconfig of its own that points at the recording proxy (api_recorder.ApiRecorder), so every
-  call the process makes is authorised by the chart's RBAC alone and recorded.
+  kubeconfig of its own (in place of the kube-api-access volume a kubelet would mount) that
+  points at the recording proxy (api_recorder.ApiRecorder), so every call the process makes is
+  authorised by the chart's RBAC alone, and recorded.
 - CPU: torch gets as many threads as the container's CPU limit (else request) rounds up to.
 """
 
@@ -92,6 +93,8 @@ class ImageRuntime:
             if path == "/dev/shm":
                 continue  # the host's own
             volume = volumes.get(mount["name"], {})
+            if "projected" in volume:
+                continue  # the ServiceAccount token's: the kubeconfig carries that token
             if mount["name"] == MODEL_CACHE_VOLUME:
                 local = self.model_cache
             elif "emptyDir" in volume:
