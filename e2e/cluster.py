@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 
 from .conftest import GROUP, PLURAL, ROOT, VERSION, E2ESettings
+from .standin_cluster import is_standin, local_forward
 
 
 def wait_for(
@@ -67,6 +68,11 @@ def free_port() -> int:
 
 @contextlib.contextmanager
 def port_forward(namespace: str, target: str, remote_port: int) -> Iterator[int]:
+    """A local port reaching `target` (svc/NAME, deploy/NAME, a pod) at `remote_port`."""
+    if is_standin():
+        with local_forward(namespace, target, remote_port) as port:
+            yield port
+        return
     kubectl = shutil.which("kubectl")
     if kubectl is None:
         pytest.fail("kubectl is needed on PATH for the port-forward")

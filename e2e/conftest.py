@@ -3,7 +3,9 @@
     docker build -t kvpilot:dev . && kind load docker-image kvpilot:dev
     KUBECONFIG=~/.kube/config KVPILOT_E2E_IMAGE=kvpilot:dev pytest e2e -v
 
-See operator/README.md ("End-to-end tests") for k3d and the knobs below.
+See operator/README.md ("End-to-end tests") for k3d and the knobs below. On a control plane
+without nodes (a real kube-apiserver and controller-manager), KVPILOT_E2E_KUBELET=standin runs
+the pods here (standin_cluster.py; e2e/run-real-apiserver.sh).
 """
 
 from __future__ import annotations
@@ -12,12 +14,14 @@ import contextlib
 import os
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pytest
+
+from .standin_cluster import StandinCluster, is_standin, standin_cluster
 
 ROOT = Path(__file__).resolve().parents[1]
 CHART = ROOT / "charts" / "kvpilot"
@@ -81,7 +85,32 @@ def apis(kube: Any) -> dict[str, Any]:
 
 
 @pytest.fixture(scope="session")
-def release(e2e: E2ESettings, apis: dict[str, Any]) -> Iterator[str]:
+def standin(
+    e2e: E2ESettings, apis: dict[str, Any], tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[StandinCluster | None]:
+    """The kubelet stand-ins of the release's and the test namespace, where the tests run the
+    pods themselves (KVPILOT_E2E_KUBELET=standin); None on a cluster with nodes."""
+    if not is_standin():
+        yield None
+        return
+    namespaces = [e2e.operator_namespace, e2e.namespace]
+    work = tmp_path_factory.mktemp("standin")
+    with standin_cluster(apis["core"], namespaces, work, e2e.timeout_s) as cluster:
+        yield cluster
+
+
+@pytest.fixture(scope="session")
+def pod_logs(apis: dict[str, Any], standin: StandinCluster | None) -> Callable[[str, str], str]:
+    """(namespace, pod) -> the pod's log, from the kubelet or the stand-in."""
+    if standin is not None:
+        return standin.pod_log
+    return lambda namespace, pod: apis["core"].read_namespaced_pod_log(pod, namespace)
+
+
+@pytest.fixture(scope="session")
+def release(
+    e2e: E2ESettings, apis: dict[str, Any], standin: StandinCluster | None
+) -> Iterator[str]:
     """The chart installed by real Helm (helm-python-sdk), watching the test namespace only."""
     import helm_python as helm
     from kubernetes import client
@@ -95,11 +124,18 @@ def release(e2e: E2ESettings, apis: dict[str, Any]) -> Iterator[str]:
         "watchNamespaces": [e2e.namespace],
         "resyncSeconds": RESYNC_SECONDS,
         "logLevel": "debug",
+        # Tenants name Secrets of API keys; the operator counts them (test_rbac_real_apiserver).
+        "rbac": {"readApiKeySecrets": True},
     }
     with helm.Config(
         kubeconfig_path=os.environ["KUBECONFIG"], namespace=e2e.operator_namespace
     ) as cfg:
-        cfg.install(CHART, "kvpilot", values, create_namespace=True, wait="watcher", timeout=300)
+        # Helm's wait holds the interpreter while it blocks: where the stand-ins run the pods
+        # in this process, the test waits for the Deployments itself.
+        wait = None if standin is not None else "watcher"
+        cfg.install(CHART, "kvpilot", values, create_namespace=True, wait=wait, timeout=300)
+        if standin is not None:
+            _wait_available(apis, e2e.operator_namespace, standin)
         try:
             yield "kvpilot"
         finally:
@@ -108,7 +144,20 @@ def release(e2e: E2ESettings, apis: dict[str, Any]) -> Iterator[str]:
                     GROUP, VERSION, e2e.namespace, PLURAL
                 )
             time.sleep(5)  # let the operator release its finalizers before it goes
-            cfg.uninstall("kvpilot", wait="watcher", timeout=300, ignore_not_found=True)
+            cfg.uninstall("kvpilot", wait=wait, timeout=300, ignore_not_found=True)
             for namespace in (e2e.namespace, e2e.operator_namespace):
                 with contextlib.suppress(Exception):
                     apis["core"].delete_namespace(namespace)
+
+
+def _wait_available(apis: dict[str, Any], namespace: str, standin: StandinCluster) -> None:
+    """What Helm's wait does: every Deployment of `namespace` has all its replicas available."""
+    from .cluster import wait_for
+
+    def available() -> bool:
+        items = apis["apps"].list_namespaced_deployment(namespace).items
+        return bool(items) and all(
+            (d.status.available_replicas or 0) == d.spec.replicas for d in items
+        )
+
+    wait_for(available, 300, f"the release's Deployments in {namespace}", 1.0, standin.errors)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import json
 from collections.abc import Iterator
 from typing import Any
 
@@ -43,7 +44,8 @@ def manifest(e2e: E2ESettings) -> dict[str, Any]:
 def apply(apis: dict[str, Any], body: dict[str, Any], *, dry_run: bool) -> dict[str, Any]:
     """A server-side apply as Argo CD's ServerSideApply=true sync (and its diff) does."""
     options: dict[str, Any] = {"dry_run": "All"} if dry_run else {}
-    return apis["custom"].patch_namespaced_custom_object(
+    # Read raw: the client deserializes only a 200, and the apply that creates answers 201.
+    response = apis["custom"].patch_namespaced_custom_object(
         GROUP,
         VERSION,
         body["metadata"]["namespace"],
@@ -53,8 +55,10 @@ def apply(apis: dict[str, Any], body: dict[str, Any], *, dry_run: bool) -> dict[
         field_manager=ARGO_MANAGER,
         force=True,
         _content_type="application/apply-patch+yaml",
+        _preload_content=False,
         **options,
     )
+    return dict(json.loads(response.data))
 
 
 def comparable(obj: dict[str, Any]) -> dict[str, Any]:

@@ -26,6 +26,8 @@ def test_router_deployment_service_and_rbac() -> None:
     assert deployment["spec"]["replicas"] >= 2
     pod = deployment["spec"]["template"]["spec"]
     (container,) = pod["containers"]
+    # The image has no ENTRYPOINT: the command names the program, the args its subcommand.
+    assert container["command"] == ["kvpilot"] and container["args"][0] == "router"
     config = parse_args(container["args"][1:])
     assert config.namespaces == ("",) and config.port == 8080 and config.hold.timeout_s == 300
     assert pod["serviceAccountName"] == deployment["metadata"]["name"]
