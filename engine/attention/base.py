@@ -46,8 +46,16 @@ class AttentionMetadata:
         return self.max_query_len == 1
 
 
+def fp8_refusal(backend_name: str) -> str:
+    return (
+        f"the {backend_name} attention backend does not read an FP8 KV cache: use "
+        "--kv-cache-dtype auto, or --attention-backend torch (or cpu on CPU)"
+    )
+
+
 class AttentionBackend(Protocol):
     name: str
+    reads_fp8: bool  # whether write_kv and forward take an FP8 cache with its scales
 
     def write_kv(
         self,

@@ -146,6 +146,7 @@ def _decode_batch(
 
 class TorchAttentionBackend:
     name = "torch"
+    reads_fp8 = True
 
     def write_kv(
         self,

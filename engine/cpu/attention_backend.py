@@ -158,6 +158,7 @@ def paged_attention(
 
 class CpuAttentionBackend:
     name = "cpu"
+    reads_fp8 = True
     # False: steps with prefill chunks take the torch reference per sequence (and the decode kernel
     # for their decodes): the reference the varlen kernel is measured against (bench/RESULTS.md).
     varlen_kernel = True

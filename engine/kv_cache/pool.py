@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from kvpilot.engine.attention.base import fp8_refusal
 from kvpilot.engine.attention.kv_quant import is_fp8, kv_storage_dtype
 from kvpilot.engine.kv_cache.base import KVCachePool
 from kvpilot.engine.kv_cache.budget import decide_num_blocks, kv_bytes_per_block
@@ -144,6 +145,9 @@ def build_kv_pool(
     num_blocks = decide_num_blocks(config.cache, device, bytes_per_block(layout, dtype), tp)
     if not is_fp8(dtype):
         return PagedKVPool(layout, num_blocks, dtype, device, with_null_block=with_null_block)
+    backend = model.model.layers[0].self_attn.backend
+    if not getattr(backend, "reads_fp8", False):
+        raise ValueError(fp8_refusal(backend.name))
     shard = model.shard
     scales = None
     if source.load_format != "dummy":
