@@ -11,6 +11,8 @@ ATTENTION_BACKEND_NAMES = ("torch", "cpu", "triton")
 ATTENTION_BACKENDS = ("auto", *ATTENTION_BACKEND_NAMES)
 STRUCTURED_OUTPUTS_BACKENDS = ("auto", "xgrammar", "llguidance")
 BLOCK_SIZES = (8, 16, 32, 64, 128)  # tokens per KV block the kernels handle
+# The KV cache's element type (vLLM's names): "auto" stores the model's dtype; "fp8" is fp8_e4m3.
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
 # The tool-call formats the server parses (kvpilot.engine.server.tools.parsers).
 TOOL_CALL_PARSERS = ("hermes", "llama3_json", "mistral")
 # How the scheduler orders waiting requests (vLLM's names): by arrival, or by the request's

@@ -19,6 +19,7 @@ from kvpilot.contract.engine_choices import (
     ATTENTION_BACKENDS,
     BLOCK_SIZES,
     DTYPE_NAMES,
+    KV_CACHE_DTYPES,
     LOAD_FORMATS,
     SCHEDULING_POLICIES,
     STRUCTURED_OUTPUTS_BACKENDS,
@@ -140,6 +141,9 @@ FLAGS: tuple[Flag, ...] = (
          help="the engine's seed (a request with `seed` is reproducible regardless)"),
     flag(KV_CACHE, "--block-size", type=int, default=16, choices=BLOCK_SIZES,
          help="tokens per KV-cache block"),
+    flag(KV_CACHE, "--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES,
+         help="the KV cache's element type: auto (the model's dtype) or 8-bit floats with "
+         "per-head scales (fp8 = fp8_e4m3), which hold twice the tokens in the same budget"),
     flag(KV_CACHE, "--enable-prefix-caching", action=argparse.BooleanOptionalAction,
          default=True, help="reuse the KV blocks of prompts' shared prefixes"),
     flag(KV_CACHE, "--kv-cache-gib", type=float, default=DEFAULT_KV_CACHE_GIB,

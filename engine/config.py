@@ -12,6 +12,7 @@ from kvpilot.contract.engine_choices import (
     ATTENTION_BACKENDS,
     BLOCK_SIZES,
     DTYPE_NAMES,
+    KV_CACHE_DTYPES,
     LOAD_FORMATS,
     SCHEDULING_POLICIES,
     STRUCTURED_OUTPUTS_BACKENDS,
@@ -173,6 +174,7 @@ class ModelConfig:
 @dataclass(frozen=True)
 class CacheConfig:
     block_size: int = 16  # one of BLOCK_SIZES
+    kv_cache_dtype: str = "auto"  # one of KV_CACHE_DTYPES
     enable_prefix_caching: bool = True
     kv_cache_gib: float = DEFAULT_KV_CACHE_GIB  # the budget on CPU
     gpu_memory_utilization: float = (
@@ -188,6 +190,11 @@ class CacheConfig:
             raise ValueError(
                 f"block_size must be one of {', '.join(map(str, BLOCK_SIZES))}, got "
                 f"{self.block_size}"
+            )
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(
+                f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got "
+                f"{self.kv_cache_dtype!r}"
             )
         if not 0 < self.kv_cache_gib < math.inf:
             raise ValueError(f"kv_cache_gib must be > 0 and finite, got {self.kv_cache_gib}")

@@ -19,8 +19,7 @@ from kvpilot.engine.graph_capture import (
     uses_step_graphs,
 )
 from kvpilot.engine.host_copy import to_device
-from kvpilot.engine.kv_cache.budget import decide_num_blocks
-from kvpilot.engine.kv_cache.pool import KVLayout, PagedKVPool, bytes_per_block
+from kvpilot.engine.kv_cache.pool import KVLayout, build_kv_pool
 from kvpilot.engine.lora.adapter import LoRAAdapter, read_adapter
 from kvpilot.engine.lora.ops import LoRAMapping, build_mapping
 from kvpilot.engine.lora.slots import LoRASlots
@@ -117,12 +116,10 @@ class ModelRunner:
             model_config.head_dim,
             self.block_size,
         )
-        num_blocks = decide_num_blocks(
-            config.cache, self.device, bytes_per_block(layout, self.dtype), tp
-        )
-        self.kv_pool = PagedKVPool(
-            layout, num_blocks, self.dtype, self.device, with_null_block=use_graphs
-        )
+        self.kv_pool = build_kv_pool(
+            config, self.model, source, layout, self.dtype, self.device, tp,
+            with_null_block=use_graphs,
+        )  # fmt: skip
         self.lora_slots: LoRASlots | None = None
         if config.lora is not None:
             self.lora_slots = LoRASlots(
@@ -183,8 +180,9 @@ class ModelRunner:
             seq_lens_cpu=tuple(seq_lens),
         )
         ctx = ForwardContext(
-            tensor(step.positions, torch.int64), meta, self.kv_caches, self._lora_mapping(step)
-        )
+            tensor(step.positions, torch.int64), meta, self.kv_caches, self._lora_mapping(step),
+            self.kv_pool.scales,
+        )  # fmt: skip
         return PreparedBatch(
             tensor(step.input_ids, torch.int64), ctx, tensor(step.logits_indices, torch.int64)
         )

@@ -132,6 +132,7 @@ def build_engine_args(spec: InferenceServiceSpec, served_name: str) -> list[str]
         ("--max-num-seqs", engine.max_num_seqs),
         ("--max-num-batched-tokens", engine.max_num_batched_tokens),
         ("--dtype", engine.dtype),
+        ("--kv-cache-dtype", engine.kv_cache_dtype),
         ("--gpu-memory-utilization", engine.gpu_memory_utilization),
         ("--kv-cache-memory-bytes", spec.kv_cache_bytes),
         ("--structured-outputs-backend", engine.structured_outputs_backend),

@@ -29,6 +29,7 @@ SET_BY_THE_OPERATOR: dict[str, tuple[str, str]] = {
     "max_num_seqs": ("--max-num-seqs", "set spec.engine.maxNumSeqs"),
     "max_num_batched_tokens": ("--max-num-batched-tokens", "set spec.engine.maxNumBatchedTokens"),
     "dtype": ("--dtype", "set spec.engine.dtype"),
+    "kv_cache_dtype": ("--kv-cache-dtype", "set spec.engine.kvCacheDtype"),
     "gpu_memory_utilization": (
         "--gpu-memory-utilization",
         "set spec.engine.gpuMemoryUtilization",

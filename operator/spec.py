@@ -20,6 +20,7 @@ from pydantic import (
     model_validator,
 )
 
+from kvpilot.contract.engine_choices import KV_CACHE_DTYPES
 from kvpilot.contract.kube import LABEL_INSTANCE, LABEL_NAME
 from kvpilot.contract.kube_model import InvalidSpecError, format_validation_error
 from kvpilot.contract.lora import (
@@ -314,6 +315,11 @@ class EngineSpec(KubeModel):
     )
     dtype: Literal["auto", "float16", "bfloat16", "float32"] | None = Field(
         default=None, description="Weights and activations dtype (--dtype)."
+    )
+    kv_cache_dtype: Literal[KV_CACHE_DTYPES] | None = Field(  # type: ignore[valid-type]
+        default=None,
+        description="KV-cache element type (--kv-cache-dtype): auto (the model's dtype), fp8 "
+        "(= fp8_e4m3) or fp8_e5m2. FP8 holds twice the tokens in the same kvCacheBytes.",
     )
     gpu_memory_utilization: float | None = Field(
         default=None,

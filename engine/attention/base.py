@@ -8,6 +8,9 @@ Layout, shared by every backend:
   causally to positions 0..that position of its own sequence, through block_tables[s].
 - slot_mapping[t] = block_id * block_size + offset: where new token t's key and value are written.
   The KV write happens before attention, so a chunk attends to itself through the cache.
+- k_scale/v_scale: [num_kv_heads] float32 on the cache's device when the cache is FP8
+  (kv_quant.py: stored = fp8(x / scale[head]), read = float(stored) * scale[head]); None for a
+  cache in the model's dtype.
 """
 
 from __future__ import annotations
@@ -43,8 +46,16 @@ class AttentionMetadata:
         return self.max_query_len == 1
 
 
+def fp8_refusal(backend_name: str) -> str:
+    return (
+        f"the {backend_name} attention backend does not read an FP8 KV cache: use "
+        "--kv-cache-dtype auto, or --attention-backend torch (or cpu on CPU)"
+    )
+
+
 class AttentionBackend(Protocol):
     name: str
+    reads_fp8: bool  # whether write_kv and forward take an FP8 cache with its scales
 
     def write_kv(
         self,
@@ -53,6 +64,9 @@ class AttentionBackend(Protocol):
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
         slot_mapping: torch.Tensor,
+        *,
+        k_scale: torch.Tensor | None = None,
+        v_scale: torch.Tensor | None = None,
     ) -> None:
         """Store each new token's key and value in its slot of the paged cache (in place)."""
         ...
@@ -64,6 +78,9 @@ class AttentionBackend(Protocol):
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
         scale: float,
+        *,
+        k_scale: torch.Tensor | None = None,
+        v_scale: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Causal attention of every query token over its sequence's cached keys: [num_tokens, H,
         D]."""

@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from kvpilot.engine.attention.base import AttentionMetadata
+from kvpilot.engine.attention.kv_quant import dequantize, quantize
 
 
 def write_kv_reference(
@@ -17,10 +18,20 @@ def write_kv_reference(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> None:
+    """k_scale/v_scale: the FP8 cache's scales (None: the cache is in a plain float dtype)."""
     num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
+    if k_scale is not None and v_scale is not None:
+        key, value = quantize(key, k_scale, k_cache.dtype), quantize(value, v_scale, v_cache.dtype)
     k_cache.view(-1, num_kv_heads, head_dim)[slot_mapping] = key.to(k_cache.dtype)
     v_cache.view(-1, num_kv_heads, head_dim)[slot_mapping] = value.to(v_cache.dtype)
+
+
+def read_kv(kv: torch.Tensor, scale: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+    """Gathered cache entries [..., num_kv_heads, head_dim] in the query's dtype."""
+    return kv if scale is None else dequantize(kv, scale, dtype)
 
 
 def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torch.Tensor:
@@ -45,9 +56,11 @@ def paged_attention_reference(
     meta: AttentionMetadata,
     scale: float,
     skip_decodes: bool = False,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """skip_decodes: leave the rows of single-token sequences unset (another kernel computes
-    them)."""
+    them); k_scale/v_scale: the FP8 cache's scales (base.py)."""
     num_heads = query.shape[1]
     num_kv_heads = k_cache.shape[2]
     out = torch.empty_like(query)
@@ -58,7 +71,7 @@ def paged_attention_reference(
     if skip_decodes:
         done = set(rows)
     elif len(rows) > 1:
-        _decode_batch(query, k_cache, v_cache, meta, scale, rows, token_idx, out)
+        _decode_batch(query, k_cache, v_cache, meta, scale, rows, token_idx, out, k_scale, v_scale)
         done = set(rows)
     for s in range(meta.num_seqs):
         if s in done:
@@ -67,6 +80,7 @@ def paged_attention_reference(
         q = query[starts[s] : starts[s] + q_len]  # [q_len, H, D]
         k = gather_kv(k_cache, meta.block_tables[s], seq_len)  # [seq_len, kvh, D]
         v = gather_kv(v_cache, meta.block_tables[s], seq_len)
+        k, v = read_kv(k, k_scale, query.dtype), read_kv(v, v_scale, query.dtype)
         mask = None
         if q_len != seq_len:  # a cached prefix: the causal diagonal is offset
             # Query j sits at absolute position seq_len - q_len + j.
@@ -95,6 +109,8 @@ def _decode_batch(
     rows: list[int],
     token_idx: torch.Tensor,
     out: torch.Tensor,
+    k_scale: torch.Tensor | None,
+    v_scale: torch.Tensor | None,
 ) -> None:
     """All single-token sequences in one padded batch (the decode steady state)."""
     num_heads, num_kv_heads = query.shape[1], k_cache.shape[2]
@@ -107,13 +123,14 @@ def _decode_batch(
 
     flat_tables = tables.reshape(-1)
 
-    def gather(cache: torch.Tensor) -> torch.Tensor:
+    def gather(cache: torch.Tensor, kv_scale: torch.Tensor | None) -> torch.Tensor:
         # index_select on a 2-D view: one contiguous copy per block, much cheaper than 4-D indexing.
         blocks = cache.view(cache.shape[0], -1).index_select(0, flat_tables)
         kv = blocks.view(len(rows), num_blocks * block_size, num_kv_heads, -1)
-        return kv[:, :max_len].transpose(1, 2)  # [B, KVH, L, D]
+        kv = read_kv(kv[:, :max_len], kv_scale, query.dtype)
+        return kv.transpose(1, 2)  # [B, KVH, L, D]
 
-    k, v = gather(k_cache), gather(v_cache)
+    k, v = gather(k_cache, k_scale), gather(v_cache, v_scale)
     group = num_heads // num_kv_heads
     # Query heads grouped under their KV head: [B, KVH, group, D]. Plain batched matmuls, softmax in
     # float32: on CPU this beats SDPA with a padding mask (its math path), most of all in bfloat16.
@@ -129,6 +146,7 @@ def _decode_batch(
 
 class TorchAttentionBackend:
     name = "torch"
+    reads_fp8 = True
 
     def write_kv(
         self,
@@ -137,8 +155,11 @@ class TorchAttentionBackend:
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
         slot_mapping: torch.Tensor,
+        *,
+        k_scale: torch.Tensor | None = None,
+        v_scale: torch.Tensor | None = None,
     ) -> None:
-        write_kv_reference(key, value, k_cache, v_cache, slot_mapping)
+        write_kv_reference(key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale)
 
     def forward(
         self,
@@ -147,5 +168,10 @@ class TorchAttentionBackend:
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
         scale: float,
+        *,
+        k_scale: torch.Tensor | None = None,
+        v_scale: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        return paged_attention_reference(query, k_cache, v_cache, meta, scale)
+        return paged_attention_reference(
+            query, k_cache, v_cache, meta, scale, k_scale=k_scale, v_scale=v_scale
+        )

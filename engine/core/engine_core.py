@@ -211,6 +211,7 @@ class EngineCore:
             lora_modules=[] if self.lora is None else list(self.lora.paths.items()),
             max_num_seqs=config.scheduler.max_num_seqs,
             scheduling_policy=config.scheduler.policy,
+            cache_dtype=config.cache.kv_cache_dtype,
         )
         log.info(
             "engine core ready in %.1f s: %s%s",

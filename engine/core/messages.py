@@ -136,6 +136,7 @@ class ModelDescription(msgspec.Struct, frozen=True, array_like=True):
     lora_modules: list[tuple[str, str]] = []  # (name, path) of the adapters loaded at start
     max_num_seqs: int = 0  # sequences a step runs at most
     scheduling_policy: str = "fcfs"  # engine.config.SCHEDULING_POLICIES
+    cache_dtype: str = "auto"  # the KV cache's --kv-cache-dtype (contract KV_CACHE_DTYPES)
 
 
 class ModelFilesFound(msgspec.Struct, frozen=True, array_like=True, tag=True):

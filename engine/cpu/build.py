@@ -71,6 +71,9 @@ ISAS: tuple[Isa, ...] = (
 ISA_NAMES = tuple(isa.name for isa in ISAS)
 # The storage dtypes the kernels are built for, and their function-name suffixes.
 SUFFIXES = {torch.float32: "f32", torch.bfloat16: "bf16"}
+# The FP8 cache dtypes the attention kernels read, and the suffix each adds to the query's:
+# paged_decode_bf16_e4m3 reads an e4m3 cache for a bfloat16 query.
+FP8_SUFFIXES = {torch.float8_e4m3fn: "e4m3", torch.float8_e5m2: "e5m2"}
 _PTR, _I64, _F32, _INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
 Signature = tuple[list[type], type | None]
 # Every entry point of SOURCES: (argument types in the C parameter order, result type), set
@@ -80,12 +83,13 @@ Signature = tuple[list[type], type | None]
 # the preprocessed C source by tests/engine/test_cpu_ctypes.py.
 TYPED: dict[str, Signature] = {
     # query, k_cache, v_cache, block_tables, seq_lens, out; num_seqs, num_heads, num_kv_heads,
-    # head_dim, block_size, table_stride, k_sb, k_ss, k_sh, v_sb, v_ss, v_sh; scale
-    "paged_decode": ([_PTR] * 6 + [_I64] * 12 + [_F32], None),
+    # head_dim, block_size, table_stride, k_sb, k_ss, k_sh, v_sb, v_ss, v_sh; scale; k_scale,
+    # v_scale (per kv head, float32; NULL: 1)
+    "paged_decode": ([_PTR] * 6 + [_I64] * 12 + [_F32] + [_PTR] * 2, None),
     # query, k_cache, v_cache, block_tables, query_start_loc, seq_lens, out; num_seqs, num_heads,
-    # num_kv_heads, head_dim, block_size, table_stride, k_sb, k_ss, k_sh, v_sb, v_ss, v_sh; scale
-    # -> 0, or 1 when its work list could not be allocated
-    "paged_attention": ([_PTR] * 7 + [_I64] * 12 + [_F32], _INT),
+    # num_kv_heads, head_dim, block_size, table_stride, k_sb, k_ss, k_sh, v_sb, v_ss, v_sh; scale;
+    # k_scale, v_scale -> 0, or 1 when its work list could not be allocated
+    "paged_attention": ([_PTR] * 7 + [_I64] * 12 + [_F32] + [_PTR] * 2, _INT),
     # q, k, positions, cos_sin; num_positions; q_out, k_out; tokens, num_heads, num_kv_heads,
     # head_dim, q_stride, k_stride -> 0, or 1 for a position outside the table
     "rotary": ([_PTR] * 4 + [_I64] + [_PTR] * 2 + [_I64] * 6, _INT),
@@ -109,6 +113,8 @@ TYPED: dict[str, Signature] = {
     # its scratch memory could not be allocated (lora.c)
     "lora_add": ([_PTR] * 6 + [_I64] * 8, _INT),
 }
+# The typed kernels that also exist per FP8 cache dtype (same signature).
+FP8_KERNELS = ("paged_decode", "paged_attention")
 UNTYPED: dict[str, Signature] = {
     "kvpilot_openmp_threads": ([], _INT),
     "kvpilot_set_openmp_threads": ([_INT], _INT),
@@ -129,7 +135,13 @@ def signatures() -> dict[str, Signature]:
         for name, signature in TYPED.items()
         for suffix in SUFFIXES.values()
     }
-    return {**typed, **UNTYPED}
+    fp8 = {
+        f"{name}_{suffix}_{cache}": TYPED[name]
+        for name in FP8_KERNELS
+        for suffix in SUFFIXES.values()
+        for cache in FP8_SUFFIXES.values()
+    }
+    return {**typed, **fp8, **UNTYPED}
 
 
 def c_compiler() -> str | None:

@@ -9,16 +9,25 @@ from __future__ import annotations
 
 import torch
 
-from kvpilot.engine.attention.base import AttentionMetadata
+from kvpilot.engine.attention.base import AttentionMetadata, fp8_refusal
 from kvpilot.engine.attention.torch_ref import paged_attention_reference, write_kv_reference
 from kvpilot.engine.kernels import attention, kv_cache
 from kvpilot.engine.kernels.runtime import can_use_triton
+
+
+def refuse_fp8(k_scale: torch.Tensor | None, v_scale: torch.Tensor | None) -> None:
+    """The Triton kernels read caches in the model's dtype only: an FP8 cache is refused (at
+    start by the pool, see reads_fp8; here for a direct caller) rather than silently read by the
+    slow torch reference on a GPU."""
+    if k_scale is not None or v_scale is not None:
+        raise NotImplementedError(fp8_refusal("triton"))
 
 
 class TritonAttentionBackend:
     """Split-K is chosen per step from occupancy (on CUDA), by attention.paged_attention."""
 
     name = "triton"
+    reads_fp8 = False
 
     def write_kv(
         self,
@@ -27,7 +36,11 @@ class TritonAttentionBackend:
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
         slot_mapping: torch.Tensor,
+        *,
+        k_scale: torch.Tensor | None = None,
+        v_scale: torch.Tensor | None = None,
     ) -> None:
+        refuse_fp8(k_scale, v_scale)
         if can_use_triton(key, value, k_cache, v_cache, slot_mapping) and kv_cache.is_supported(
             key, k_cache
         ):
@@ -42,7 +55,11 @@ class TritonAttentionBackend:
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
         scale: float,
+        *,
+        k_scale: torch.Tensor | None = None,
+        v_scale: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        refuse_fp8(k_scale, v_scale)
         if can_use_triton(query, k_cache, v_cache) and attention.is_supported(query, k_cache):
             return attention.paged_attention(query, k_cache, v_cache, meta, scale)
         return paged_attention_reference(query, k_cache, v_cache, meta, scale)

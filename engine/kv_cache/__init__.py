@@ -9,9 +9,10 @@ outside is told about it.
 - `prefix_cache.py`: chained block hashes over the pool's blocks (`HashPrefixCache`).
 - `block_manager.py`: what the scheduler calls: allocation per sequence, over both of the above.
 - `budget.py`: how many blocks a memory budget holds.
-- `pool.py`: the per-layer K and V tensors (`PagedKVPool`).
+- `pool.py`: the per-layer K and V tensors (`PagedKVPool`; `Fp8KVPool` with its scales).
+- `kv_scales.py`: an FP8 pool's scales, from the checkpoint or a calibration pass at load.
 
-Everything but `pool.py` is plain Python (no torch), so tests assert exact block ids and ref counts.
-The hash of a block and the event stream's wire format are shared with the router, so they live in
-the contract (kvpilot.contract).
+Everything but `pool.py` and `kv_scales.py` is plain Python (no torch), so tests assert exact
+block ids and ref counts. The hash of a block and the event stream's wire format are shared with
+the router, so they live in the contract (kvpilot.contract).
 """

@@ -43,6 +43,12 @@ class KVCachePool(ABC):
     def bytes_per_block(self) -> int:
         """Bytes one block takes over every layer (this rank's share under tensor parallelism)."""
 
+    @property
+    def scales(self) -> list[tuple[torch.Tensor, torch.Tensor]] | None:
+        """(k_scale, v_scale) of every layer, [num_kv_heads] float32 on `device`, for a quantized
+        cache (engine/attention/kv_quant.py); None when K and V are stored as computed."""
+        return None
+
 
 class PrefixCache(ABC):
     """Which full blocks can be reused, and by whom.

@@ -1,15 +1,26 @@
-"""The KV cache's memory: one K and one V tensor per layer, in the model's dtype, on the model's
-device (base.KVCachePool)."""
+"""The KV cache's memory: one K and one V tensor per layer on the model's device, in the model's
+dtype (PagedKVPool) or in FP8 with per-head scales (Fp8KVPool); build_kv_pool picks and sizes one
+(base.KVCachePool)."""
 
 from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
+from kvpilot.engine.attention.base import fp8_refusal
+from kvpilot.engine.attention.kv_quant import is_fp8, kv_storage_dtype
 from kvpilot.engine.kv_cache.base import KVCachePool
-from kvpilot.engine.kv_cache.budget import kv_bytes_per_block
+from kvpilot.engine.kv_cache.budget import decide_num_blocks, kv_bytes_per_block
+from kvpilot.engine.kv_cache.kv_scales import calibrate_scales, read_checkpoint_scales
+
+if TYPE_CHECKING:
+    from kvpilot.engine.config import EngineConfig
+    from kvpilot.engine.model.llama import LlamaForCausalLM
+    from kvpilot.engine.model.loader import ResolvedModel
+    from kvpilot.engine.parallel.group import TPGroup
 
 log = logging.getLogger("kvpilot")
 
@@ -78,3 +89,77 @@ def bytes_per_block(layout: KVLayout, dtype: torch.dtype) -> int:
         block_size=layout.block_size,
         itemsize=torch.empty((), dtype=dtype).element_size(),
     )
+
+
+class Fp8KVPool(PagedKVPool):
+    """K and V in 8-bit floats (torch.float8_e4m3fn or float8_e5m2) with a scale per layer and KV
+    head (kv_quant.py): half the bytes of a bfloat16 block, a quarter of a float32 one, so the
+    same budget holds twice (four times) the tokens."""
+
+    def __init__(
+        self,
+        layout: KVLayout,
+        num_blocks: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        scales: list[tuple[torch.Tensor, torch.Tensor]],
+        *,
+        with_null_block: bool = False,
+    ) -> None:
+        if not is_fp8(dtype):
+            raise ValueError(f"Fp8KVPool stores float8_e4m3fn or float8_e5m2, got {dtype}")
+        if len(scales) != layout.num_layers:
+            raise ValueError(f"{len(scales)} layers of KV scales for {layout.num_layers} layers")
+        for k_scale, v_scale in scales:
+            for s in (k_scale, v_scale):
+                if s.shape != (layout.num_kv_heads,):
+                    raise ValueError(
+                        f"KV scales must have shape [{layout.num_kv_heads}], got {tuple(s.shape)}"
+                    )
+        super().__init__(layout, num_blocks, dtype, device, with_null_block=with_null_block)
+        self._scales = [
+            (k.to(device=device, dtype=torch.float32).contiguous(),
+             v.to(device=device, dtype=torch.float32).contiguous())
+            for k, v in scales
+        ]  # fmt: skip
+
+    @property
+    def scales(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        return self._scales
+
+
+def build_kv_pool(
+    config: EngineConfig,
+    model: LlamaForCausalLM,
+    source: ResolvedModel,
+    layout: KVLayout,
+    model_dtype: torch.dtype,
+    device: torch.device,
+    tp: TPGroup | None,
+    *,
+    with_null_block: bool,
+) -> PagedKVPool:
+    """The pool config.cache asks for, sized by its budget: K and V in the model's dtype, or FP8
+    with the checkpoint's scales, else calibrated ones (kv_scales.py)."""
+    dtype = kv_storage_dtype(config.cache.kv_cache_dtype, model_dtype)
+    num_blocks = decide_num_blocks(config.cache, device, bytes_per_block(layout, dtype), tp)
+    if not is_fp8(dtype):
+        return PagedKVPool(layout, num_blocks, dtype, device, with_null_block=with_null_block)
+    backend = model.model.layers[0].self_attn.backend
+    if not getattr(backend, "reads_fp8", False):
+        raise ValueError(fp8_refusal(backend.name))
+    shard = model.shard
+    scales = None
+    if source.load_format != "dummy":
+        scales = read_checkpoint_scales(
+            source.hf_dir,
+            layout.num_layers,
+            layout.num_kv_heads,
+            shard.kv_head_start,
+            model.config.num_key_value_heads,
+        )
+    if scales is None:
+        scales = calibrate_scales(model, dtype, model_dtype, device, layout.block_size)
+    else:
+        log.info("FP8 KV scales from the checkpoint")
+    return Fp8KVPool(layout, num_blocks, dtype, device, scales, with_null_block=with_null_block)

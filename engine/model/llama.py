@@ -39,6 +39,8 @@ class ForwardContext:
     # Each token's LoRA adapter slot (engine/lora/ops.LoRAMapping; None: no token of the step
     # uses an adapter), read by LayerOps.add_lora.
     lora: Any = None
+    # Per layer (k_scale, v_scale) of an FP8 cache (KVCachePool.scales); None: not quantized.
+    kv_scales: list[tuple[torch.Tensor, torch.Tensor]] | None = None
 
 
 class LoRAStacks(Protocol):
@@ -100,6 +102,7 @@ class Attention(nn.Module):
         ctx: ForwardContext,
         kv_cache: tuple[torch.Tensor, torch.Tensor],
         cos_sin_cache: torch.Tensor,
+        kv_scale: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
         num_tokens = x.shape[0]
         qkv = with_lora(self.ops, self.qkv_proj(x), x, self.qkv_lora, ctx.lora)
@@ -109,8 +112,13 @@ class Attention(nn.Module):
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         q, k = self.ops.apply_rotary(q, k, ctx.positions, cos_sin_cache)
         k_cache, v_cache = kv_cache
-        self.backend.write_kv(k, v, k_cache, v_cache, ctx.attn.slot_mapping)
-        out = self.backend.forward(q, k_cache, v_cache, ctx.attn, self.scale)
+        k_scale, v_scale = (None, None) if kv_scale is None else kv_scale
+        self.backend.write_kv(
+            k, v, k_cache, v_cache, ctx.attn.slot_mapping, k_scale=k_scale, v_scale=v_scale
+        )
+        out = self.backend.forward(
+            q, k_cache, v_cache, ctx.attn, self.scale, k_scale=k_scale, v_scale=v_scale
+        )
         out = out.reshape(num_tokens, self.q_size)
         out = with_lora(self.ops, self.o_proj(out), out, self.o_lora, ctx.lora)
         return out if self.tp is None else self.tp.all_reduce(out)
@@ -160,10 +168,11 @@ class DecoderLayer(nn.Module):
         ctx: ForwardContext,
         kv_cache: tuple[torch.Tensor, torch.Tensor],
         cos_sin_cache: torch.Tensor,
+        kv_scale: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         norm = self.input_layernorm
         h, residual = self.ops.rms_norm(x, norm.weight, norm.eps, residual)
-        h = self.self_attn(h, ctx, kv_cache, cos_sin_cache)
+        h = self.self_attn(h, ctx, kv_cache, cos_sin_cache, kv_scale)
         norm = self.post_attention_layernorm
         h, residual = self.ops.rms_norm(h, norm.weight, norm.eps, residual)
         return self.mlp(h, ctx.lora), residual
@@ -215,8 +224,9 @@ class LlamaForCausalLM(nn.Module):
         h = self.model.embed_tokens(input_ids) if self.tp is None else self._embed_shard(input_ids)
         residual = None
         cos_sin = self.cos_sin_cache
-        for layer, kv_cache in zip(self.model.layers, ctx.kv_caches, strict=True):
-            h, residual = layer(h, residual, ctx, kv_cache, cos_sin)
+        scales = ctx.kv_scales or [None] * len(ctx.kv_caches)
+        for layer, kv_cache, kv_scale in zip(self.model.layers, ctx.kv_caches, scales, strict=True):
+            h, residual = layer(h, residual, ctx, kv_cache, cos_sin, kv_scale)
         norm = self.model.norm
         h, _ = self.model.ops.rms_norm(h, norm.weight, norm.eps, residual)
         return h

@@ -17,6 +17,7 @@ from tqdm import tqdm
 
 from kvpilot.engine.attention.base import AttentionBackend
 from kvpilot.engine.config import ModelConfig
+from kvpilot.engine.kv_cache.kv_scales import is_kv_scale_name
 from kvpilot.engine.model.files import ModelFileError as ModelFileError
 from kvpilot.engine.model.files import eos_token_ids as eos_token_ids
 from kvpilot.engine.model.files import has_tokenizer as has_tokenizer
@@ -195,8 +196,8 @@ def load_safetensors_weights(model: LlamaForCausalLM, hf_dir: Path) -> int:
             raise ModelFileError(f"{file}: unreadable safetensors file ({exc})") from exc
         with handle as f:
             for name in f.keys():  # noqa: SIM118 (safe_open has no __iter__)
-                if name.endswith("rotary_emb.inv_freq"):
-                    continue
+                if name.endswith("rotary_emb.inv_freq") or is_kv_scale_name(name):
+                    continue  # KV scales are the FP8 pool's (kv_cache/kv_scales.py)
                 if cfg.tie_word_embeddings and name == "lm_head.weight":
                     continue
                 target, rows = _target(name, qkv_slices, gate_up_slices)

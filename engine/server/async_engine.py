@@ -525,6 +525,7 @@ class AsyncEngine:
                 block_size=model.block_size,
                 num_gpu_blocks=model.num_blocks,
                 enable_prefix_caching=model.enable_prefix_caching,
+                cache_dtype=model.cache_dtype,
                 max_model_len=model.max_model_len,
                 vllm_names=self._vllm_metrics,
                 tensor_parallel_size=model.tensor_parallel_size,

@@ -40,6 +40,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         structured_outputs_backend=args.structured_outputs_backend,
         cache=CacheConfig(
             block_size=args.block_size,
+            kv_cache_dtype=args.kv_cache_dtype,
             enable_prefix_caching=args.enable_prefix_caching,
             kv_cache_gib=args.kv_cache_gib,
             kv_cache_bytes=args.kv_cache_memory_bytes,

@@ -194,7 +194,7 @@ CACHE_CONFIG_INFO = Family(
     Gauge,
     "cache_config_info",
     "KV-cache configuration; the value is always 1.",
-    ("block_size", "num_gpu_blocks", "enable_prefix_caching"),
+    ("block_size", "num_gpu_blocks", "enable_prefix_caching", "cache_dtype"),
 )
 
 # vLLM's pre-0.9 names, shown under vllm: only, each beside the family it aliases: still read by
@@ -289,6 +289,7 @@ class ServerMetrics:
         block_size: int,
         num_gpu_blocks: int,
         enable_prefix_caching: bool,
+        cache_dtype: str = "auto",
         max_model_len: int,
         vllm_names: bool = True,
         tensor_parallel_size: int = 1,
@@ -338,7 +339,9 @@ class ServerMetrics:
         self.iteration_tokens = self._histogram(ITERATION_TOKENS)
 
         for bind in self._declare_shared(CACHE_CONFIG_INFO):
-            bind(str(block_size), str(num_gpu_blocks), str(enable_prefix_caching)).set(1)
+            bind(str(block_size), str(num_gpu_blocks), str(enable_prefix_caching), cache_dtype).set(
+                1
+            )
 
         self._declare(PARALLEL_CONFIG_INFO, KVPILOT)(str(tensor_parallel_size)).set(1)
         self.engine_step_duration = self._histogram(ENGINE_STEP_DURATION, prefixes=(KVPILOT,))

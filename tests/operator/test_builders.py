@@ -153,6 +153,7 @@ ARGS_TABLE: list[tuple[dict[str, Any], list[str]]] = [
     ({"engine": {"maxNumSeqs": 64}}, ["--max-num-seqs", "64"]),
     ({"engine": {"maxNumBatchedTokens": 8192}}, ["--max-num-batched-tokens", "8192"]),
     ({"engine": {"dtype": "bfloat16"}}, ["--dtype", "bfloat16"]),
+    ({"engine": {"kvCacheDtype": "fp8"}}, ["--kv-cache-dtype", "fp8"]),
     ({"engine": {"gpuMemoryUtilization": 0.85}}, ["--gpu-memory-utilization", "0.85"]),
     ({"engine": {"enablePrefixCaching": False}}, ["--no-enable-prefix-caching"]),
     (

@@ -47,6 +47,7 @@ ENGINE_SETTINGS: dict[str, list[Any]] = {
     # (a lax one would read "yes" as true); the engine's flag takes no value at all.
     "enablePrefixCaching": [True, False, "yes", "false", 1],
     "dtype": ["auto", *DTYPE_NAMES, "int8", "fp8", "Float32"],
+    "kvCacheDtype": ["auto", "fp8", "fp8_e4m3", "fp8_e5m2", "int8", "FP8", ""],
     "gpuMemoryUtilization": FLOATS,
     "kvCacheBytes": QUANTITIES,
     "kvCacheMemoryFraction": FLOATS,
@@ -150,6 +151,7 @@ FLAGS = {
     "maxNumSeqs": "--max-num-seqs",
     "maxNumBatchedTokens": "--max-num-batched-tokens",
     "dtype": "--dtype",
+    "kvCacheDtype": "--kv-cache-dtype",
     "gpuMemoryUtilization": "--gpu-memory-utilization",
     "tensorParallelSize": "--tensor-parallel-size",
     "structuredOutputsBackend": "--structured-outputs-backend",

@@ -108,7 +108,7 @@ SHARED_FAMILIES: dict[str, tuple[str, str, tuple[str, ...]]] = {
     "cache_config_info": (
         "gauge",
         "KV-cache configuration; the value is always 1.",
-        ("block_size", "num_gpu_blocks", "enable_prefix_caching"),
+        ("block_size", "num_gpu_blocks", "enable_prefix_caching", "cache_dtype"),
     ),
 }
 # vLLM's deprecated aliases: vllm:<name> only.
@@ -199,6 +199,7 @@ def build(
         block_size=16,
         num_gpu_blocks=100,
         enable_prefix_caching=True,
+        cache_dtype="fp8",
         max_model_len=2048,
         vllm_names=vllm_names,
     )
@@ -296,7 +297,12 @@ def test_state_gauges_are_read_at_scrape_time_and_cache_info_is_labelled() -> No
     assert sample(registry, "kvpilot:num_requests_running") == 2
     assert sample(registry, "vllm:kv_cache_usage_perc") == 0.25
     assert sample(registry, "vllm:gpu_cache_usage_perc") == 0.25
-    info = {"block_size": "16", "num_gpu_blocks": "100", "enable_prefix_caching": "True"}
+    info = {
+        "block_size": "16",
+        "num_gpu_blocks": "100",
+        "enable_prefix_caching": "True",
+        "cache_dtype": "fp8",
+    }
     assert sample(registry, "vllm:cache_config_info", **info) == 1
 
 

@@ -18,6 +18,10 @@
  *   query [num_seqs, num_heads, head_dim] contiguous; out the same.
  *   k/v cache: element (block, slot, kv_head, d) at block*sb + slot*ss + kv_head*sh + d.
  *   block_tables [num_seqs, table_stride] int32; seq_lens [num_seqs] int32 (>= 1).
+ *   The cache is in the query's dtype, or FP8 (e4m3fn or e5m2 bytes) with per-kv-head float32
+ *   scales: a cached value is float(byte) * scale[kv_head] (kvpilot.engine.attention.kv_quant).
+ *   Attention folds the scales out of the inner loops: q . (k * ks) = (q * ks) . k, and
+ *   sum_t w[t] (v[t] * vs) = vs * sum_t w[t] v[t]; k_scale/v_scale NULL means 1.
  * Limits checked by the caller: group <= 16, head_dim <= 256 and a multiple of 16,
  * block_size <= 256.
  */
@@ -77,6 +81,33 @@ static inline float exp_approx(float x) { return exp_scaled(x, 88.0f, 127); }
 #define LOAD_F32(x) (x)
 #define STORE_F32(x) (x)
 
+/* Every FP8 byte's value, filled when the library loads: decoding is one table read (or one
+ * gather of 16 with AVX-512), exact, NaN and infinity included. */
+static float e4m3_table[256], e5m2_table[256];
+
+/* The value of an FP8 byte with `exp_bits` exponent bits (bias 2^(exp_bits-1) - 1) and the rest
+ * mantissa. e4m3fn has no infinities and one NaN pattern (all ones); e5m2 follows IEEE. */
+static float fp8_value(uint32_t x, int exp_bits, int fn) {
+    const int man_bits = 7 - exp_bits, bias = (1 << (exp_bits - 1)) - 1;
+    const uint32_t e = (x >> man_bits) & ((1u << exp_bits) - 1), m = x & ((1u << man_bits) - 1);
+    const float sign = x & 0x80u ? -1.0f : 1.0f;
+    const uint32_t e_max = (1u << exp_bits) - 1;
+    if (fn && e == e_max && m == (1u << man_bits) - 1) return NAN;
+    if (!fn && e == e_max) return m ? NAN : sign * INFINITY;
+    if (e == 0) return sign * ldexpf((float)m, 1 - bias - man_bits);
+    return sign * ldexpf((float)(m | (1u << man_bits)), (int)e - bias - man_bits);
+}
+
+__attribute__((constructor)) static void fill_fp8_tables(void) {
+    for (uint32_t x = 0; x < 256; x++) {
+        e4m3_table[x] = fp8_value(x, 4, 1);
+        e5m2_table[x] = fp8_value(x, 5, 0);
+    }
+}
+
+#define E4M3_TO_F32(x) (e4m3_table[(x)])
+#define E5M2_TO_F32(x) (e5m2_table[(x)])
+
 static inline float dot(const float *a, const float *b, int64_t n) {
     float s = 0.0f;
     _Pragma("omp simd reduction(+ : s)")
@@ -95,6 +126,16 @@ static inline __m512 load16_f32(const float *x) { return _mm512_loadu_ps(x); }
 static inline __m512 load16_bf16(const uint16_t *x) {
     const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)x));
     return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
+}
+
+static inline __m512 load16_e4m3(const uint8_t *x) {
+    const __m512i idx = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)x));
+    return _mm512_i32gather_ps(idx, e4m3_table, 4);
+}
+
+static inline __m512 load16_e5m2(const uint8_t *x) {
+    const __m512i idx = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)x));
+    return _mm512_i32gather_ps(idx, e5m2_table, 4);
 }
 
 /* Calls CALL with G_ and D_ bound to constants, then returns, when (group, head_dim) is one of the
@@ -224,6 +265,8 @@ static inline __attribute__((always_inline)) __m512 dot_lanes(const float *q, co
 
 DEFINE_BLOCK_OPS(f32, float, load16_f32)
 DEFINE_BLOCK_OPS(bf16, uint16_t, load16_bf16)
+DEFINE_BLOCK_OPS(e4m3, uint8_t, load16_e4m3)
+DEFINE_BLOCK_OPS(e5m2, uint8_t, load16_e5m2)
 #else
 #define DEFINE_BLOCK_OPS(SUFFIX, T, LOAD)                                                         \
     static inline void scores_##SUFFIX(const float (*q)[MAX_HEAD_DIM], const T *kb, int64_t ss,   \
@@ -250,6 +293,8 @@ DEFINE_BLOCK_OPS(bf16, uint16_t, load16_bf16)
 
 DEFINE_BLOCK_OPS(f32, float, LOAD_F32)
 DEFINE_BLOCK_OPS(bf16, uint16_t, bf16_to_f32)
+DEFINE_BLOCK_OPS(e4m3, uint8_t, E4M3_TO_F32)
+DEFINE_BLOCK_OPS(e5m2, uint8_t, E5M2_TO_F32)
 #endif
 
 /* Asks for one cache block's keys and values of one kv head (a row of each token) ahead of
@@ -299,7 +344,7 @@ static inline void prefetch_block(const char *k, const char *v, int64_t k_stride
             decode_unit_##SUFFIX(query + s * num_heads * head_dim, out + s * num_heads * head_dim, \
                                  k_cache, v_cache, block_tables + s * table_stride, seq_lens[s],  \
                                  kvh, group, head_dim, block_size, k_sb, k_sh, k_ss, v_sb, v_sh,  \
-                                 v_ss, scale,                                                     \
+                                 v_ss, scale, k_scale, v_scale,                                   \
                                  claimed < num_units                                              \
                                      ? block_tables + (claimed / num_kv_heads) * table_stride     \
                                      : NULL,                                                      \
@@ -308,24 +353,29 @@ static inline void prefetch_block(const char *k, const char *v, int64_t k_stride
             unit = claimed;                                                                       \
         }                                                                                         \
     }
-#define DEFINE_DECODE(NAME, SUFFIX, T, LOAD, STORE)                                               \
+/* SUFFIX names the (query dtype, cache dtype) pair; C is the cache's element type and OPS the
+ * suffix of its block ops. */
+#define DEFINE_DECODE(NAME, SUFFIX, T, LOAD, STORE, C, OPS)                                       \
     /* One (sequence, kv head) with a single query token: qtok and otok point at that token's     \
      * heads, table at the sequence's block table; len >= 0 cached tokens. next_table, next_len   \
      * and next_kvh: the unit this thread runs next, whose first blocks it prefetches (next_table \
      * NULL: none). */                                                                            \
-    static void decode_unit_##SUFFIX(const T *qtok, T *otok, const T *k_cache, const T *v_cache,  \
+    static void decode_unit_##SUFFIX(const T *qtok, T *otok, const C *k_cache, const C *v_cache,  \
                                      const int32_t *table, int64_t len, int64_t kvh,              \
                                      int64_t group, int64_t D, int64_t block_size, int64_t k_sb,  \
                                      int64_t k_sh, int64_t k_ss, int64_t v_sb, int64_t v_sh,      \
-                                     int64_t v_ss, float scale, const int32_t *next_table,        \
+                                     int64_t v_ss, float scale, const float *k_scale,             \
+                                     const float *v_scale, const int32_t *next_table,             \
                                      int64_t next_len, int64_t next_kvh) {                        \
         float q[MAX_GROUP][MAX_HEAD_DIM], acc[MAX_GROUP][MAX_HEAD_DIM];                           \
+        const float qscale = scale * (k_scale != NULL ? k_scale[kvh] : 1.0f);                     \
+        const float vscale = v_scale != NULL ? v_scale[kvh] : 1.0f;                               \
         float p[MAX_GROUP][MAX_CHUNK];                                                            \
         float m[MAX_GROUP], l[MAX_GROUP];                                                         \
         for (int64_t j = 0; j < group; j++) {                                                     \
             const T *qr = qtok + (kvh * group + j) * D;                                           \
             for (int64_t d = 0; d < D; d++) {                                                     \
-                q[j][d] = LOAD(qr[d]) * scale;                                                    \
+                q[j][d] = LOAD(qr[d]) * qscale;                                                   \
                 acc[j][d] = 0.0f;                                                                 \
             }                                                                                     \
             m[j] = 0.0f;                                                                          \
@@ -343,8 +393,7 @@ static inline void prefetch_block(const char *k, const char *v, int64_t k_stride
                 const int64_t bn = n - t0 < block_size ? n - t0 : block_size;                     \
                 if ((start + t0) / block_size + window < num_blocks)                              \
                     PREFETCH_UNIT_BLOCK(table, len, kvh, (start + t0) / block_size + window);     \
-                scores_##SUFFIX(q, k_cache + block * k_sb + kvh * k_sh, k_ss, bn, group, D, p,    \
-                                t0);                                                              \
+                scores_##OPS(q, k_cache + block * k_sb + kvh * k_sh, k_ss, bn, group, D, p, t0);  \
             }                                                                                     \
             for (int64_t j = 0; j < group; j++) {                                                 \
                 float chunk_max = p[j][0];                                                        \
@@ -369,28 +418,32 @@ static inline void prefetch_block(const char *k, const char *v, int64_t k_stride
                 const int64_t b = (start + t0) / block_size;                                      \
                 if (next_table != NULL && b < NEXT_PREFETCH_BLOCKS && b * block_size < next_len)  \
                     PREFETCH_UNIT_BLOCK(next_table, next_len, next_kvh, b);                       \
-                accumulate_##SUFFIX(acc, v_cache + block * v_sb + kvh * v_sh, v_ss, bn, group, D, \
-                                    p, t0);                                                       \
+                accumulate_##OPS(acc, v_cache + block * v_sb + kvh * v_sh, v_ss, bn, group, D, p, \
+                                 t0);                                                             \
             }                                                                                     \
         }                                                                                         \
         for (int64_t j = 0; j < group; j++) {                                                     \
             T *o = otok + (kvh * group + j) * D;                                                  \
             const float inv = l[j] > 0.0f ? 1.0f / l[j] : 0.0f; /* len 0: zeros */                \
-            for (int64_t d = 0; d < D; d++) o[d] = STORE(acc[j][d] * inv);                        \
+            for (int64_t d = 0; d < D; d++) o[d] = STORE(acc[j][d] * inv * vscale);               \
         }                                                                                         \
     }                                                                                             \
                                                                                                   \
-    void NAME(const T *query, const T *k_cache, const T *v_cache, const int32_t *block_tables,    \
+    void NAME(const T *query, const C *k_cache, const C *v_cache, const int32_t *block_tables,    \
               const int32_t *seq_lens, T *out, int64_t num_seqs, int64_t num_heads,               \
               int64_t num_kv_heads, int64_t head_dim, int64_t block_size, int64_t table_stride,   \
               int64_t k_sb, int64_t k_ss, int64_t k_sh, int64_t v_sb, int64_t v_ss, int64_t v_sh, \
-              float scale) {                                                                      \
+              float scale, const float *k_scale, const float *v_scale) {                          \
         const int64_t group = num_heads / num_kv_heads;                                           \
         DECODE_LOOP(SUFFIX)                                                                       \
     }
 
-DEFINE_DECODE(paged_decode_f32, f32, float, LOAD_F32, STORE_F32)
-DEFINE_DECODE(paged_decode_bf16, bf16, uint16_t, bf16_to_f32, f32_to_bf16)
+DEFINE_DECODE(paged_decode_f32, f32, float, LOAD_F32, STORE_F32, float, f32)
+DEFINE_DECODE(paged_decode_bf16, bf16, uint16_t, bf16_to_f32, f32_to_bf16, uint16_t, bf16)
+DEFINE_DECODE(paged_decode_f32_e4m3, f32_e4m3, float, LOAD_F32, STORE_F32, uint8_t, e4m3)
+DEFINE_DECODE(paged_decode_bf16_e4m3, bf16_e4m3, uint16_t, bf16_to_f32, f32_to_bf16, uint8_t, e4m3)
+DEFINE_DECODE(paged_decode_f32_e5m2, f32_e5m2, float, LOAD_F32, STORE_F32, uint8_t, e5m2)
+DEFINE_DECODE(paged_decode_bf16_e5m2, bf16_e5m2, uint16_t, bf16_to_f32, f32_to_bf16, uint8_t, e5m2)
 
 /* Varlen paged attention: every sequence of a step (prefill chunks, over a cached prefix or not,
  * and decodes) in one call. The step's keys and values are already in the cache.
@@ -608,7 +661,7 @@ static void prefill_tile_bf16_pairs(const uint16_t *query, uint16_t *out, const 
                                     int64_t ntok, int64_t pos0, int64_t kvh, int64_t num_heads,
                                     int64_t group, int64_t D, int64_t block_size, int64_t k_sb,
                                     int64_t k_ss, int64_t k_sh, int64_t v_sb, int64_t v_ss,
-                                    int64_t v_sh, float scale) {
+                                    int64_t v_sh, float scale, float vscale) {
     /* qp[d / 2][v]: lane r holds row r's (q[d], q[d + 1]); vp[t / 2][d]: (v[t][d], v[t + 1][d]). */
     __m512i qp[MAX_HEAD_DIM / 2][TILE_VECS], pp[KEY_CHUNK / 2][TILE_VECS];
     v16 ot[MAX_HEAD_DIM][TILE_VECS], st[KEY_CHUNK][TILE_VECS];
@@ -699,7 +752,8 @@ static void prefill_tile_bf16_pairs(const uint16_t *query, uint16_t *out, const 
     for (int64_t r = 0; r < rows; r++) {
         uint16_t *dst = out + ((tok0 + r / group) * num_heads + kvh * group + r % group) * D;
         const float inv = 1.0f / lf[r];
-        for (int64_t d = 0; d < D; d++) dst[d] = f32_to_bf16(of[d * TILE_ROWS + r] * inv);
+        for (int64_t d = 0; d < D; d++)
+            dst[d] = f32_to_bf16(of[d * TILE_ROWS + r] * inv * vscale);
     }
 }
 #define PREFILL_TILE_BF16 prefill_tile_bf16_pairs
@@ -707,15 +761,18 @@ static void prefill_tile_bf16_pairs(const uint16_t *query, uint16_t *out, const 
 #define PREFILL_TILE_BF16 prefill_tile_bf16
 #endif
 
-#define DEFINE_VARLEN(SUFFIX, T, LOAD, STORE, TILE)                                               \
-    /* ntok query tokens (flat index tok0, absolute positions pos0..) under kv head kvh. */       \
+/* SUFFIX names the (query dtype, cache dtype) pair: C is the cache's element type, CLOAD its
+ * decoding to float; TILE the prefill tile (the generic one below, or bf16's pairs). */
+#define DEFINE_VARLEN(SUFFIX, T, LOAD, STORE, TILE, C, CLOAD)                                     \
+    /* ntok query tokens (flat index tok0, absolute positions pos0..) under kv head kvh; scale    \
+     * already holds the key scale, vscale multiplies the output. */                              \
     __attribute__((unused)) static void prefill_tile_##SUFFIX(                                    \
-        const T *query, T *out, const T *k_cache, const T *v_cache,                               \
+        const T *query, T *out, const C *k_cache, const C *v_cache,                               \
                                       const int32_t *table, int64_t tok0, int64_t ntok,           \
                                       int64_t pos0, int64_t kvh, int64_t num_heads, int64_t group, \
                                       int64_t D, int64_t block_size, int64_t k_sb, int64_t k_ss,  \
                                       int64_t k_sh, int64_t v_sb, int64_t v_ss, int64_t v_sh,     \
-                                      float scale) {                                              \
+                                      float scale, float vscale) {                                \
         v16 qt[MAX_HEAD_DIM][TILE_VECS], ot[MAX_HEAD_DIM][TILE_VECS], st[KEY_CHUNK][TILE_VECS];   \
         float kf[KEY_CHUNK][MAX_HEAD_DIM], vf[KEY_CHUNK][MAX_HEAD_DIM];                           \
         v16 qpos[TILE_VECS], m[TILE_VECS], l[TILE_VECS];                                          \
@@ -741,11 +798,11 @@ static void prefill_tile_bf16_pairs(const uint16_t *query, uint16_t *out, const 
             for (int64_t t = 0; t < n; t++) {                                                     \
                 const int64_t key = k0 + t;                                                       \
                 const int64_t block = table[key / block_size], slot = key % block_size;           \
-                const T *ks = k_cache + block * k_sb + slot * k_ss + kvh * k_sh;                  \
-                const T *vs = v_cache + block * v_sb + slot * v_ss + kvh * v_sh;                  \
+                const C *ks = k_cache + block * k_sb + slot * k_ss + kvh * k_sh;                  \
+                const C *vs = v_cache + block * v_sb + slot * v_ss + kvh * v_sh;                  \
                 for (int64_t d = 0; d < D; d++) {                                                 \
-                    kf[t][d] = LOAD(ks[d]);                                                       \
-                    vf[t][d] = LOAD(vs[d]);                                                       \
+                    kf[t][d] = CLOAD(ks[d]);                                                      \
+                    vf[t][d] = CLOAD(vs[d]);                                                      \
                 }                                                                                 \
             }                                                                                     \
             for (int64_t t = n; t < npad; t++) memset(kf[t], 0, sizeof(float) * D);               \
@@ -756,18 +813,19 @@ static void prefill_tile_bf16_pairs(const uint16_t *query, uint16_t *out, const 
         for (int64_t r = 0; r < rows; r++) {                                                      \
             T *dst = out + ((tok0 + r / group) * num_heads + kvh * group + r % group) * D;        \
             const float inv = 1.0f / lf[r];                                                       \
-            for (int64_t d = 0; d < D; d++) dst[d] = STORE(of[d * TILE_ROWS + r] * inv);          \
+            for (int64_t d = 0; d < D; d++) dst[d] = STORE(of[d * TILE_ROWS + r] * inv * vscale); \
         }                                                                                         \
     }                                                                                             \
                                                                                                   \
     /* Returns 0, or 1 (computing nothing) when the work list cannot be allocated. */             \
-    int paged_attention_##SUFFIX(const T *query, const T *k_cache, const T *v_cache,              \
+    int paged_attention_##SUFFIX(const T *query, const C *k_cache, const C *v_cache,              \
                                  const int32_t *block_tables, const int32_t *query_start_loc,     \
                                  const int32_t *seq_lens, T *out, int64_t num_seqs,               \
                                  int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,       \
                                  int64_t block_size, int64_t table_stride, int64_t k_sb,          \
                                  int64_t k_ss, int64_t k_sh, int64_t v_sb, int64_t v_ss,          \
-                                 int64_t v_sh, float scale) {                                     \
+                                 int64_t v_sh, float scale, const float *k_scale,                 \
+                                 const float *v_scale) {                                          \
         const int64_t group = num_heads / num_kv_heads, D = head_dim;                             \
         const int64_t tile_tokens = TILE_ROWS / group;                                            \
         int64_t count = 0;                                                                        \
@@ -784,22 +842,29 @@ static void prefill_tile_bf16_pairs(const uint16_t *query, uint16_t *out, const 
             if (q_len == 1) {                                                                     \
                 decode_unit_##SUFFIX(query + tok * num_heads * D, out + tok * num_heads * D,      \
                                      k_cache, v_cache, table, seq_lens[s], kvh, group, D,         \
-                                     block_size, k_sb, k_sh, k_ss, v_sb, v_sh, v_ss, scale, NULL, \
-                                     0, 0);                                                       \
+                                     block_size, k_sb, k_sh, k_ss, v_sb, v_sh, v_ss, scale,       \
+                                     k_scale, v_scale, NULL, 0, 0);                               \
                 continue;                                                                         \
             }                                                                                     \
             const int64_t first = item.tile * tile_tokens;                                        \
             const int64_t ntok = q_len - first < tile_tokens ? q_len - first : tile_tokens;       \
             TILE(query, out, k_cache, v_cache, table, tok + first, ntok,                          \
                  seq_lens[s] - q_len + first, kvh, num_heads, group, D, block_size, k_sb, k_ss,   \
-                 k_sh, v_sb, v_ss, v_sh, scale);                                                  \
+                 k_sh, v_sb, v_ss, v_sh, scale * (k_scale != NULL ? k_scale[kvh] : 1.0f),         \
+                 v_scale != NULL ? v_scale[kvh] : 1.0f);                                          \
         }                                                                                         \
         free(items);                                                                              \
         return 0;                                                                                 \
     }
 
-DEFINE_VARLEN(f32, float, LOAD_F32, STORE_F32, prefill_tile_f32)
-DEFINE_VARLEN(bf16, uint16_t, bf16_to_f32, f32_to_bf16, PREFILL_TILE_BF16)
+DEFINE_VARLEN(f32, float, LOAD_F32, STORE_F32, prefill_tile_f32, float, LOAD_F32)
+DEFINE_VARLEN(bf16, uint16_t, bf16_to_f32, f32_to_bf16, PREFILL_TILE_BF16, uint16_t, bf16_to_f32)
+DEFINE_VARLEN(f32_e4m3, float, LOAD_F32, STORE_F32, prefill_tile_f32_e4m3, uint8_t, E4M3_TO_F32)
+DEFINE_VARLEN(bf16_e4m3, uint16_t, bf16_to_f32, f32_to_bf16, prefill_tile_bf16_e4m3, uint8_t,
+              E4M3_TO_F32)
+DEFINE_VARLEN(f32_e5m2, float, LOAD_F32, STORE_F32, prefill_tile_f32_e5m2, uint8_t, E5M2_TO_F32)
+DEFINE_VARLEN(bf16_e5m2, uint16_t, bf16_to_f32, f32_to_bf16, prefill_tile_bf16_e5m2, uint8_t,
+              E5M2_TO_F32)
 
 /* Rounds a float32 to the storage dtype and back: torch rounds every op's result to the tensor's
  * dtype, so the float32 path rounds nowhere and the bfloat16 path after each op. */
