@@ -43,7 +43,7 @@ from kvpilot.engine.model_runner import LaunchedStep, ModelRunner
 from kvpilot.engine.sampling_params import SamplingParams
 from kvpilot.engine.scheduler import ScheduledSequence, Scheduler
 from kvpilot.engine.sequence import PENDING_TOKEN, Sequence, SequenceStatus
-from kvpilot.engine.spec_decode.policy import SpeculationPolicy
+from kvpilot.engine.spec_decode.policy import SpecDecodeCounters, SpeculationPolicy
 from kvpilot.engine.structured.backend import resolve_backend
 from kvpilot.engine.structured.manager import SequenceGrammar, StructuredOutputs
 
@@ -234,6 +234,9 @@ class EngineCore:
             lora_modules=[] if self.lora is None else list(self.lora.paths.items()),
             max_num_seqs=config.scheduler.max_num_seqs,
             scheduling_policy=config.scheduler.policy,
+            num_speculative_tokens=(
+                0 if config.speculative is None else config.speculative.num_speculative_tokens
+            ),
         )
         log.info(
             "engine core ready in %.1f s: %s%s",
@@ -639,6 +642,7 @@ class EngineCore:
     # ---- observability -------------------------------------------------------------------------
     def stats(self) -> EngineStats:
         bm = self.block_manager
+        spec = SpecDecodeCounters() if self.speculation is None else self.speculation.counters
         return EngineStats(
             num_waiting=len({s.request_id for s in self.scheduler.waiting}),
             num_running=len({s.request_id for s in self.scheduler.running}),
@@ -653,6 +657,10 @@ class EngineCore:
             running_loras=_adapters_of(self.scheduler.running),
             waiting_loras=_adapters_of(self.scheduler.waiting),
             resident_loras=[] if self.lora is None else self.lora.resident,
+            spec_num_drafts=spec.num_drafts,
+            spec_num_draft_tokens=spec.num_draft_tokens,
+            spec_num_accepted_tokens=spec.num_accepted_tokens,
+            spec_accepted_per_pos=list(spec.accepted_per_pos),
         )
 
 
