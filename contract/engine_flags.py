@@ -135,6 +135,10 @@ FLAGS: tuple[Flag, ...] = (
     flag(ENGINE, "--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
          help="launch step N+1 before reading step N's tokens, overlapping host and device work "
          "(default: on for one CUDA rank, off on CPU)"),
+    flag(ENGINE, "--speculative-config", type=non_empty, default=None,
+         help="speculative decoding as vLLM's JSON, e.g. '{\"method\": \"ngram\", "
+         "\"num_speculative_tokens\": 4, \"prompt_lookup_max\": 4, \"prompt_lookup_min\": 2}' "
+         "(default: off)"),
     flag(SCHEDULER, "--max-model-len", type=int, default=None,
          help="default: the model's context length"),
     flag(ENGINE, "--seed", type=int, default=0,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import json
 import math
 import re
 from dataclasses import dataclass, field
@@ -246,6 +247,71 @@ class SchedulerConfig:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
 
 
+SPECULATIVE_METHODS = ("ngram",)
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding (`--speculative-config`, vLLM's JSON keys): proposals from the
+    sequence's own tokens (n-gram / prompt lookup, engine/spec_decode/ngram.py), verified in one
+    target forward per step. When it backs off is decided in one place:
+    engine/spec_decode/policy.py (disable_by_batch_size, min_acceptance)."""
+
+    method: str = "ngram"
+    num_speculative_tokens: int = 4  # proposals per sequence per step, at most
+    # The longest and shortest suffix of the sequence looked up earlier in it (longest first).
+    prompt_lookup_max: int = 4
+    prompt_lookup_min: int = 2
+    # No proposals while more sequences than this run (verifying k extra tokens per sequence
+    # costs compute a large batch no longer has spare). vLLM's key.
+    disable_by_batch_size: int = 8
+    # No proposals while the measured share of accepted proposals is below this (probed now and
+    # then to measure it again).
+    min_acceptance: float = 0.2
+
+    def __post_init__(self) -> None:
+        if self.method not in SPECULATIVE_METHODS:
+            raise ValueError(
+                f"speculative method must be one of {', '.join(SPECULATIVE_METHODS)}, got "
+                f"{self.method!r}"
+            )
+        for name in ("num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"speculative {name} must be an integer >= 1, got {value!r}")
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise ValueError(
+                f"speculative prompt_lookup_min ({self.prompt_lookup_min}) must be <= "
+                f"prompt_lookup_max ({self.prompt_lookup_max})"
+            )
+        size = self.disable_by_batch_size
+        if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+            raise ValueError(
+                f"speculative disable_by_batch_size must be an integer >= 1, got {size!r}"
+            )
+        share = self.min_acceptance
+        if isinstance(share, bool) or not isinstance(share, int | float) or not 0 <= share <= 1:
+            raise ValueError(f"speculative min_acceptance must be in [0, 1], got {share!r}")
+
+    @classmethod
+    def from_json(cls, text: str) -> SpeculativeConfig:
+        """`--speculative-config`'s value: a JSON object of this class's fields (ValueError,
+        naming the problem, for anything else)."""
+        try:
+            value = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"speculative config is not valid JSON: {exc}") from None
+        if not isinstance(value, dict):
+            raise ValueError("speculative config must be a JSON object")
+        known = {f for f in cls.__dataclass_fields__}
+        unknown = sorted(set(value) - known)
+        if unknown:
+            raise ValueError(
+                f"speculative config has unknown keys {unknown}; known: {sorted(known)}"
+            )
+        return cls(**value)
+
+
 @dataclass(frozen=True)
 class LoRAConfig:
     """LoRA adapters (contract/lora.py): how many a step may use (device slots), how large their
@@ -313,13 +379,17 @@ class EngineConfig:
     async_scheduling: bool | None = None
     # LoRA adapters (--enable-lora); None: off, and the model has no adapter path at all.
     lora: LoRAConfig | None = None
+    # Speculative decoding (--speculative-config); None: off.
+    speculative: SpeculativeConfig | None = None
 
     @property
     def resolved_async_scheduling(self) -> bool:
         wanted = self.async_scheduling
         if wanted is None:
             wanted = self.resolved_device.type == "cuda"
-        return wanted and self.tensor_parallel_size == 1
+        # Speculation needs a step's accepted tokens on the host before it can propose and
+        # schedule the next one: its steps run in turn (no overlap).
+        return wanted and self.tensor_parallel_size == 1 and self.speculative is None
 
     def __post_init__(self) -> None:
         if self.load_format not in LOAD_FORMATS:
@@ -345,6 +415,11 @@ class EngineConfig:
         if not 0 < self.distributed_timeout_s < math.inf:
             raise ValueError(
                 f"distributed_timeout_s must be > 0 and finite, got {self.distributed_timeout_s}"
+            )
+        if self.speculative is not None and self.async_scheduling:
+            raise ValueError(
+                "async scheduling does not run with speculative decoding (a step's accepted "
+                "tokens are needed on the host to schedule the next)"
             )
         if not SEED_MIN <= self.seed < SEED_END:  # what torch.Generator.manual_seed takes
             raise ValueError(f"seed must be in [-2**63, 2**64), got {self.seed}")

@@ -5,7 +5,7 @@ captured graph where one fits), and sampling. Building the model (model_setup.py
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
@@ -35,6 +35,7 @@ from kvpilot.engine.sampler import (
     resolve_sample,
 )
 from kvpilot.engine.scheduler import ScheduledSequence
+from kvpilot.engine.spec_decode.verify import VerifyRow, verify
 from kvpilot.engine.step_input import CUDA_TABLE_WIDTH_MULTIPLE, StepInput, plan_step
 from kvpilot.engine.structured.manager import StructuredOutputs
 
@@ -52,6 +53,10 @@ class LaunchedStep:
 
     sampling: list[ScheduledSequence]
     sample: LaunchedSample | None
+    # Sequences that verified proposals in this step, and per sequence its accepted proposals
+    # and the token after them (read on the host already: speculation steps run in turn).
+    speculated: list[ScheduledSequence] = field(default_factory=list)
+    verified: list[list[int]] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -232,7 +237,8 @@ class ModelRunner:
             self.fill_lora_slots(lora_fills)
             step.lora_fills = [(slot, a.name, a.path) for slot, a in lora_fills]
         pending = pending_inputs(scheduled)
-        sampling = [item for item in scheduled if item.will_sample]
+        sampling = [item for item in scheduled if item.will_sample and not item.num_spec_tokens]
+        speculated = [item for item in scheduled if item.will_sample and item.num_spec_tokens]
         grammars = [item.seq.grammar for item in sampling]
         masks = structured.start_masks(grammars) if structured is not None else None
         if self.workers is None:
@@ -246,9 +252,12 @@ class ModelRunner:
             except RuntimeError as exc:  # a collective failed: name the rank that died, if one did
                 self.workers.blame(exc)
                 raise
+        verified: list[list[int]] = []
+        if logits is not None and speculated:
+            logits, verified = self._verify(scheduled, logits)
         if logits is None or not sampling:
             self._last_draws = None
-            return LaunchedStep([], None)
+            return LaunchedStep([], None, speculated, verified)
         rows = [
             SamplerRow(
                 item.seq.params,
@@ -263,7 +272,37 @@ class ModelRunner:
             logits, rows, self.default_generator, mask, self.model.model.ops.argmax_rows
         )
         self._last_draws = drawn.token_ids
-        return LaunchedStep(sampling, drawn)
+        return LaunchedStep(sampling, drawn, speculated, verified)
+
+    def _verify(
+        self, scheduled: list[ScheduledSequence], logits: torch.Tensor
+    ) -> tuple[torch.Tensor, list[list[int]]]:
+        """Splits a step's logits rows: the plain sampling rows (returned, in order) and the
+        speculating sequences' k+1 rows each, verified here (their tokens, in order)."""
+        plain_rows: list[int] = []
+        spec_rows: list[int] = []
+        seqs: list[VerifyRow] = []
+        row = 0
+        for item in scheduled:
+            if not item.will_sample:
+                continue
+            if not item.num_spec_tokens:
+                plain_rows.append(row)
+                row += 1
+                continue
+            n = item.num_spec_tokens + 1
+            spec_rows.extend(range(row, row + n))
+            row += n
+            seq = item.seq
+            sampler_row = SamplerRow(seq.params, [], seq.generator)
+            seqs.append(VerifyRow(sampler_row, seq.spec_token_ids[: item.num_spec_tokens]))
+        verified = verify(
+            logits[self._indices(spec_rows)],
+            seqs,
+            self.default_generator,
+            self.model.model.ops.argmax_rows,
+        )
+        return logits[self._indices(plain_rows)], verified
 
     def resolve(self, launched: LaunchedStep) -> SampleResult:
         """The launched step's tokens on the host (waits for the device)."""

@@ -60,12 +60,18 @@ class AdapterSlots(Protocol):
 class ScheduledSequence:
     seq: Sequence
     num_new_tokens: int
+    # The last num_spec_tokens of the chunk are the sequence's first proposals (spec_token_ids),
+    # verified in this step.
+    num_spec_tokens: int = 0
 
     @property
     def will_sample(self) -> bool:
         """This chunk reaches the end of the sequence's known tokens, so the step samples a
         token."""
-        return self.seq.num_computed_tokens + self.num_new_tokens == self.seq.num_tokens
+        return (
+            self.seq.num_computed_tokens + self.num_new_tokens - self.num_spec_tokens
+            == self.seq.num_tokens
+        )
 
 
 @dataclass
@@ -218,14 +224,18 @@ class Scheduler:
             rank = self.rank(seq)
             if not limits.allows(rank):
                 continue  # it keeps its place, its blocks and its slot
-            num_new = limits.cap(rank, min(seq.num_uncomputed_tokens, budget))
+            # A decode with proposals is a query of its last token and the proposals (as many
+            # as the budget leaves room for).
+            wanted = seq.num_uncomputed_tokens + len(seq.spec_token_ids)
+            num_new = limits.cap(rank, min(wanted, budget))
             while not self.block_manager.allocate(seq, num_new):
                 victim = self._worst(self.running)
                 budget += self._preempt(victim, out, by_seq, limits)
                 if victim is seq:
                     break
             else:
-                by_seq[seq.seq_id] = ScheduledSequence(seq, num_new)
+                num_spec = max(0, num_new - seq.num_uncomputed_tokens)
+                by_seq[seq.seq_id] = ScheduledSequence(seq, num_new, num_spec)
                 budget -= num_new
                 limits.spend(rank, num_new)
 
@@ -290,6 +300,15 @@ class Scheduler:
         self.waiting.extendleft(reversed(passed_over))
         return budget
 
+    def release_unneeded_blocks(self, seq: Sequence) -> None:
+        """Return the tail blocks seq's table holds past its tokens (they held rejected
+        proposals, whose KV the next step overwrites anyway). Never published: the prefix cache
+        only takes blocks of computed tokens."""
+        bm = self.block_manager
+        keep = bm.num_blocks_for(seq.num_tokens)
+        while len(seq.block_table) > keep:
+            bm.pool.release(seq.block_table.pop())
+
     def _take_adapter_slot(self, seq: Sequence) -> bool:
         """Gives seq its adapter's slot; False while the adapter is being read or every slot
         holds an adapter that running sequences use (it waits, keeping its place)."""
@@ -337,6 +356,7 @@ class Scheduler:
         self.running.remove(seq)
         self.block_manager.free(seq)
         seq.num_computed_tokens = 0
+        seq.spec_token_ids = []
         seq.status = SequenceStatus.WAITING
         rank = self.rank(seq)
         index = 0

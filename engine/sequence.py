@@ -63,6 +63,8 @@ class Sequence:
     # Set when the token just launched reaches max_tokens or the context: nothing is left to
     # schedule; the sequence finishes once that token is read.
     reached_length: bool = False
+    # Proposed tokens for the next step (speculative decoding): not in token_ids until accepted.
+    spec_token_ids: list[int] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:

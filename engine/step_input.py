@@ -26,7 +26,8 @@ class StepInput(msgspec.Struct, array_like=True, gc=False, tag=True):
     query_start: list[int]  # [S + 1]
     seq_lens: list[int]  # [S]
     block_tables: list[list[int]]  # [S, max_blocks], padded with 0
-    logits_indices: list[int]  # [S_sample]: flat index of each sampling sequence's last token
+    # Flat index of each sampling sequence's last token; of its last k+1 with k proposals.
+    logits_indices: list[int]
     # [S]: each sequence's LoRA adapter slot, -1 for the base model; empty when none has one.
     lora_slots: list[int] = []
     # Slots to fill before this step's forward: (slot, adapter name, adapter path); the other
@@ -51,13 +52,18 @@ def plan_step(
             step.positions.append(start)
             step.slot_mapping.append(table[start // bs] * bs + start % bs)
         else:
-            step.input_ids.extend(seq.token_ids[start:end])
+            num_spec = item.num_spec_tokens
+            step.input_ids.extend(seq.token_ids[start : end - num_spec])
+            if num_spec:
+                step.input_ids.extend(seq.spec_token_ids[:num_spec])
             step.positions.extend(range(start, end))
             step.slot_mapping.extend(table[p // bs] * bs + p % bs for p in range(start, end))
         step.query_start.append(step.query_start[-1] + item.num_new_tokens)
         step.seq_lens.append(end)
         if item.will_sample:
-            step.logits_indices.append(step.query_start[-1] - 1)
+            # One row per verified position: the last known token's and each proposal's.
+            last = step.query_start[-1] - 1
+            step.logits_indices.extend(range(last - item.num_spec_tokens, last + 1))
     if any(item.seq.lora_name is not None for item in scheduled):
         step.lora_slots.extend(item.seq.lora_slot for item in scheduled)
     max_blocks = max(len(item.seq.block_table) for item in scheduled)

@@ -44,6 +44,7 @@ from kvpilot.engine.model_runner import LaunchedStep, ModelRunner
 from kvpilot.engine.sampling_params import SamplingParams
 from kvpilot.engine.scheduler import ScheduledSequence, Scheduler
 from kvpilot.engine.sequence import PENDING_TOKEN, Sequence, SequenceStatus
+from kvpilot.engine.spec_decode.policy import SpecDecodeCounters, SpeculationPolicy
 from kvpilot.engine.structured.backend import resolve_backend
 from kvpilot.engine.structured.manager import SequenceGrammar, StructuredOutputs
 
@@ -183,6 +184,11 @@ class EngineCore:
         # hanging.
         self.max_seq_len = min(self.max_model_len, self.num_blocks * self.block_size)
         self.requests: dict[str, list[Sequence]] = {}
+        self.speculation = (
+            None
+            if config.speculative is None
+            else SpeculationPolicy(config.speculative, self.max_seq_len)
+        )
         self.structured = StructuredOutputs(
             source.hf_dir,
             self.model_config.vocab_size,
@@ -212,6 +218,9 @@ class EngineCore:
             max_num_seqs=config.scheduler.max_num_seqs,
             scheduling_policy=config.scheduler.policy,
             cache_dtype=config.cache.kv_cache_dtype,
+            num_speculative_tokens=(
+                0 if config.speculative is None else config.speculative.num_speculative_tokens
+            ),
         )
         log.info(
             "engine core ready in %.1f s: %s%s",
@@ -443,6 +452,8 @@ class EngineCore:
         """Schedules a step and queues it on the device (None: nothing to run). Each sampling
         sequence gets a pending token in its ids, filled in by _complete."""
         started = time.monotonic()
+        if self.speculation is not None:
+            self.speculation.propose(self.scheduler.running)
         plan = self.scheduler.schedule()
         if plan.is_empty:
             return None
@@ -481,12 +492,12 @@ class EngineCore:
             seq.num_pending_tokens -= 1
             if seq.num_pending_tokens == 0:
                 seq.pending_row = None
+        updates = self._apply_verified(step)
         # With every computed token known (the step after this one computes this one's
         # tokens), before a finished sequence's blocks go back.
         for item in step.scheduled:
             if not item.seq.is_finished:
                 self.block_manager.cache_full_blocks(item.seq)
-        updates = []
         for i in live:
             seq = sampling[i].seq
             token, position = result.token_ids[i], positions[i]
@@ -505,10 +516,10 @@ class EngineCore:
                 )
             )
             if seq.finish_reason is not None:
-                self.scheduler.finish(seq)
-                seqs = self.requests[seq.request_id]
-                if all(s.is_finished for s in seqs):
-                    del self.requests[seq.request_id]
+                self._finish(seq)
+        for item in step.launched.speculated:
+            if item.seq.finish_reason is not None and not item.seq.is_finished:
+                self._finish(item.seq)
         self.num_generation_tokens += len(updates)
         now = time.monotonic()
         return StepOutputs(
@@ -521,6 +532,55 @@ class EngineCore:
             step_duration=now - step.started,
             kv_events=self.block_manager.drain_kv_events(),
         )
+
+    def _finish(self, seq: Sequence) -> None:
+        self.scheduler.finish(seq)
+        seqs = self.requests[seq.request_id]
+        if all(s.is_finished for s in seqs):
+            del self.requests[seq.request_id]
+
+    def _apply_verified(self, step: StepInFlight) -> list[SeqUpdate]:
+        """The speculating sequences' tokens: each run of accepted proposals and the token after
+        them, appended up to the first token that ends the sequence (EOS, a stop token id,
+        max_tokens, the context). Rejected proposals' KV slots lie past the tokens now, to be
+        overwritten; the blocks that held only them go back."""
+        launched = step.launched
+        updates = []
+        results = []
+        for item, tokens in zip(launched.speculated, launched.verified, strict=True):
+            seq = item.seq
+            results.append((item.num_spec_tokens, len(tokens) - 1))
+            if seq.is_finished:  # aborted meanwhile
+                continue
+            max_tokens = seq.params.max_tokens
+            for token in tokens:
+                seq.token_ids.append(token)
+                seq.reached_length = (
+                    max_tokens is not None and seq.num_output_tokens >= max_tokens
+                ) or seq.num_tokens >= self.max_seq_len
+                self._check_finished(seq, token)
+                updates.append(
+                    SeqUpdate(
+                        seq.request_id,
+                        seq.index,
+                        token,
+                        None,
+                        seq.finish_reason,
+                        seq.stop_reason,
+                        seq.num_cached_tokens,
+                    )
+                )
+                if seq.finish_reason is not None:
+                    break
+            # Every token but the last appended has its KV computed (the last is the next
+            # step's input).
+            seq.num_computed_tokens = seq.num_tokens - 1
+            seq.spec_token_ids = []
+            if seq.finish_reason is None:
+                self.scheduler.release_unneeded_blocks(seq)
+        if self.speculation is not None and results:
+            self.speculation.record(results)
+        return updates
 
     def idle_outputs(self, num_commands_applied: int) -> StepOutputs:
         """What the API side learns when no step ran: the stats, and any cache change (a reset)."""
@@ -566,6 +626,7 @@ class EngineCore:
     # ---- observability -------------------------------------------------------------------------
     def stats(self) -> EngineStats:
         bm = self.block_manager
+        spec = SpecDecodeCounters() if self.speculation is None else self.speculation.counters
         return EngineStats(
             num_waiting=len({s.request_id for s in self.scheduler.waiting}),
             num_running=len({s.request_id for s in self.scheduler.running}),
@@ -580,6 +641,10 @@ class EngineCore:
             running_loras=_adapters_of(self.scheduler.running),
             waiting_loras=_adapters_of(self.scheduler.waiting),
             resident_loras=[] if self.lora is None else self.lora.resident,
+            spec_num_drafts=spec.num_drafts,
+            spec_num_draft_tokens=spec.num_draft_tokens,
+            spec_num_accepted_tokens=spec.num_accepted_tokens,
+            spec_accepted_per_pos=list(spec.accepted_per_pos),
         )
 
 

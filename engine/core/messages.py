@@ -36,6 +36,11 @@ class EngineStats(msgspec.Struct, frozen=True, array_like=True):
     running_loras: list[str] = []
     waiting_loras: list[str] = []
     resident_loras: list[str] = []
+    # Speculative decoding, cumulative (engine/spec_decode/policy.SpecDecodeCounters).
+    spec_num_drafts: int = 0
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
+    spec_accepted_per_pos: list[int] = []
 
 
 class AddRequest(msgspec.Struct, frozen=True, array_like=True, tag=True):
@@ -137,6 +142,7 @@ class ModelDescription(msgspec.Struct, frozen=True, array_like=True):
     max_num_seqs: int = 0  # sequences a step runs at most
     scheduling_policy: str = "fcfs"  # engine.config.SCHEDULING_POLICIES
     cache_dtype: str = "auto"  # the KV cache's --kv-cache-dtype (contract KV_CACHE_DTYPES)
+    num_speculative_tokens: int = 0  # proposals per step at most (0: no speculation)
 
 
 class ModelFilesFound(msgspec.Struct, frozen=True, array_like=True, tag=True):

@@ -530,6 +530,7 @@ class AsyncEngine:
                 vllm_names=self._vllm_metrics,
                 tensor_parallel_size=model.tensor_parallel_size,
                 max_loras=model.max_loras,
+                num_speculative_tokens=model.num_speculative_tokens,
             )
             self.metrics.bind_engine_state(
                 lambda: self.num_waiting, lambda: self.num_running, lambda: self.kv_cache_usage

@@ -17,7 +17,13 @@ from collections.abc import Mapping, Sequence
 from kvpilot.contract.engine_flags import FlagError, read_flags
 from kvpilot.contract.limits import RequestLimits
 from kvpilot.contract.lora import RUNTIME_LORA_ENV, is_truthy, parse_lora_module
-from kvpilot.engine.config import CacheConfig, EngineConfig, LoRAConfig, SchedulerConfig
+from kvpilot.engine.config import (
+    CacheConfig,
+    EngineConfig,
+    LoRAConfig,
+    SchedulerConfig,
+    SpeculativeConfig,
+)
 from kvpilot.engine.cpu.affinity import CpuPlacement
 from kvpilot.engine.server.settings import ChatOptions, ServerSettings
 
@@ -53,6 +59,11 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
             policy=args.scheduling_policy,
         ),
         lora=lora_config(args),
+        speculative=(
+            None
+            if args.speculative_config is None
+            else SpeculativeConfig.from_json(args.speculative_config)
+        ),
     )
 
 

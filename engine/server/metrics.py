@@ -73,6 +73,10 @@ class EngineCounters:
     num_preemptions: int = 0
     num_prompt_tokens: int = 0
     num_generation_tokens: int = 0
+    spec_num_drafts: int = 0
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
+    spec_accepted_per_pos: tuple[int, ...] = ()
 
     @classmethod
     def of(cls, stats: Any) -> EngineCounters:
@@ -82,6 +86,10 @@ class EngineCounters:
             num_preemptions=stats.num_preemptions,
             num_prompt_tokens=stats.num_prompt_tokens,
             num_generation_tokens=stats.num_generation_tokens,
+            spec_num_drafts=stats.spec_num_drafts,
+            spec_num_draft_tokens=stats.spec_num_draft_tokens,
+            spec_num_accepted_tokens=stats.spec_num_accepted_tokens,
+            spec_accepted_per_pos=tuple(stats.spec_accepted_per_pos),
         )
 
 
@@ -190,6 +198,22 @@ ITERATION_TOKENS = Family(
     "Tokens per engine step: prompts that got their first token, plus tokens generated.",
     buckets=ITERATION_TOKEN_BUCKETS,
 )
+# Speculative decoding (vLLM's), declared only when the engine speculates.
+SPEC_DECODE_NUM_DRAFTS = Family(
+    Counter, "spec_decode_num_drafts", "Number of spec decoding drafts."
+)
+SPEC_DECODE_NUM_DRAFT_TOKENS = Family(
+    Counter, "spec_decode_num_draft_tokens", "Number of draft tokens."
+)
+SPEC_DECODE_NUM_ACCEPTED_TOKENS = Family(
+    Counter, "spec_decode_num_accepted_tokens", "Number of accepted tokens."
+)
+SPEC_DECODE_NUM_ACCEPTED_TOKENS_PER_POS = Family(
+    Counter,
+    "spec_decode_num_accepted_tokens_per_pos",
+    "Accepted tokens per draft position.",
+    ("position",),
+)
 CACHE_CONFIG_INFO = Family(
     Gauge,
     "cache_config_info",
@@ -294,8 +318,10 @@ class ServerMetrics:
         vllm_names: bool = True,
         tensor_parallel_size: int = 1,
         max_loras: int = 0,
+        num_speculative_tokens: int = 0,
     ) -> None:
-        """max_loras: the engine's adapter slots (0: adapters off, and no adapter metric)."""
+        """max_loras: the engine's adapter slots (0: adapters off, and no adapter metric);
+        num_speculative_tokens: proposals per step at most (0: no speculation metric)."""
         self.registry = registry
         self.model_name = model_name
         self._prefixes = (KVPILOT, VLLM) if vllm_names else (KVPILOT,)
@@ -361,6 +387,19 @@ class ServerMetrics:
             self.lora_prompt_tokens = self._declare(LORA_PROMPT_TOKENS, KVPILOT)
             self.lora_generation_tokens = self._declare(LORA_GENERATION_TOKENS, KVPILOT)
             self.record_loras([], [], now=0.0)
+        self.spec_decode: list[_Fanout] = []
+        self.spec_accepted_per_pos: list[_Fanout] = []
+        if num_speculative_tokens:
+            self.spec_decode = self._fanouts(
+                SPEC_DECODE_NUM_DRAFTS,
+                SPEC_DECODE_NUM_DRAFT_TOKENS,
+                SPEC_DECODE_NUM_ACCEPTED_TOKENS,
+            )
+            per_pos = self._declare_shared(SPEC_DECODE_NUM_ACCEPTED_TOKENS_PER_POS)
+            self.spec_accepted_per_pos = [
+                _Fanout([bind(str(pos)) for bind in per_pos])
+                for pos in range(num_speculative_tokens)
+            ]
         registry.register(self._histograms)
 
     def exposition(self) -> bytes:
@@ -438,6 +477,16 @@ class ServerMetrics:
         self.prompt_tokens.inc(max(0, counters.num_prompt_tokens - last.num_prompt_tokens))
         num_generated = max(0, counters.num_generation_tokens - last.num_generation_tokens)
         self.generation_tokens.inc(num_generated)
+        if self.spec_decode:
+            drafts, draft_tokens, accepted = self.spec_decode
+            drafts.inc(max(0, counters.spec_num_drafts - last.spec_num_drafts))
+            draft_tokens.inc(max(0, counters.spec_num_draft_tokens - last.spec_num_draft_tokens))
+            accepted.inc(max(0, counters.spec_num_accepted_tokens - last.spec_num_accepted_tokens))
+            before = last.spec_accepted_per_pos
+            for pos, (fanout, now) in enumerate(
+                zip(self.spec_accepted_per_pos, counters.spec_accepted_per_pos, strict=False)
+            ):
+                fanout.inc(max(0, now - (before[pos] if pos < len(before) else 0)))
         # vLLM counts an iteration's prompt tokens when their first token comes, as the engine
         # core does: the step's tokens are the two deltas. Steps that produced nothing are idle.
         if num_generated:

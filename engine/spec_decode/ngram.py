@@ -1,0 +1,30 @@
+"""N-gram (prompt lookup) proposals: the tokens that followed the latest earlier occurrence of the
+sequence's own suffix. No model: right where the output copies its input (RAG, extraction, code
+edits, long chats)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+
+def propose_ngram(
+    token_ids: Sequence[int], *, min_n: int, max_n: int, num_tokens: int
+) -> list[int]:
+    """Up to num_tokens proposals for what follows token_ids: for the longest suffix of length
+    n in [min_n, max_n] that also occurs earlier, the tokens after its latest earlier occurrence
+    (latest: the nearest context is the likeliest to repeat). Empty when no suffix recurs."""
+    length = len(token_ids)
+    if num_tokens < 1 or length < min_n + 1:
+        return []
+    ids = np.asarray(token_ids, dtype=np.int64)
+    for n in range(min(max_n, length - 1), min_n - 1, -1):
+        suffix = ids[length - n :]
+        # Windows starting at 0 .. length-n-1: every occurrence but the suffix itself.
+        windows = np.lib.stride_tricks.sliding_window_view(ids[: length - 1], n)
+        hits = np.flatnonzero((windows == suffix).all(axis=1))
+        if hits.size:
+            start = int(hits[-1]) + n
+            return ids[start : start + num_tokens].tolist()
+    return []

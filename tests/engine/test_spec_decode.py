@@ -1,0 +1,322 @@
+"""N-gram speculative decoding (engine/spec_decode/): the flag's JSON, the proposer, the rejection
+sampler against the target distribution, and on the real SmolLM2 engine: greedy outputs token for
+token those of decoding without speculation (concurrent requests, chunked prefill, prefix-cache
+hits, preemption), stops and max_tokens inside an accepted run, the back-off and the counters."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from prometheus_client import CollectorRegistry
+
+from kvpilot.contract.engine_flags import FlagError
+from kvpilot.engine import LLM, SamplingParams
+from kvpilot.engine.config import SpeculativeConfig
+from kvpilot.engine.sequence import Sequence
+from kvpilot.engine.server.from_flags import engine_config, parse_flags
+from kvpilot.engine.server.metrics import EngineCounters, ServerMetrics
+from kvpilot.engine.spec_decode.ngram import propose_ngram
+from kvpilot.engine.spec_decode.policy import PROBE_EVERY, SpeculationPolicy
+from kvpilot.engine.spec_decode.verify import greedy_accept, rejection_sample
+
+# ---- the flag --------------------------------------------------------------------------------
+
+
+def test_the_flag_takes_vllms_json() -> None:
+    args = parse_flags(
+        [
+            "--speculative-config",
+            '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 5, '
+            '"prompt_lookup_min": 2}',
+        ]
+    )
+    spec = engine_config(args).speculative
+    assert spec == SpeculativeConfig(
+        num_speculative_tokens=3, prompt_lookup_max=5, prompt_lookup_min=2
+    )
+    assert engine_config(parse_flags([])).speculative is None
+
+
+@pytest.mark.parametrize(
+    ("value", "message"),
+    [
+        ("{ngram", "speculative config is not valid JSON"),
+        ("[1, 2]", "speculative config must be a JSON object"),
+        ('{"method": "eagle"}', "speculative method must be one of ngram, got 'eagle'"),
+        ('{"model": "x"}', "speculative config has unknown keys ['model']"),
+        ('{"num_speculative_tokens": 0}', "num_speculative_tokens must be an integer >= 1"),
+        ('{"num_speculative_tokens": "4"}', "num_speculative_tokens must be an integer >= 1"),
+        (
+            '{"prompt_lookup_min": 5, "prompt_lookup_max": 3}',
+            "prompt_lookup_min (5) must be <= prompt_lookup_max (3)",
+        ),
+        ('{"min_acceptance": 2}', "min_acceptance must be in [0, 1], got 2"),
+    ],
+)
+def test_a_bad_speculative_config_is_a_flag_error(value: str, message: str) -> None:
+    with pytest.raises(FlagError) as caught:
+        parse_flags(["--speculative-config", value])
+    assert message in str(caught.value)
+
+
+def test_async_scheduling_is_refused_with_speculation() -> None:
+    with pytest.raises(FlagError, match="async scheduling does not run with speculative"):
+        parse_flags(["--async-scheduling", "--speculative-config", "{}"])
+
+
+# ---- proposals and verification ----------------------------------------------------------------
+
+
+def test_ngram_proposes_what_followed_the_latest_earlier_occurrence_of_the_suffix() -> None:
+    ids = [1, 2, 3, 4, 9, 1, 2, 3, 5, 6, 7, 1, 2, 3]
+    # Suffix [1, 2, 3] occurred at 0 and 5: the latest (5) was followed by 5, 6, 7.
+    assert propose_ngram(ids, min_n=2, max_n=3, num_tokens=3) == [5, 6, 7]
+    assert propose_ngram(ids, min_n=2, max_n=3, num_tokens=10) == [5, 6, 7, 1, 2, 3]
+    # Only the shortest suffix recurs: [8, 2] never occurred, [2] did (followed by 3).
+    assert propose_ngram([2, 3, 8, 2], min_n=1, max_n=2, num_tokens=2) == [3, 8]
+    assert propose_ngram([2, 3, 8, 2], min_n=2, max_n=2, num_tokens=2) == []
+    assert propose_ngram([7], min_n=1, max_n=3, num_tokens=2) == []
+
+
+def test_greedy_accepts_the_proposals_the_target_argmax_agrees_with() -> None:
+    assert greedy_accept([5, 6, 7, 8], [5, 6, 7]) == [5, 6, 7, 8]  # all and the bonus token
+    assert greedy_accept([5, 9, 7, 8], [5, 6, 7]) == [5, 9]  # the correction at the first miss
+    assert greedy_accept([4, 6, 7, 8], [5, 6, 7]) == [4]
+    assert greedy_accept([4], []) == [4]
+
+
+# chi-square critical values at significance 0.001 by degrees of freedom: a correct sampler fails
+# one run in a thousand, a wrong one (tested below) by orders of magnitude.
+CHI2_CRITICAL_0_001 = {4: 18.47, 5: 20.52}
+
+
+def chi_square(counts: list[int], probs: list[float]) -> float:
+    n = sum(counts)
+    return sum((c - n * p) ** 2 / (n * p) for c, p in zip(counts, probs, strict=True) if p > 0)
+
+
+def test_rejection_sampling_follows_the_target_distribution() -> None:
+    """Drafts of a one-hot proposal, accepted with p(d) and otherwise redrawn from p without d:
+    each emitted token follows the target distribution, whatever the draft."""
+    probs = torch.tensor(
+        [
+            [0.05, 0.40, 0.10, 0.25, 0.15, 0.05],  # the draft (token 3) is likely-ish
+            [0.30, 0.05, 0.20, 0.10, 0.05, 0.30],  # the draft (token 1) is unlikely
+            [0.10, 0.10, 0.30, 0.20, 0.20, 0.10],  # the bonus position
+        ]
+    )
+    drafts = [3, 1]
+    generator = torch.Generator().manual_seed(1234)
+    num_draws = 12000
+    first = [0] * 6
+    second = [0] * 6  # given that the first draft was accepted
+    third = [0] * 6  # given that both were accepted
+    lengths = [0, 0, 0]
+    for _ in range(num_draws):
+        uniforms = torch.rand(3, generator=generator)
+        out = rejection_sample(probs, drafts, uniforms)
+        lengths[len(out) - 1] += 1
+        first[out[0]] += 1
+        if out[0] == drafts[0] and len(out) > 1:
+            second[out[1]] += 1
+        if len(out) == 3:
+            third[out[2]] += 1
+    critical = CHI2_CRITICAL_0_001[5]
+    assert chi_square(first, probs[0].tolist()) < critical
+    assert chi_square(second, probs[1].tolist()) < critical
+    assert chi_square(third, probs[2].tolist()) < critical
+    # Acceptance happens at the rate p(d): 0.25 for the first draft, then 0.05.
+    assert lengths[0] / num_draws == pytest.approx(0.75, abs=0.02)
+    assert lengths[2] / num_draws == pytest.approx(0.25 * 0.05, abs=0.005)
+    # The test can fail: a sampler that always kept the draft's token would be far off.
+    wrong = [0] * 6
+    wrong[3] = num_draws
+    assert chi_square(wrong, probs[0].tolist()) > 1000 * critical
+
+
+# ---- the real engine ---------------------------------------------------------------------------
+
+TEXT = (
+    "The committee met on Tuesday to review the budget for the new library. After a long "
+    "discussion, the members agreed to fund the reading room, the children's corner and the "
+    "archive, but postponed the decision on the roof garden until the spring meeting."
+)
+TASKS = [
+    f"Repeat this text exactly: {TEXT}",
+    f"Copy the following paragraph word for word: {TEXT}",
+    f"Rewrite this text, replacing 'committee' with 'council': {TEXT}",
+    f"Repeat the first sentence of this text twice: {TEXT}",
+]
+SPEC = SpeculativeConfig(num_speculative_tokens=4, prompt_lookup_max=4, prompt_lookup_min=2)
+# Chunked prefill (a 64-token budget cuts every prompt and the verify queries), and a pool that
+# four concurrent sequences outgrow (preemption); the prefix cache is on.
+SETUP = {"dtype": "float32", "max_num_batched_tokens": 64, "num_blocks": 28, "block_size": 16}
+
+
+@pytest.fixture(scope="module")
+def engines() -> dict[bool, LLM]:
+    return {spec: LLM(speculative=SPEC if spec else None, **SETUP) for spec in (False, True)}
+
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=48)
+
+
+@pytest.fixture(scope="module")
+def plain(engines: dict[bool, LLM]) -> list[tuple[list[int], str, str | None]]:
+    """The greedy outputs without speculation."""
+    return run(engines[False], GREEDY)
+
+
+def prompts(llm: LLM, tasks: list[str]) -> list[str]:
+    return [
+        llm.tokenizer.apply_chat_template(
+            [{"role": "user", "content": task}], add_generation_prompt=True, tokenize=False
+        )
+        for task in tasks
+    ]
+
+
+def run(
+    llm: LLM, params: SamplingParams, tasks: list[str] = TASKS
+) -> list[tuple[list[int], str, str | None]]:
+    outs = llm.generate(prompts(llm, tasks), params)
+    return [(o.outputs[0].token_ids, o.outputs[0].text, o.outputs[0].finish_reason) for o in outs]
+
+
+def test_greedy_outputs_are_those_without_speculation(
+    engines: dict[bool, LLM], plain: list[tuple[list[int], str, str | None]]
+) -> None:
+    spec_llm = engines[True]
+    core = spec_llm.engine.core
+    assert core.speculation is not None
+    hits_before = spec_llm.engine.block_manager.num_hit_tokens
+    # Twice: the second pass finds the prompts in the prefix cache.
+    assert run(spec_llm, GREEDY) == plain
+    assert run(spec_llm, GREEDY) == plain
+    counters = core.speculation.counters
+    # Input-grounded prompts: most proposals are accepted.
+    assert counters.num_accepted_tokens > 100
+    assert counters.num_accepted_tokens > 0.5 * counters.num_draft_tokens
+    assert sum(counters.accepted_per_pos) == counters.num_accepted_tokens
+    assert counters.accepted_per_pos == sorted(counters.accepted_per_pos, reverse=True)
+    assert spec_llm.engine.block_manager.num_hit_tokens > hits_before
+    assert core.scheduler.num_preemptions > 0
+    assert not core.has_unfinished_requests()
+    assert spec_llm.engine.block_manager.usage == 0.0
+    spec_llm.engine.block_manager.check_integrity([])
+
+
+def test_stops_and_max_tokens_inside_an_accepted_run_end_at_their_token(
+    engines: dict[bool, LLM], plain: list[tuple[list[int], str, str | None]]
+) -> None:
+    tokens, text, _ = plain[0]
+    # A token and a word deep in the copied text, where whole runs of proposals are accepted.
+    stop_token = tokens[30]
+    stop_word = "children"
+    assert stop_word in text
+    llm = engines[True]
+    accepted_before = llm.engine.core.speculation.counters.num_accepted_tokens
+    by_token = run(llm, SamplingParams(temperature=0.0, max_tokens=48, stop_token_ids=[stop_token]))
+    assert by_token[0] == (tokens[: tokens.index(stop_token) + 1], by_token[0][1], "stop")
+    by_word = run(llm, SamplingParams(temperature=0.0, max_tokens=48, stop=[stop_word]))
+    assert by_word[0][1] == text[: text.index(stop_word)] and by_word[0][2] == "stop"
+    by_length = run(llm, SamplingParams(temperature=0.0, max_tokens=23))
+    assert [out[0] for out in by_length] == [t[:23] for t, _, _ in plain]
+    assert all(out[2] == "length" for out in by_length)
+    assert llm.engine.core.speculation.counters.num_accepted_tokens > accepted_before + 30
+
+
+def test_sampled_requests_speculate_and_keep_their_seeds(engines: dict[bool, LLM]) -> None:
+    llm = engines[True]
+    counters = llm.engine.core.speculation.counters
+    before = counters.num_drafts
+    params = SamplingParams(temperature=0.7, top_p=0.95, seed=7, max_tokens=32)
+    first = run(llm, params, TASKS[:2])
+    assert counters.num_drafts > before
+    assert run(llm, params, TASKS[:2]) == first  # a seeded request gives the same tokens again
+    assert all(len(t) > 0 for t, _, _ in first)
+
+
+def decoding_seq() -> Sequence:
+    """A sequence past its prompt whose suffix recurs: the proposer always has proposals."""
+    ids = [1, 2, 3, 4] * 3
+    seq = Sequence("r", 0, ids, num_prompt_tokens=len(ids) - 1, params=SamplingParams())
+    seq.num_computed_tokens = len(ids) - 1
+    return seq
+
+
+def test_speculation_backs_off_in_large_batches_and_at_low_acceptance() -> None:
+    policy = SpeculationPolicy(SpeculativeConfig(disable_by_batch_size=2), max_seq_len=4096)
+    seqs = [decoding_seq() for _ in range(2)]
+    policy.propose(seqs)
+    assert [s.spec_token_ids for s in seqs] == [[1, 2, 3, 4]] * 2
+    # Three running sequences: past the batch size, none gets proposals.
+    seqs.append(decoding_seq())
+    policy.propose(seqs)
+    assert all(s.spec_token_ids == [] for s in seqs)
+    # Acceptance measured near zero: only every PROBE_EVERY-th step proposes.
+    for _ in range(40):
+        policy.record([(4, 0)])
+    assert policy.acceptance < policy.config.min_acceptance
+    proposing_steps = 0
+    for _ in range(PROBE_EVERY * 2):
+        seq = decoding_seq()
+        policy.propose([seq])
+        proposing_steps += bool(seq.spec_token_ids)
+    assert proposing_steps == 2
+    # Proposals never reach past max_tokens: one output token left, so none at all.
+    seq = decoding_seq()
+    seq.params = SamplingParams(max_tokens=3)  # 1 generated, 2 left: 1 proposal at most
+    SpeculationPolicy(SpeculativeConfig(), max_seq_len=4096).propose([seq])
+    assert seq.spec_token_ids == [1]
+
+
+def test_the_counters_reach_vllms_metric_names() -> None:
+    registry = CollectorRegistry()
+    metrics = ServerMetrics(
+        registry,
+        "m",
+        block_size=16,
+        num_gpu_blocks=100,
+        enable_prefix_caching=True,
+        max_model_len=2048,
+        num_speculative_tokens=3,
+    )
+    metrics.record_counters(
+        EngineCounters(
+            spec_num_drafts=5,
+            spec_num_draft_tokens=15,
+            spec_num_accepted_tokens=9,
+            spec_accepted_per_pos=(5, 3, 1),
+        )
+    )
+    metrics.record_counters(
+        EngineCounters(
+            spec_num_drafts=6,
+            spec_num_draft_tokens=18,
+            spec_num_accepted_tokens=11,
+            spec_accepted_per_pos=(6, 4, 1),
+        )
+    )
+
+    def value(name: str, **labels: str) -> float | None:
+        return registry.get_sample_value(name, {"model_name": "m", "engine": "0", **labels})
+
+    assert value("vllm:spec_decode_num_drafts_total") == 6
+    assert value("vllm:spec_decode_num_draft_tokens_total") == 18
+    assert value("vllm:spec_decode_num_accepted_tokens_total") == 11
+    per_pos = [
+        value("vllm:spec_decode_num_accepted_tokens_per_pos_total", position=str(p))
+        for p in range(3)
+    ]
+    assert per_pos == [6, 4, 1]
+    without = CollectorRegistry()
+    ServerMetrics(
+        without, "m", block_size=16, num_gpu_blocks=1, enable_prefix_caching=True, max_model_len=8
+    )
+    assert (
+        without.get_sample_value(
+            "vllm:spec_decode_num_drafts_total", {"model_name": "m", "engine": "0"}
+        )
+        is None
+    )
