@@ -217,7 +217,7 @@ async def test_a_16_mib_prompt_does_not_stall_eight_streams(
     assert len(huge_body) >= 16 * 2**20
     long_body = json.dumps({"prompt": huge[: (8192 - 2) * max_chars], "max_tokens": 4}).encode()
     async with httpx.AsyncClient(timeout=300) as http:
-        # Warm up: the first big body starts the preprocessing worker process.
+        # Warm up: the preprocessing worker (started with the server) parses its first big body.
         warm = await http.post(f"{big_server}/v1/completions", content=huge_body)
         assert warm.status_code == 400, warm.text
         started = [asyncio.Event() for _ in range(NUM_STREAMS)]
