@@ -107,7 +107,7 @@ def test_rejection_sampling_follows_the_target_distribution() -> None:
     )
     drafts = [3, 1]
     generator = torch.Generator().manual_seed(1234)
-    num_draws = 12000
+    num_draws = 5000
     first = [0] * 6
     second = [0] * 6  # given that the first draft was accepted
     third = [0] * 6  # given that both were accepted
@@ -127,11 +127,11 @@ def test_rejection_sampling_follows_the_target_distribution() -> None:
     assert chi_square(third, probs[2].tolist()) < critical
     # Acceptance happens at the rate p(d): 0.25 for the first draft, then 0.05.
     assert lengths[0] / num_draws == pytest.approx(0.75, abs=0.02)
-    assert lengths[2] / num_draws == pytest.approx(0.25 * 0.05, abs=0.005)
+    assert lengths[2] / num_draws == pytest.approx(0.25 * 0.05, abs=0.006)
     # The test can fail: a sampler that always kept the draft's token would be far off.
     wrong = [0] * 6
     wrong[3] = num_draws
-    assert chi_square(wrong, probs[0].tolist()) > 1000 * critical
+    assert chi_square(wrong, probs[0].tolist()) > 100 * critical
 
 
 # ---- the real engine ---------------------------------------------------------------------------
@@ -158,7 +158,7 @@ def engines() -> dict[bool, LLM]:
     return {spec: LLM(speculative=SPEC if spec else None, **SETUP) for spec in (False, True)}
 
 
-GREEDY = SamplingParams(temperature=0.0, max_tokens=48)
+GREEDY = SamplingParams(temperature=0.0, max_tokens=40)
 
 
 @pytest.fixture(scope="module")
@@ -195,7 +195,7 @@ def test_greedy_outputs_are_those_without_speculation(
     assert run(spec_llm, GREEDY) == plain
     counters = core.speculation.counters
     # Input-grounded prompts: most proposals are accepted.
-    assert counters.num_accepted_tokens > 100
+    assert counters.num_accepted_tokens > 80
     assert counters.num_accepted_tokens > 0.5 * counters.num_draft_tokens
     assert sum(counters.accepted_per_pos) == counters.num_accepted_tokens
     assert counters.accepted_per_pos == sorted(counters.accepted_per_pos, reverse=True)
@@ -212,16 +212,19 @@ def test_stops_and_max_tokens_inside_an_accepted_run_end_at_their_token(
     tokens, text, _ = plain[0]
     # A token and a word deep in the copied text, where whole runs of proposals are accepted.
     stop_token = tokens[30]
-    stop_word = "children"
+    stop_word = "reading"
     assert stop_word in text
     llm = engines[True]
     accepted_before = llm.engine.core.speculation.counters.num_accepted_tokens
-    by_token = run(llm, SamplingParams(temperature=0.0, max_tokens=48, stop_token_ids=[stop_token]))
+    two = TASKS[:2]
+    by_token = run(
+        llm, SamplingParams(temperature=0.0, max_tokens=40, stop_token_ids=[stop_token]), two
+    )
     assert by_token[0] == (tokens[: tokens.index(stop_token) + 1], by_token[0][1], "stop")
-    by_word = run(llm, SamplingParams(temperature=0.0, max_tokens=48, stop=[stop_word]))
+    by_word = run(llm, SamplingParams(temperature=0.0, max_tokens=40, stop=[stop_word]), two)
     assert by_word[0][1] == text[: text.index(stop_word)] and by_word[0][2] == "stop"
-    by_length = run(llm, SamplingParams(temperature=0.0, max_tokens=23))
-    assert [out[0] for out in by_length] == [t[:23] for t, _, _ in plain]
+    by_length = run(llm, SamplingParams(temperature=0.0, max_tokens=23), two)
+    assert [out[0] for out in by_length] == [t[:23] for t, _, _ in plain[:2]]
     assert all(out[2] == "length" for out in by_length)
     assert llm.engine.core.speculation.counters.num_accepted_tokens > accepted_before + 30
 
@@ -230,7 +233,7 @@ def test_sampled_requests_speculate_and_keep_their_seeds(engines: dict[bool, LLM
     llm = engines[True]
     counters = llm.engine.core.speculation.counters
     before = counters.num_drafts
-    params = SamplingParams(temperature=0.7, top_p=0.95, seed=7, max_tokens=32)
+    params = SamplingParams(temperature=0.7, top_p=0.95, seed=7, max_tokens=24)
     first = run(llm, params, TASKS[:2])
     assert counters.num_drafts > before
     assert run(llm, params, TASKS[:2]) == first  # a seeded request gives the same tokens again

@@ -1,0 +1,149 @@
+"""N-gram speculative decoding against plain decoding, side by side in one process: inter-token
+latency (decode time per output token after the first: (last token - first token) / (tokens - 1),
+per request, a burst of accepted tokens counting as its tokens) on an input-grounded workload.
+
+The workload: SmolLM2 chat prompts that each hold a paragraph and ask for it back, edited
+(repeat it, replace a word, fix its tense, extract sentences). Greedy decoding, so both engines
+produce the same tokens (checked: a mismatch fails the run) and the same token counts.
+
+Each concurrency C runs C requests at once (max_num_seqs C) on two engines built alike but for
+--speculative-config; rounds alternate the engines, so load on a shared VM falls on both. At
+concurrency 64 the back-off (engine/spec_decode/policy.py: more running sequences than
+disable_by_batch_size) keeps speculation off: the goal there is "never slower".
+
+    .venv/bin/python bench/spec_decode.py --concurrency 1,8,64 --rounds 2 \
+        --out bench/spec_decode.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import time
+from pathlib import Path
+
+from kvpilot.engine import LLM, SamplingParams
+from kvpilot.engine.config import SpeculativeConfig
+
+PARAGRAPHS = [
+    "The committee met on Tuesday to review the budget for the new library. After a long "
+    "discussion, the members agreed to fund the reading room, the children's corner and the "
+    "archive, but postponed the decision on the roof garden until the spring meeting.",
+    "Our store opens at nine in the morning and closes at six in the evening from Monday to "
+    "Friday. On Saturdays we open at ten and close at four. We are closed on Sundays and on "
+    "public holidays, and orders placed online ship on the next working day.",
+    "To reset the router, unplug it from the wall, wait thirty seconds, and plug it back in. "
+    "When the front light turns green, open the settings page, sign in with the password on "
+    "the label, and choose a new name and password for the wireless network.",
+    "Maria planted tomatoes, beans and peppers in the small garden behind her house. Every "
+    "evening she watered the plants, pulled the weeds and checked the leaves for insects, and "
+    "by the end of the summer she had more vegetables than her family could eat.",
+]
+TASKS = [
+    "Repeat this text exactly: {p}",
+    "Copy the following paragraph word for word: {p}",
+    "Rewrite this text, replacing every 'the' with 'a': {p}",
+    "Repeat the text below, then repeat its first sentence again: {p}",
+]
+
+
+def workload(llm: LLM, num: int) -> list[str]:
+    """num chat prompts, cycling through the paragraphs and tasks."""
+    prompts = []
+    for i in range(num):
+        task = TASKS[i % len(TASKS)].format(p=PARAGRAPHS[(i // len(TASKS)) % len(PARAGRAPHS)])
+        prompts.append(
+            llm.tokenizer.apply_chat_template(
+                [{"role": "user", "content": task}], add_generation_prompt=True, tokenize=False
+            )
+        )
+    return prompts
+
+
+def run_round(llm: LLM, prompts: list[str], max_tokens: int) -> tuple[list[float], list]:
+    """Per-request ITL (s) and the token ids, all prompts at once."""
+    outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=max_tokens))
+    itls, tokens = [], []
+    for out in outs:
+        m = out.metrics
+        n = len(out.outputs[0].token_ids)
+        tokens.append(out.outputs[0].token_ids)
+        if n > 1 and m.first_token_time is not None and m.last_token_time is not None:
+            itls.append((m.last_token_time - m.first_token_time) / (n - 1))
+    return itls, tokens
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--concurrency", default="1,8,64", help="comma-separated")
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--max-tokens", type=int, default=96)
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument(
+        "--speculative-config",
+        default='{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, '
+        '"prompt_lookup_min": 2}',
+    )
+    parser.add_argument("--out", type=Path, default=None, help="write the figures as JSON")
+    args = parser.parse_args()
+    spec = SpeculativeConfig.from_json(args.speculative_config)
+    concurrencies = [int(c) for c in args.concurrency.split(",")]
+    results = []
+    for conc in concurrencies:
+        engines = {
+            name: LLM(
+                dtype=args.dtype,
+                max_num_seqs=conc,
+                speculative=spec if name == "ngram" else None,
+            )
+            for name in ("plain", "ngram")
+        }
+        prompts = workload(engines["plain"], conc)
+        for llm in engines.values():  # warm-up (and prefix-cache state alike for both)
+            llm.generate(prompts[:1], SamplingParams(temperature=0.0, max_tokens=4))
+        itls: dict[str, list[float]] = {name: [] for name in engines}
+        tokens: dict[str, list] = {}
+        for r in range(args.rounds):
+            order = list(engines) if r % 2 == 0 else list(reversed(engines))
+            for name in order:
+                engines[name].engine.core.block_manager.reset_prefix_cache()
+                round_itls, tokens[name] = run_round(engines[name], prompts, args.max_tokens)
+                itls[name].extend(round_itls)
+        if tokens["plain"] != tokens["ngram"]:
+            raise SystemExit(f"concurrency {conc}: greedy outputs differ with speculation")
+        counters = engines["ngram"].engine.core.speculation.counters
+        plain_ms = statistics.mean(itls["plain"]) * 1000
+        ngram_ms = statistics.mean(itls["ngram"]) * 1000
+        row = {
+            "concurrency": conc,
+            "itl_ms_plain": round(plain_ms, 2),
+            "itl_ms_ngram": round(ngram_ms, 2),
+            "speedup": round(plain_ms / ngram_ms, 2),
+            "output_tokens_per_request": statistics.mean(len(t) for t in tokens["plain"]),
+            "drafts": counters.num_drafts,
+            "draft_tokens": counters.num_draft_tokens,
+            "accepted_tokens": counters.num_accepted_tokens,
+            "acceptance": round(counters.num_accepted_tokens / counters.num_draft_tokens, 3)
+            if counters.num_draft_tokens
+            else None,
+        }
+        print(json.dumps(row), flush=True)
+        results.append(row)
+        del engines
+    report = {
+        "command": "python bench/spec_decode.py "
+        f"--concurrency {args.concurrency} --rounds {args.rounds} --max-tokens {args.max_tokens}",
+        "machine": f"{platform.machine()} {platform.node()}",
+        "dtype": args.dtype,
+        "speculative_config": args.speculative_config,
+        "when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "results": results,
+    }
+    if args.out is not None:
+        args.out.write_text(json.dumps(report, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
