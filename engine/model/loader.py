@@ -17,8 +17,8 @@ from safetensors import safe_open
 from tqdm import tqdm
 
 from kvpilot.engine.attention.base import AttentionBackend
+from kvpilot.engine.attention.kv_quant import is_kv_scale_name
 from kvpilot.engine.config import ModelConfig
-from kvpilot.engine.kv_cache.kv_scales import is_kv_scale_name
 from kvpilot.engine.model.gguf_convert import ModelFileError, gguf_to_hf_dir, hf_config_from_gguf
 from kvpilot.engine.model.layer_ops import LayerOps
 from kvpilot.engine.model.layers import rope_cos_sin_cache
