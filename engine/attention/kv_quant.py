@@ -9,6 +9,8 @@ keeps a value past the calibrated range at the format's largest finite value ins
 
 from __future__ import annotations
 
+import re
+
 import torch
 
 from kvpilot.contract.engine_choices import KV_CACHE_DTYPES
@@ -46,3 +48,15 @@ def quantize(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.
 def dequantize(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """x [..., num_kv_heads, head_dim] in fp8, scale [num_kv_heads] -> `dtype`."""
     return (x.float() * scale[:, None]).to(dtype)
+
+
+# A checkpoint tensor that is a KV-cache scale (kv_cache/kv_scales.py reads them), not a weight.
+KV_SCALE_NAME = re.compile(
+    r"^model\.layers\.(\d+)\.self_attn\.(k_scale|v_scale|kv_scale|k_proj\.output_scale|"
+    r"v_proj\.output_scale)$"
+)
+
+
+def is_kv_scale_name(name: str) -> bool:
+    """A checkpoint tensor that is a KV-cache scale, not a weight."""
+    return KV_SCALE_NAME.match(name) is not None

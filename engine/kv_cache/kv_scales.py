@@ -19,7 +19,6 @@ does not feel; past the range a value saturates (kv_quant.quantize clamps).
 from __future__ import annotations
 
 import logging
-import re
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -27,7 +26,7 @@ import torch
 from safetensors import safe_open
 
 from kvpilot.engine.attention.base import AttentionMetadata
-from kvpilot.engine.attention.kv_quant import fp8_max
+from kvpilot.engine.attention.kv_quant import KV_SCALE_NAME, fp8_max
 
 if TYPE_CHECKING:
     from kvpilot.engine.model.llama import LlamaForCausalLM
@@ -40,16 +39,6 @@ CALIBRATION_MARGIN = 4.0
 
 KVScales = list[tuple[torch.Tensor, torch.Tensor]]  # per layer: (k_scale, v_scale), [KVH] float32
 
-_SCALE_NAME = re.compile(
-    r"^model\.layers\.(\d+)\.self_attn\.(k_scale|v_scale|kv_scale|k_proj\.output_scale|"
-    r"v_proj\.output_scale)$"
-)
-
-
-def is_kv_scale_name(name: str) -> bool:
-    """A checkpoint tensor that is a KV-cache scale, not a weight."""
-    return _SCALE_NAME.match(name) is not None
-
 
 def read_checkpoint_scales(
     hf_dir: Path, num_layers: int, num_kv_heads: int, kv_head_start: int, total_kv_heads: int
@@ -61,7 +50,7 @@ def read_checkpoint_scales(
     for file in sorted(hf_dir.glob("*.safetensors")):
         with safe_open(str(file), framework="pt", device="cpu") as f:
             for name in f.keys():  # noqa: SIM118 (safe_open has no __iter__)
-                match = _SCALE_NAME.match(name)
+                match = KV_SCALE_NAME.match(name)
                 if match is None:
                     continue
                 layer, kind = int(match.group(1)), match.group(2)

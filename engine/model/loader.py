@@ -16,8 +16,8 @@ from safetensors import safe_open
 from tqdm import tqdm
 
 from kvpilot.engine.attention.base import AttentionBackend
+from kvpilot.engine.attention.kv_quant import is_kv_scale_name
 from kvpilot.engine.config import ModelConfig
-from kvpilot.engine.kv_cache.kv_scales import is_kv_scale_name
 from kvpilot.engine.model.files import ModelFileError as ModelFileError
 from kvpilot.engine.model.files import eos_token_ids as eos_token_ids
 from kvpilot.engine.model.files import has_tokenizer as has_tokenizer
