@@ -1,5 +1,6 @@
 """Shared test setup: markers that skip with a clear reason when their hardware is absent; kmock's
-request matching in linear rather than quadratic time (tests/kmock_membership.py)."""
+request matching in linear rather than quadratic time (tests/kmock_membership.py); the longest
+files first, so that CI's two workers (.ci/test) do not end with one of them alone on a long one."""
 
 from __future__ import annotations
 
@@ -10,6 +11,23 @@ import pytest
 
 from .kmock_membership import fast_request_membership
 
+# The files that take a minute or more on a 2-core CI machine, longest first (pytest --durations).
+LONGEST_FILES = (
+    "tests/server/test_load_faults.py",
+    "tests/engine/test_parity_smollm2.py",
+    "tests/router/test_router_loopback.py",
+    "tests/server/test_core_process.py",
+    "tests/router/test_tenancy_loopback.py",
+    "tests/engine/test_async_scheduling.py",
+    "tests/server/test_openapi_fuzz.py",
+    "tests/kernels/test_attention.py",
+    "tests/server/test_structured_outputs.py",
+    "tests/operator/test_drift_emulated.py",
+    "tests/server/test_async_scheduling_serve.py",
+    "tests/operator/test_invalid_specs_emulated.py",
+    "tests/engine/test_spec_decode.py",
+)
+
 
 @pytest.fixture(scope="session", autouse=True)
 def _kmock_fast_request_membership() -> Iterator[None]:
@@ -18,6 +36,10 @@ def _kmock_fast_request_membership() -> Iterator[None]:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    root = config.rootpath
+    order = {name: index for index, name in enumerate(LONGEST_FILES)}
+    # Stable: the order within a file, and of the other files, is pytest's.
+    items.sort(key=lambda item: order.get(item.path.relative_to(root).as_posix(), len(order)))
     has_cluster = bool(os.environ.get("KUBECONFIG"))
     try:
         import torch
