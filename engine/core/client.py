@@ -24,6 +24,34 @@ from kvpilot.engine.core.process import run_engine_core
 
 log = logging.getLogger("kvpilot.server")
 
+# The longest path a Unix-domain socket may have (sockaddr_un.sun_path, less its terminating NUL).
+IPC_PATH_MAX = int(getattr(zmq, "IPC_PATH_MAX_LEN", 107))
+SOCKET_NAMES = ("commands", "events")
+# Where the sockets go: the temporary directory ($TMPDIR), else these, for a TMPDIR whose path
+# leaves no room for a socket's name (a deep emptyDir mount, a test's temporary path).
+SHORT_SOCKET_PARENTS = ("/tmp", "/dev/shm")
+
+
+def private_socket_dir(parents: tuple[str | None, ...] = (None, *SHORT_SOCKET_PARENTS)) -> str:
+    """A new directory that only this user can enter (mkdtemp's 0700: the sockets take commands),
+    in the first of `parents` (None: the temporary directory) where a socket's path fits."""
+    refused: list[str] = []
+    longest = max(len(name) for name in SOCKET_NAMES)
+    for parent in parents:
+        try:
+            path = tempfile.mkdtemp(prefix="kvpilot-core-", dir=parent)
+        except OSError as exc:  # a read-only root, no /dev/shm
+            refused.append(f"{parent or tempfile.gettempdir()}: {exc.strerror}")
+            continue
+        if len(path) + 1 + longest <= IPC_PATH_MAX:
+            return path
+        os.rmdir(path)
+        refused.append(f"{path}: longer than a Unix socket's path may be ({IPC_PATH_MAX})")
+    raise RuntimeError(
+        "no directory for the engine core's sockets (set TMPDIR to a short writable path): "
+        + "; ".join(refused)
+    )
+
 
 class CoreProcessExited(RuntimeError):
     """The engine-core process is gone."""
@@ -42,14 +70,14 @@ class EngineCoreClient:
         cpus: tuple[int, ...] | None = None,
         log_level: int = logging.INFO,
     ) -> None:
-        self._dir = tempfile.mkdtemp(prefix="kvpilot-core-")
+        self._dir = private_socket_dir()
         self._context = zmq.Context()
         self._commands = self._context.socket(zmq.PUSH)
         self._commands.setsockopt(zmq.SNDHWM, 0)  # never block the event loop on a full queue
-        self._commands.bind(f"ipc://{self._dir}/commands")
+        self._commands.bind(f"ipc://{self._dir}/{SOCKET_NAMES[0]}")
         self._events = self._context.socket(zmq.PULL)
         self._events.setsockopt(zmq.RCVHWM, 0)
-        self._events.bind(f"ipc://{self._dir}/events")
+        self._events.bind(f"ipc://{self._dir}/{SOCKET_NAMES[1]}")
         # spawn, not fork: this process runs threads (uvicorn, this client's reader), and a CUDA
         # child must not inherit a parent's state.
         self._process = multiprocessing.get_context("spawn").Process(

@@ -200,6 +200,7 @@ def paused_gc() -> Iterator[None]:
     gc.enable()
 
 
+@pytest.mark.alone
 async def test_a_16_mib_prompt_does_not_stall_eight_streams(
     big_server: str, paused_gc: None
 ) -> None:
