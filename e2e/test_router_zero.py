@@ -71,6 +71,8 @@ def test_a_request_wakes_a_service_at_zero_and_is_served(
         "minReplicas": 0,
         "maxReplicas": 1,
         "scaleToZeroAfterSeconds": SCALE_TO_ZERO_AFTER_S,
+        # Else the default 300 s scale-down window holds the replica long after it is idle.
+        "scaleDown": {"stabilizationWindowSeconds": SCALE_TO_ZERO_AFTER_S},
     }
     with created(apis, e2e, body) as name:
         # minReplicas 0: it is created at zero.
