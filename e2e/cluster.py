@@ -137,4 +137,6 @@ def router_tokenizes(base: str, model: str) -> bool:
         cards = httpx.get(f"{base}/v1/models", timeout=5).json()["data"]
     except (httpx.HTTPError, KeyError, ValueError):
         return False
-    return any(card["id"] == model and card.get("tokenizerLoaded") for card in cards)
+    return any(
+        card["id"] == model and (card.get("kvpilot") or {}).get("tokenizerLoaded") for card in cards
+    )
