@@ -139,11 +139,11 @@ class ApiRecorder:
                 for key, value in answer.headers.items():
                     if key.lower() not in _NOT_FORWARDED:
                         response.headers.add(key, value)
-                await response.prepare(request)
+                # A client that goes (a watch it stops, a pod stopped) ends the stream early.
                 with contextlib.suppress(ConnectionResetError, aiohttp.ClientPayloadError):
+                    await response.prepare(request)
                     async for chunk in answer.content.iter_any():
                         await response.write(chunk)
-                with contextlib.suppress(ConnectionResetError):
                     await response.write_eof()
                 return response
 

@@ -126,3 +126,17 @@ def router_follows(base: str, model: str, count: int) -> bool:
     except httpx.HTTPError:
         return False
     return sum(r["routable"] for r in replicas.values()) == count
+
+
+def router_tokenizes(base: str, model: str) -> bool:
+    """Whether the router at `base` holds `model`'s tokenizer (until it does, it routes by load
+    alone: no prefix routes)."""
+    import httpx
+
+    try:
+        cards = httpx.get(f"{base}/v1/models", timeout=5).json()["data"]
+    except (httpx.HTTPError, KeyError, ValueError):
+        return False
+    return any(
+        card["id"] == model and (card.get("kvpilot") or {}).get("tokenizerLoaded") for card in cards
+    )

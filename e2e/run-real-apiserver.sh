@@ -25,6 +25,11 @@ mkdir -p "$KVPILOT_E2E_MODEL_CACHE"
 PYTHON=${PYTHON:-.venv/bin/python}
 start=$(date +%s)
 status=0
-"$PYTHON" -m pytest -v -p no:cacheprovider -rA --durations=0 "${@:-e2e}" || status=$?
+# A base directory of its own (the pods' logs and scratch directories are kept there after the
+# run): pytest's default one is rotated by any other pytest run of the same user.
+WORK=${KVPILOT_E2E_WORK:-/tmp/kvpilot-e2e-real-apiserver}
+"$PYTHON" -m pytest -v -p no:cacheprovider -rA --durations=0 --basetemp="$WORK" "${@:-e2e}" \
+  || status=$?
+echo "the pods' logs: $WORK/standin0/logs"
 echo "e2e on the real API server: $(( $(date +%s) - start )) s, pytest exit status $status"
 exit $status

@@ -41,8 +41,8 @@ SCALE_TO_ZERO_AFTER_S = 20
 # Granted for a check the API server makes, not for a call: with OwnerReferencesPermission-
 # Enforcement on (OpenShift, hardened clusters), setting blockOwnerDeletion on a child needs
 # `update` on the owner's finalizers.
-# A 403 in a log line, not the milliseconds of a timestamp (",403").
-FORBIDDEN_CODE = re.compile(r"(?<![\d,.:])403(?!\d)")
+# A 403 in a log line: not the milliseconds of a timestamp (",403"), nor part of an id.
+FORBIDDEN_CODE = re.compile(r"(?<![\w,.:-])403(?![\w-])")
 CHECKED_NOT_CALLED = {(GROUP, "inferenceservices/finalizers", "update")}
 
 

@@ -23,6 +23,7 @@ from .cluster import (
     get_isvc,
     port_forward,
     router_follows,
+    router_tokenizes,
     wait_for,
     wait_ready,
 )
@@ -71,6 +72,8 @@ def test_a_request_wakes_a_service_at_zero_and_is_served(
         "minReplicas": 0,
         "maxReplicas": 1,
         "scaleToZeroAfterSeconds": SCALE_TO_ZERO_AFTER_S,
+        # Else the default 300 s scale-down window holds the replica long after it is idle.
+        "scaleDown": {"stabilizationWindowSeconds": SCALE_TO_ZERO_AFTER_S},
     }
     with created(apis, e2e, body) as name:
         # minReplicas 0: it is created at zero.
@@ -218,7 +221,11 @@ def test_routers_restarted_mid_run_rebuild_the_index_and_keep_the_prefix_on_its_
         # A fresh router (the port-forward reaches one of them) knows the holder by its index.
         with port_forward(e2e.operator_namespace, ROUTER, 80) as port:
             base = f"http://127.0.0.1:{port}"
-            wait_for(lambda: router_follows(base, name, 2), 60, "the new router to follow both")
+            wait_for(
+                lambda: router_follows(base, name, 2) and router_tokenizes(base, name),
+                60,
+                "the new router to follow both and hold the tokenizer",
+            )
             for question in ("Can I bring a bicycle?", "Is the upper deck open?", "Sunday?"):
                 replica, route = ask(client_for(port), question)
                 assert replica == holder and route.startswith("prefix"), (replica, route)
