@@ -72,7 +72,9 @@ def panel_exprs(dashboard: dict[str, Any]) -> list[tuple[str, str]]:
 def launch_router(*static: str, extra: tuple[str, ...] = ()) -> Iterator[ServeProcess]:
     """`kvpilot router --static ...` (no Kubernetes API: the replicas are given)."""
     cmd = [sys.executable, "-m", "kvpilot.cli", "router", "--host", "127.0.0.1", "--port", "0"]
-    cmd += ["--hold-timeout", "1", *(arg for item in static for arg in ("--static", item))]
+    # Room for the held request to find its replica once it answers, on a CPU shared with
+    # another test; the request for the replica that stays down waits this long for its 503.
+    cmd += ["--hold-timeout", "5", *(arg for item in static for arg in ("--static", item))]
     cmd += extra
     proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True)
     router = ServeProcess(proc)
