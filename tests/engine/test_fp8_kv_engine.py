@@ -20,7 +20,7 @@ from kvpilot.engine.perplexity import perplexity, text_logprobs
 from kvpilot.engine.server.from_flags import engine_config, parse_flags
 
 from .reference import save_tiny_hf_model
-from .test_parity_tiny_models import llama_config
+from .test_parity_tiny_models import SHAPES, llama_config
 
 # A fixed English text (written for this test) for SmolLM2's perplexity.
 TEXT = (
@@ -118,18 +118,7 @@ def test_smollm2_fp8_tracks_the_full_precision_cache() -> None:
 def test_tiny_llama3_fp8_tracks_the_full_precision_cache(
     kv: str, tolerance: float, tmp_path: Path
 ) -> None:
-    config = llama_config(
-        4,
-        2,
-        rope_scaling={
-            "rope_type": "llama3",
-            "factor": 8.0,
-            "low_freq_factor": 1.0,
-            "high_freq_factor": 4.0,
-            "original_max_position_embeddings": 64,
-        },
-        rope_theta=500000.0,
-    )
+    config = SHAPES["llama3-rope-scaling"]()
     path = save_tiny_hf_model(config, tmp_path / "llama3")
     gen = torch.Generator().manual_seed(1)
     prompts = [torch.randint(0, 512, (n,), generator=gen).tolist() for n in (5, 16, 37, 150)]

@@ -23,11 +23,8 @@ from kvpilot.engine.cpu.attention_backend import (
     paged_decode,
 )
 from kvpilot.engine.cpu.build import load_library
-from tests.engine.test_cpu_attention import make_batch
+from tests.engine.test_cpu_attention import ATOL, LIB, make_batch, needs_kernel
 
-LIB = load_library()
-needs_kernel = pytest.mark.skipif(LIB is None, reason="no C compiler to build the CPU kernel")
-ATOL = {torch.float32: 2e-5, torch.bfloat16: 2e-2}
 RTOL = {torch.float32: 0.0, torch.bfloat16: 1e-2}
 FP8 = [torch.float8_e4m3fn, torch.float8_e5m2]
 
