@@ -558,6 +558,10 @@ def plot_spec(summary: dict[str, dict[str, Any]], path: Path) -> None:
     plt.close(fig)
 
 
+def save(report: dict[str, Any], out: str) -> None:
+    Path(out).with_suffix(".json").write_text(json.dumps(report, indent=1) + "\n")
+
+
 def cmd_kv(args: argparse.Namespace) -> int:
     variants = parse_kv_variants(args.variants)
     logs = Path(str(args.out) + "-logs")
@@ -569,7 +573,8 @@ def cmd_kv(args: argparse.Namespace) -> int:
         "refused": {},
         "commands": {},
     }
-    for phase, budget in (("throughput", None), ("capacity", args.kv_budget_bytes)):
+    phases = (("throughput", args.throughput_budget_bytes), ("capacity", args.kv_budget_bytes))
+    for phase, budget in phases:
         if phase == "capacity" and args.skip_capacity:
             continue
         # A variant refused in the first phase is not started again.
@@ -584,6 +589,7 @@ def cmd_kv(args: argparse.Namespace) -> int:
             rounds = args.rounds if phase == "throughput" else args.capacity_rounds
             for r in range(rounds):
                 report["records"] += kv_run(args, fleet, r, args.seed + r, phase)
+                save(report, args.out)  # what has run so far, should a later part fail
         finally:
             fleet.stop()
     report["machine"]["loadavg_end"] = os.getloadavg()
@@ -631,6 +637,7 @@ def cmd_spec(args: argparse.Namespace) -> int:
         for conc in concs:
             for r in range(args.rounds):
                 report["records"] += spec_run(args, fleet, conc, r, offset=r * 7)
+                save(report, args.out)  # what has run so far, should a later part fail
     finally:
         fleet.stop()
     report["machine"]["loadavg_end"] = os.getloadavg()
@@ -677,6 +684,12 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         default=189 * 1024 * 1024,
         help="capacity phase KV budget; default: ~32 bfloat16 sequences of ~250 tokens (SmolLM2)",
+    )
+    kv.add_argument(
+        "--throughput-budget-bytes",
+        type=int,
+        default=None,
+        help="throughput phase KV budget on both systems (default: each system's, 1 GiB)",
     )
     kv.add_argument("--capacity-prompts", type=int, default=128)
     kv.add_argument("--capacity-rounds", type=int, default=1)
