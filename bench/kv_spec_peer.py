@@ -496,8 +496,19 @@ def summarize_spec(records: list[dict]) -> dict[str, dict[str, Any]]:
     return out
 
 
-def spec_variants(systems: tuple[str, ...] = SYSTEMS) -> list[Variant]:
-    return [Variant(s, speculative=sp) for s in systems for sp in (False, True)]
+def spec_variants() -> list[Variant]:
+    return [Variant(s, speculative=sp) for s in SYSTEMS for sp in (False, True)]
+
+
+def parse_spec_variants(text: str) -> list[Variant]:
+    """`SYSTEM` or `SYSTEM+ngram`, comma-separated (ValueError naming the bad item)."""
+    variants = []
+    for item in text.split(","):
+        system, plus, method = item.strip().partition("+")
+        if system not in SYSTEMS or (plus and method != "ngram"):
+            raise ValueError(f"a spec variant is kvpilot|vllm, optionally +ngram; got {item!r}")
+        variants.append(Variant(system, speculative=bool(plus)))
+    return variants
 
 
 def vllm_version(python: str) -> str:
@@ -575,7 +586,7 @@ def cmd_kv(args: argparse.Namespace) -> int:
     }
     phases = (("throughput", args.throughput_budget_bytes), ("capacity", args.kv_budget_bytes))
     for phase, budget in phases:
-        if phase == "capacity" and args.skip_capacity:
+        if phase not in args.phases.split(","):
             continue
         # A variant refused in the first phase is not started again.
         refused = {k.split(": ", 1)[1] for k in report["refused"]}
@@ -611,10 +622,7 @@ def cmd_spec(args: argparse.Namespace) -> int:
         "speculative_config": args.spec_config,
         "records": [],
     }
-    systems = tuple(args.systems.split(","))
-    if not set(systems) <= set(SYSTEMS):
-        raise SystemExit(f"--systems: of {', '.join(SYSTEMS)}")
-    fleet = Fleet(spec_variants(systems), args, logs, "spec")
+    fleet = Fleet(parse_spec_variants(args.variants), args, logs, "spec")
     report["refused"], report["commands"] = fleet.refused, fleet.commands
     status = 0
     try:
@@ -624,14 +632,15 @@ def cmd_spec(args: argparse.Namespace) -> int:
             for v in fleet.variants
         }  # fmt: skip  (also the warm-up)
         same = {
-            system: texts.get(f"{system} float32") == texts.get(f"{system} float32 ngram")
+            system: texts[f"{system} float32"] == texts[f"{system} float32 ngram"]
             for system in SYSTEMS
+            if f"{system} float32" in texts and f"{system} float32 ngram" in texts
         }
-        across = [a == b for a, b in zip(texts.get("kvpilot float32", []),
-                                         texts.get("vllm float32", []), strict=False)]  # fmt: skip
+        theirs = texts.get("vllm float32") or texts.get("vllm float32 ngram") or []
+        across = [a == b for a, b in zip(texts.get("kvpilot float32", []), theirs, strict=False)]
         report["greedy"] = {"same_with_speculation": same, "kvpilot_equals_vllm": across}
         print(json.dumps(report["greedy"]), flush=True)
-        if not all(same[s] for s in SYSTEMS if f"{s} float32 ngram" in texts):
+        if not all(same.values()):
             print("greedy outputs differ with speculation", file=sys.stderr)
             status = 1
         for conc in concs:
@@ -694,9 +703,11 @@ def build_parser() -> argparse.ArgumentParser:
     kv.add_argument("--capacity-prompts", type=int, default=128)
     kv.add_argument("--capacity-rounds", type=int, default=1)
     kv.add_argument("--sample-interval", type=float, default=0.25, help="s between /metrics")
-    kv.add_argument("--skip-capacity", action="store_true")
+    kv.add_argument("--phases", default="throughput,capacity", help="comma-separated")
     spec.add_argument("--concurrencies", default="1,8,64")
-    spec.add_argument("--systems", default="kvpilot,vllm", help="comma-separated")
+    spec.add_argument(
+        "--variants", default="kvpilot,kvpilot+ngram,vllm,vllm+ngram", help="comma-separated"
+    )
     spec.add_argument("--rounds", type=int, default=2)
     spec.add_argument("--max-tokens", type=int, default=64)
     spec.add_argument(

@@ -453,5 +453,12 @@ def test_kv_spec_peer_parses_its_variants_and_sums_up_paired_rounds(bench: Modul
             "kvpilot_vs_vllm_plain": 1.2,
         }
         assert peer.build_parser().parse_args(["spec"]).concurrencies == "1,8,64"
+        assert [v.name for v in peer.parse_spec_variants("kvpilot+ngram,vllm")] == [
+            "kvpilot float32 ngram",
+            "vllm float32",
+        ]
+        for bad in ("sglang", "vllm+eagle"):
+            with pytest.raises(ValueError):
+                peer.parse_spec_variants(bad)
     finally:
         sys.modules.pop("kv_spec_peer", None)
