@@ -376,3 +376,89 @@ def test_serve_startup_splits_a_start_by_the_servers_log_lines(bench: ModuleType
     assert {k: round(v, 3) for k, v in got.items()} == {**expected, "total": 5.25}
     with pytest.raises(RuntimeError, match="engine core ready"):
         startup.phases(t0, t0 + 5.25, lines[:-1])
+
+
+def test_kv_spec_peer_parses_its_variants_and_sums_up_paired_rounds(bench: ModuleType) -> None:
+    """bench/kv_spec_peer.py: variants and server flags, a refused server's root-cause line, the
+    metrics it samples, and the summaries' medians and paired-round ratios."""
+    peer = importlib.import_module("kv_spec_peer")  # bench/ is on sys.path (serve_bench)
+    try:
+        variants = peer.parse_kv_variants("kvpilot:float32:fp8_e4m3,vllm:float32:auto")
+        assert [v.name for v in variants] == ["kvpilot float32 kv fp8_e4m3", "vllm float32"]
+        for bad in ("kvpilot:float32", "sglang:float32:auto", "vllm:float32:int8", "a,a"):
+            with pytest.raises(ValueError):
+                peer.parse_kv_variants(bad)
+        cmd = peer.server_cmd(variants[1], "/v/python", "/hf", 8123, 1000, "{}")
+        assert cmd[:3] == ["/v/python", "-m", peer.VLLM_SERVER_MODULE]
+        joined = " ".join(cmd)
+        assert "--kv-cache-memory-bytes 1000" in joined and "--block-size 32" in joined
+        assert "--speculative-config" not in joined
+        spec = peer.server_cmd(peer.Variant("kvpilot", speculative=True), "p", "h", 1, None, "{}")
+        assert "--speculative-config" in spec and "--kv-cache-memory-bytes" not in spec
+        log = (
+            "WARNING x OSError: [Errno 24] Too many open files\n"
+            "ERROR y NotImplementedError: FP8 KV cache on CPU requires x86 with AVX-512 or AMX.\n"
+            "RuntimeError: Worker failed with error 'FP8 KV cache ...'\n"
+        )
+        assert peer.error_line(log) == (
+            "NotImplementedError: FP8 KV cache on CPU requires x86 with AVX-512 or AMX."
+        )
+        metrics = peer.parse_metrics(
+            '# HELP x\nvllm:num_requests_running{model_name="m"} 3.0\n'
+            'vllm:cache_config_info{block_size="32",num_gpu_blocks="136"} 1.0\n'
+            'vllm:num_preemptions_total{a="1"} 2.0\nvllm:num_preemptions_total{a="2"} 1.0\n'
+        )
+        assert metrics == {
+            "vllm:num_requests_running": 3.0,
+            "num_gpu_blocks": 136.0,
+            "vllm:num_preemptions_total": 3.0,
+        }
+        samples = [
+            {"vllm:num_requests_running": r, "vllm:num_requests_waiting": w}
+            for r, w in ((10, 5), (16, 3), (17, 1), (8, 0))
+        ]
+        figures = peer.capacity_figures(samples)
+        assert figures["max_running"] == 17 and figures["median_running_while_waiting"] == 16
+
+        def kv_record(variant: str, rnd: int, tok_s: float) -> dict:
+            return {
+                "phase": "throughput", "variant": variant, "round": rnd, "out_tok_s": tok_s,
+                "itl_p50_ms": 1000 / tok_s, "itl_p99_ms": 1.0, "ttft_p50_ms": 1.0, "failed": 0,
+                "preemptions": 0.0, "num_gpu_blocks": 10, "max_running": 4,
+                "median_running_while_waiting": None, "max_kv_cache_usage": 0.5,
+            }  # fmt: skip
+
+        records = [kv_record("a", 1, 110.0), kv_record("vllm float32", 1, 100.0)]
+        records += [kv_record("a", 2, 150.0), kv_record("vllm float32", 2, 100.0)]
+        row = peer.summarize_kv(records, "vllm float32")["throughput"]["a"]
+        assert row["out_tok_s"] == 130.0 and row["tok_s_ratio_rounds"] == [1.1, 1.5]
+        assert row["tok_s_ratio"] == pytest.approx(1.3) == row["itl_p50_speedup"]
+
+        def spec_record(variant: str, rnd: int, itl: float) -> dict:
+            return {
+                "concurrency": 1, "variant": variant, "round": rnd, "itl_mean_ms": itl,
+                "itl_p99_ms": itl, "out_tok_s": 1.0, "failed": 0, "draft_tokens": 4.0,
+                "accepted_tokens": 3.0,
+            }  # fmt: skip
+
+        itls = {"kvpilot float32": 100.0, "kvpilot float32 ngram": 40.0}
+        itls |= {"vllm float32": 120.0, "vllm float32 ngram": 60.0}
+        spec_rows = [spec_record(name, 1, itl) for name, itl in itls.items()]
+        summary = peer.summarize_spec(spec_rows)["1"]
+        assert summary["kvpilot float32 ngram"]["acceptance"] == 0.75
+        assert summary["ratios"] == {
+            "kvpilot_ngram_speedup": 2.5,
+            "vllm_ngram_speedup": 2.0,
+            "kvpilot_vs_vllm_ngram": 1.5,
+            "kvpilot_vs_vllm_plain": 1.2,
+        }
+        assert peer.build_parser().parse_args(["spec"]).concurrencies == "1,8,64"
+        assert [v.name for v in peer.parse_spec_variants("kvpilot+ngram,vllm")] == [
+            "kvpilot float32 ngram",
+            "vllm float32",
+        ]
+        for bad in ("sglang", "vllm+eagle"):
+            with pytest.raises(ValueError):
+                peer.parse_spec_variants(bad)
+    finally:
+        sys.modules.pop("kv_spec_peer", None)
