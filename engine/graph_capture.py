@@ -32,6 +32,9 @@ def uses_step_graphs(config: EngineConfig, device: torch.device, backend_name: s
         and backend_name == "triton"
         and not tensor_parallel
         and not config.enforce_eager
+        # The step graphs' buffers and forward context carry no FP8 scales (cuda_graphs.py): an
+        # FP8 cache runs its steps eagerly.
+        and config.cache.kv_cache_dtype == "auto"
     )
 
 
@@ -94,7 +97,10 @@ def compile_eager_variants(
         cfg.head_dim,
         num_sms(pool.device.index or 0),
     )
-    attention.compile_passes(passes, cfg.num_attention_heads, k_cache, v_cache)
+    # The hidden states' dtype is the queries': an FP8 cache's is not.
+    attention.compile_passes(
+        passes, cfg.num_attention_heads, k_cache, v_cache, query_dtype=graphs.hidden.dtype
+    )
     torch.cuda.synchronize(pool.device)
     log.info(
         "eager steps (%d tokens and more): %d kernel variants compiled in %.1f s",

@@ -6,6 +6,10 @@ It walks the sequence's keys through the block table TILE_N at a time with an on
 stopping at the causal edge of its last query. Decode tokens are just sequences whose query length
 is 1.
 
+An FP8 cache (kv_quant.py's format) is read as its uint8 codes, decoded exactly to float16
+(numerics.fp8_decode) for the dots; its per-head scales fold into the softmax scale (K) and the
+output (V), since a program reads one KV head.
+
 The split-K (flash-decoding) path cuts each program's key range into NUM_SPLITS pieces run by
 separate programs, then a second small kernel merges the partial results by their log-sum-exp. It
 pays off when the batch has too few (sequence, KV head) pairs to fill the GPU and the contexts are
@@ -24,7 +28,8 @@ import torch
 import triton.language as tl
 
 from kvpilot.engine.attention.base import AttentionMetadata
-from kvpilot.engine.kernels.numerics import cast_to
+from kvpilot.engine.kernels.kv_cache import check_fp8_scales
+from kvpilot.engine.kernels.numerics import FP8_FORMATS, cast_to, fp8_decode
 from kvpilot.engine.kernels.runtime import next_power_of_2, num_sms, triton_kernel
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -40,8 +45,10 @@ def _paged_attention_kernel(
     lse_max_ptr,  # [T, H, NUM_SPLITS] fp32 running max (log2 domain), only when split
     lse_sum_ptr,  # [T, H, NUM_SPLITS] fp32 softmax denominator, only when split
     q_ptr,  # [T, H, D]
-    k_cache_ptr,  # [num_blocks, BLOCK_SIZE, KVH, D]
+    k_cache_ptr,  # [num_blocks, BLOCK_SIZE, KVH, D]; uint8 codes when FP8
     v_cache_ptr,
+    k_scale_ptr,  # [KVH] float32, only when FP8
+    v_scale_ptr,
     block_tables_ptr,  # [S, max_blocks] int
     seq_lens_ptr,  # [S]
     query_start_loc_ptr,  # [S + 1]
@@ -70,6 +77,9 @@ def _paged_attention_kernel(
     NUM_SPLITS: tl.constexpr,
     ROWS: tl.constexpr,  # 0: every sequence; 1: only one-token (decode) ones; 2: only the others
     UPCAST: tl.constexpr,  # do the dots in fp32 (fp32 inputs; the CPU interpreter has no bf16 math)
+    FP8: tl.constexpr,  # the caches hold FP8 codes with per-head scales
+    FP8_MANT: tl.constexpr,  # the FP8 format's mantissa bits (numerics.FP8_FORMATS)
+    FP8_F16_FACTOR: tl.constexpr,  # what fp8_decode's float16 values are short of by
     INTERPRET: tl.constexpr,
 ):
     q_block = tl.program_id(0)
@@ -131,6 +141,10 @@ def _paged_attention_kernel(
         tile_lo = 0
         tile_hi = num_tiles
 
+    qk_scale = scale_log2
+    if FP8:
+        qk_scale = scale_log2 * (tl.load(k_scale_ptr + kv_head) * FP8_F16_FACTOR)
+
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], dtype=tl.float32)
@@ -151,12 +165,14 @@ def _paged_attention_kernel(
             mask=k_ok[None, :] & d_ok[:, None],
             other=0.0,
         )  # [HEAD_DIM_PAD, TILE_N]
+        if FP8:
+            k = fp8_decode(k, FP8_MANT).to(q.dtype)
         if UPCAST:  # noqa: SIM108 (a constexpr branch, not a value choice)
             qk = tl.dot(q, k.to(tl.float32), input_precision="ieee")
         else:
             qk = tl.dot(q, k)
         visible = (k_pos[None, :] <= q_pos[:, None]) & k_ok[None, :]
-        qk = tl.where(visible, qk * scale_log2, float("-inf"))  # [BLOCK_M, TILE_N]
+        qk = tl.where(visible, qk * qk_scale, float("-inf"))  # [BLOCK_M, TILE_N]
         m_new = tl.maximum(m_i, tl.max(qk, 1))
         # A row that has seen no visible key yet keeps max -inf; subtracting 0 instead avoids inf -
         # inf.
@@ -169,6 +185,8 @@ def _paged_attention_kernel(
             mask=k_ok[:, None] & d_ok[None, :],
             other=0.0,
         )  # [TILE_N, HEAD_DIM_PAD]
+        if FP8:
+            v = fp8_decode(v, FP8_MANT).to(q.dtype)
         acc = acc * alpha[:, None]
         if UPCAST:
             acc += tl.dot(p, v.to(tl.float32), input_precision="ieee")
@@ -176,6 +194,8 @@ def _paged_attention_kernel(
             acc += tl.dot(p.to(v.dtype), v)
         m_i = m_new
 
+    if FP8:
+        acc = acc * (tl.load(v_scale_ptr + kv_head) * FP8_F16_FACTOR)
     if NUM_SPLITS == 1:
         # Rows outside the batch (masked off at the store) see no key: keep them finite.
         out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
@@ -234,6 +254,7 @@ def is_supported(query: torch.Tensor, k_cache: torch.Tensor) -> bool:
     """Shapes and dtypes the kernel handles; the backend sends the rest to the torch reference."""
     return (
         query.dtype in SUPPORTED_DTYPES
+        and (k_cache.dtype == query.dtype or k_cache.dtype in FP8_FORMATS)
         and query.shape[-1] <= MAX_HEAD_DIM
         and query.stride(-1) == 1
         and k_cache.stride(-1) == 1
@@ -250,7 +271,12 @@ def choose_num_splits(num_programs: int, max_seq_len: int, tile_n: int, sm_count
 
 
 def _check_inputs(
-    query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    k_scale: torch.Tensor | None,
+    v_scale: torch.Tensor | None,
 ) -> None:
     if query.dim() != 3 or k_cache.dim() != 4:
         raise ValueError(
@@ -259,11 +285,16 @@ def _check_inputs(
         )
     if v_cache.shape != k_cache.shape:
         raise ValueError(f"v_cache {tuple(v_cache.shape)} != k_cache {tuple(k_cache.shape)}")
-    if not (query.dtype == k_cache.dtype == v_cache.dtype) or query.dtype not in SUPPORTED_DTYPES:
+    cache_ok = k_cache.dtype == v_cache.dtype and (
+        k_cache.dtype == query.dtype or k_cache.dtype in FP8_FORMATS
+    )
+    if not cache_ok or query.dtype not in SUPPORTED_DTYPES:
         raise ValueError(
-            f"query, k_cache and v_cache must share one of {SUPPORTED_DTYPES}, got "
-            f"{query.dtype}, {k_cache.dtype}, {v_cache.dtype}"
+            f"query must be one of {SUPPORTED_DTYPES} and k_cache and v_cache both in its dtype or "
+            f"both in one of {tuple(FP8_FORMATS)}, got {query.dtype}, {k_cache.dtype}, "
+            f"{v_cache.dtype}"
         )
+    check_fp8_scales(k_cache, k_scale, v_scale)
     num_heads, head_dim = query.shape[1], query.shape[2]
     num_kv_heads = k_cache.shape[2]
     if k_cache.shape[3] != head_dim or head_dim > MAX_HEAD_DIM:
@@ -313,13 +344,16 @@ def paged_attention(
     out: torch.Tensor | None = None,
     num_warps: int | None = None,
     num_stages: int | None = None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of every query token over its sequence's cached keys: [num_tokens, H, D].
 
     num_splits: None picks split-K by occupancy on CUDA (never on CPU); tile_n: keys per iteration;
-    num_warps and num_stages (None: by tiling): the launches', for tuning (bench/).
+    num_warps and num_stages (None: by tiling): the launches', for tuning (bench/); k_scale and
+    v_scale: [KVH] float32, given exactly when the caches are FP8 (kv_quant.py).
     """
-    _check_inputs(query, k_cache, v_cache, meta)
+    _check_inputs(query, k_cache, v_cache, meta, k_scale, v_scale)
     num_tokens, num_heads = query.shape[:2]
     group = num_heads // k_cache.shape[2]
     num_seqs = meta.num_seqs
@@ -345,7 +379,8 @@ def paged_attention(
     for p in passes:
         _launch(query, k_cache, v_cache, meta, scale, out, block_q=p.block_q, rows=p.rows,
                 num_splits=p.num_splits if num_splits is None else num_splits, tile_n=tile_n,
-                num_warps=num_warps, num_stages=num_stages)  # fmt: skip
+                num_warps=num_warps, num_stages=num_stages, k_scale=k_scale,
+                v_scale=v_scale)  # fmt: skip
     return out
 
 
@@ -463,12 +498,24 @@ def eager_passes(
 
 
 def compile_passes(
-    passes: set[CompiledPass], num_heads: int, k_cache: torch.Tensor, v_cache: torch.Tensor
+    passes: set[CompiledPass],
+    num_heads: int,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    query_dtype: torch.dtype | None = None,
 ) -> None:
     """Launches each pass once on a two-token batch (a block table 16 wide, as CUDA steps' are),
-    so that its variant is compiled now: see eager_passes."""
+    so that its variant is compiled now: see eager_passes. query_dtype: the model's (None: the
+    cache's, which an FP8 cache cannot stand for)."""
     device, head_dim = k_cache.device, k_cache.shape[3]
-    query = torch.zeros(2, num_heads, head_dim, dtype=k_cache.dtype, device=device)
+    fp8 = k_cache.dtype in FP8_FORMATS
+    if query_dtype is None:
+        if fp8:
+            raise ValueError("compile_passes needs query_dtype for an FP8 cache")
+        query_dtype = k_cache.dtype
+    query = torch.zeros(2, num_heads, head_dim, dtype=query_dtype, device=device)
+    # The scales' values do not matter here (the cache is not read for the output's sake).
+    scales = torch.ones(k_cache.shape[2], dtype=torch.float32, device=device) if fp8 else None
 
     def ints(values: list[int] | list[list[int]]) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.int32, device=device)
@@ -486,8 +533,8 @@ def compile_passes(
     out = torch.empty_like(query)
     for p in sorted(passes):
         _launch(query, k_cache, v_cache, meta, 1.0, out, block_q=p.block_q, rows=p.rows,
-                num_splits=p.num_splits, tile_n=None, num_warps=None,
-                num_stages=None)  # fmt: skip
+                num_splits=p.num_splits, tile_n=None, num_warps=None, num_stages=None,
+                k_scale=scales, v_scale=scales)  # fmt: skip
 
 
 def _launch(
@@ -504,6 +551,8 @@ def _launch(
     tile_n: int | None,
     num_warps: int | None,
     num_stages: int | None,
+    k_scale: torch.Tensor | None,
+    v_scale: torch.Tensor | None,
 ) -> None:
     num_tokens, num_heads, head_dim = query.shape
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
@@ -540,6 +589,9 @@ def _launch(
         target, lse_max, lse_sum = out, out, out  # the lse pointers are unused without splits
         stride_ot, stride_oh = out.stride(0), out.stride(1)
 
+    fmt = FP8_FORMATS.get(k_cache.dtype)
+    if fmt is not None:  # the kernel reads the codes; Triton's FP8 types are not used (numerics.py)
+        k_cache, v_cache = k_cache.view(torch.uint8), v_cache.view(torch.uint8)
     kernel = _paged_attention_kernel.on(query.device)
     kernel[(num_q_blocks, num_kv_heads, num_splits)](
         target,
@@ -548,6 +600,8 @@ def _launch(
         query,
         k_cache,
         v_cache,
+        k_scale if fmt else meta.seq_lens,  # unread without FP8
+        v_scale if fmt else meta.seq_lens,
         meta.block_tables,
         meta.seq_lens,
         meta.query_start_loc,
@@ -576,6 +630,9 @@ def _launch(
         NUM_SPLITS=num_splits,
         ROWS=rows,
         UPCAST=upcast,
+        FP8=fmt is not None,
+        FP8_MANT=fmt.mant if fmt else 0,
+        FP8_F16_FACTOR=fmt.f16_factor if fmt else 1.0,
         INTERPRET=query.device.type == "cpu",
         # Compiled for sm_90: BLOCK_M 64 x TILE_N 64 x D 128 took 189-223 registers with 4 warps,
         # 128-134 with 8; decode tiles (BLOCK_M 16) about 93 with 4. No spills in the chosen ones.

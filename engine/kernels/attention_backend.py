@@ -9,25 +9,18 @@ from __future__ import annotations
 
 import torch
 
-from kvpilot.engine.attention.base import AttentionMetadata, fp8_refusal
+from kvpilot.engine.attention.base import AttentionMetadata
 from kvpilot.engine.attention.torch_ref import paged_attention_reference, write_kv_reference
 from kvpilot.engine.kernels import attention, kv_cache
 from kvpilot.engine.kernels.runtime import can_use_triton
 
 
-def refuse_fp8(k_scale: torch.Tensor | None, v_scale: torch.Tensor | None) -> None:
-    """The Triton kernels read caches in the model's dtype only: an FP8 cache is refused (at
-    start by the pool, see reads_fp8; here for a direct caller) rather than silently read by the
-    slow torch reference on a GPU."""
-    if k_scale is not None or v_scale is not None:
-        raise NotImplementedError(fp8_refusal("triton"))
-
-
 class TritonAttentionBackend:
-    """Split-K is chosen per step from occupancy (on CUDA), by attention.paged_attention."""
+    """Split-K is chosen per step from occupancy (on CUDA), by attention.paged_attention. An FP8
+    cache is written and read by the kernels with its per-head scales (kv_quant.py's format)."""
 
     name = "triton"
-    reads_fp8 = False
+    reads_fp8 = True
 
     def write_kv(
         self,
@@ -40,13 +33,14 @@ class TritonAttentionBackend:
         k_scale: torch.Tensor | None = None,
         v_scale: torch.Tensor | None = None,
     ) -> None:
-        refuse_fp8(k_scale, v_scale)
         if can_use_triton(key, value, k_cache, v_cache, slot_mapping) and kv_cache.is_supported(
             key, k_cache
         ):
-            kv_cache.write_kv(key, value, k_cache, v_cache, slot_mapping)
+            kv_cache.write_kv(
+                key, value, k_cache, v_cache, slot_mapping, k_scale=k_scale, v_scale=v_scale
+            )
         else:
-            write_kv_reference(key, value, k_cache, v_cache, slot_mapping)
+            write_kv_reference(key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale)
 
     def forward(
         self,
@@ -59,7 +53,10 @@ class TritonAttentionBackend:
         k_scale: torch.Tensor | None = None,
         v_scale: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        refuse_fp8(k_scale, v_scale)
         if can_use_triton(query, k_cache, v_cache) and attention.is_supported(query, k_cache):
-            return attention.paged_attention(query, k_cache, v_cache, meta, scale)
-        return paged_attention_reference(query, k_cache, v_cache, meta, scale)
+            return attention.paged_attention(
+                query, k_cache, v_cache, meta, scale, k_scale=k_scale, v_scale=v_scale
+            )
+        return paged_attention_reference(
+            query, k_cache, v_cache, meta, scale, k_scale=k_scale, v_scale=v_scale
+        )

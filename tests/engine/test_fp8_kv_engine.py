@@ -160,10 +160,3 @@ def test_calibrated_scales_are_deterministic_and_per_head(tmp_path: Path) -> Non
             runs.append([s.clone() for pair in llm.engine.runner.kv_pool.scales for s in pair])
     assert all(torch.equal(a, b) for a, b in zip(*runs, strict=True))
     assert all(s.shape == (2,) and bool((s > 0).all()) for s in runs[0])
-
-
-def test_triton_backend_refuses_an_fp8_cache(tmp_path: Path) -> None:
-    pytest.importorskip("triton")
-    path = save_tiny_hf_model(llama_config(4, 2), tmp_path / "llama")
-    with pytest.raises(Exception, match="does not read an FP8 KV cache"):
-        LLM(model=str(path), dtype="float32", kv_cache_dtype="fp8", attention_backend="triton")

@@ -27,6 +27,7 @@ POINTER_TYPES = {
     torch.float32: "*fp32",
     torch.int32: "*i32",
     torch.int64: "*i64",
+    torch.uint8: "*u8",  # an FP8 cache's codes
 }
 
 
@@ -134,6 +135,26 @@ def test_attention_compiles(
     if dtype != torch.float32 and len(seqs) > 1 and seqs[0][1] > 1:
         # Prefill tiles of fp16/bf16 run on Hopper's tensor cores.
         assert "wgmma" in compiled[-1]["ptx"]
+
+
+@pytest.mark.parametrize("fp8", [torch.float8_e4m3fn, torch.float8_e5m2], ids=("e4m3fn", "e5m2"))
+def test_fp8_cache_kernels_compile(
+    compiled: list[dict[str, Any]], paged_batch: Callable[..., Any], fp8: torch.dtype
+) -> None:
+    """An FP8 cache: both passes of a mixed bfloat16 batch with split-K, and the KV write."""
+    batch = paged_batch(((0, 40), (70, 1)), num_heads=32, num_kv_heads=8, head_dim=128,
+                        block_size=16, dtype=torch.bfloat16)  # fmt: skip
+    scales = torch.full((8,), 0.05)
+    k8, v8 = batch.k_cache.to(fp8), batch.v_cache.to(fp8)
+    attention.paged_attention(batch.query, k8, v8, batch.meta, 0.1, num_splits=2,
+                              k_scale=scales, v_scale=scales)  # fmt: skip
+    kv_cache.write_kv(batch.key, batch.value, k8, v8, batch.meta.slot_mapping,
+                      k_scale=scales, v_scale=scales)  # fmt: skip
+    per_pass = ["_paged_attention_kernel", "_merge_splits_kernel"]
+    assert [c["name"] for c in compiled] == per_pass * 2 + ["_write_kv_kernel"]
+    assert all(len(c["cubin"]) > 1000 for c in compiled)
+    # The decoded tiles keep the prefill pass on Hopper's tensor cores.
+    assert "wgmma" in compiled[2]["ptx"]
 
 
 def test_layer_kernels_and_kv_write_compile(compiled: list[dict[str, Any]]) -> None:
