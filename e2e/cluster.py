@@ -128,6 +128,36 @@ def router_follows(base: str, model: str, count: int) -> bool:
     return sum(r["routable"] for r in replicas.values()) == count
 
 
+def router_routes_to(base: str, model: str, pod: str) -> bool:
+    """Whether the router at `base` may send `model`'s requests to `pod` (its index view; a
+    router that does not answer counts as routing to it: nothing says otherwise)."""
+    import httpx
+
+    try:
+        replicas = httpx.get(f"{base}/kvpilot/v1/router/index", timeout=5).json().get(model, {})
+    except httpx.HTTPError:
+        return True
+    return bool((replicas.get(pod) or {}).get("routable"))
+
+
+def router_pods(apis: dict[str, Any], namespace: str, service: str) -> dict[str, int]:
+    """{pod: container port} of the Ready, not terminating pods behind router Service `service`:
+    each router replica keeps a view of its own, and a Service spreads requests over all."""
+    found = apis["core"].read_namespaced_service(service, namespace)
+    labels = ",".join(f"{k}={v}" for k, v in found.spec.selector.items())
+    (target,) = [p.target_port for p in found.spec.ports]
+    pods: dict[str, int] = {}
+    for pod in apis["core"].list_namespaced_pod(namespace, label_selector=labels).items:
+        ready = any(c.type == "Ready" and c.status == "True" for c in pod.status.conditions or [])
+        if not ready or pod.metadata.deletion_timestamp is not None:
+            continue
+        ports = [p for c in pod.spec.containers for p in c.ports or []]
+        pods[pod.metadata.name] = next(
+            p.container_port for p in ports if target in (p.name, p.container_port)
+        )
+    return pods
+
+
 def router_tokenizes(base: str, model: str) -> bool:
     """Whether the router at `base` holds `model`'s tokenizer (until it does, it routes by load
     alone: no prefix routes)."""

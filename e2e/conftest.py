@@ -27,6 +27,7 @@ ROOT = Path(__file__).resolve().parents[1]
 CHART = ROOT / "charts" / "kvpilot"
 GROUP, VERSION, PLURAL = "kvpilot.dev", "v1alpha1", "inferenceservices"
 RESYNC_SECONDS = 5  # the operator's resync period in the e2e release
+ADAPTER_SYNC_SECONDS = 2  # and its LoRA adapter sync's
 SKIP_REASON = (
     "needs a real Kubernetes cluster: set KUBECONFIG (kind or k3d; see operator/README.md, "
     "'End-to-end tests')"
@@ -123,6 +124,7 @@ def release(
         "image": {"repository": repository, "tag": tag, "pullPolicy": e2e.pull_policy},
         "watchNamespaces": [e2e.namespace],
         "resyncSeconds": RESYNC_SECONDS,
+        "adapters": {"syncIntervalSeconds": ADAPTER_SYNC_SECONDS},
         "logLevel": "debug",
         # Tenants name Secrets of API keys; the operator counts them (test_rbac_real_apiserver).
         "rbac": {"readApiKeySecrets": True},

@@ -18,14 +18,12 @@ from __future__ import annotations
 
 import contextlib
 import os
-import shutil
 import socket
 import sys
 import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -41,6 +39,7 @@ from kvpilot.operator.constants import MODEL_CACHE_MOUNT
 from .cluster import wait_for
 from .conftest import GROUP, PLURAL, ROOT, VERSION
 from .kubelet_standin import KubeletStandIn, LocalContainer
+from .lora_models import LoraModels, make_lora_models, tiny_lora_spec
 
 pytestmark = [pytest.mark.k8s, pytest.mark.slow]
 
@@ -52,33 +51,9 @@ CHANGE_S = 30.0  # a spec change reaching the engine: a few sync rounds
 PROMPT = [1, 2, 3, 4, 5]
 
 
-@dataclass(frozen=True)
-class Models:
-    base: Path
-    sql: Path
-    chat: Path
-    broken: Path
-
-
 @pytest.fixture(scope="module")
-def models(tmp_path_factory: pytest.TempPathFactory) -> Models:
-    from transformers import LlamaConfig
-
-    from tests.engine.lora_reference import make_peft_adapter
-    from tests.engine.reference import save_tiny_hf_model
-
-    root = tmp_path_factory.mktemp("lora-real-apiserver")
-    config = LlamaConfig(
-        vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-    )  # fmt: skip
-    base = save_tiny_hf_model(config, root / "base")
-    sql = make_peft_adapter(base, root / "sql", rank=8, seed=1, targets=["q_proj", "v_proj"])
-    chat = make_peft_adapter(base, root / "chat", rank=8, seed=2)
-    # A valid config beside weights that are not a safetensors file at all.
-    broken = shutil.copytree(sql, root / "broken")
-    (broken / "adapter_model.safetensors").write_bytes(b"these bytes are no safetensors file")
-    return Models(base, sql, chat, broken)
+def models(tmp_path_factory: pytest.TempPathFactory) -> LoraModels:
+    return make_lora_models(tmp_path_factory.mktemp("lora-real-apiserver"))
 
 
 @pytest.fixture()
@@ -313,7 +288,7 @@ def test_spec_changes_load_and_unload_adapters_without_a_new_replicaset(
     namespace: str,
     operator: OperatorConfig,
     kubelet: KubeletStandIn,
-    models: Models,
+    models: LoraModels,
 ) -> None:
     view = View(apis, namespace, kubelet)
     sql = {"name": "sql", "uri": f"file://{models.sql}"}
@@ -323,12 +298,7 @@ def test_spec_changes_load_and_unload_adapters_without_a_new_replicaset(
         "apiVersion": f"{GROUP}/{VERSION}",
         "kind": "InferenceService",
         "metadata": {"name": NAME, "namespace": namespace},
-        "spec": {
-            "model": {"uri": f"file://{models.base}"},
-            "replicas": 1,
-            "engine": {"lora": {"maxLoras": 2, "maxLoraRank": 8}, "kvCacheBytes": "16Mi"},
-            "adapters": [sql],
-        },
+        "spec": {**tiny_lora_spec(models, max_loras=2), "adapters": [sql]},
     }
     apis["custom"].create_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, body)
 

@@ -7,9 +7,11 @@ alone (the kubelet stand-in's ImageRuntime), and every API call they make passes
 proxy (api_recorder). The test drives each operator handler (reconcile on create and update,
 resync, the Deployment and Service events, the autoscaler's scrapes of the engine and router
 pods, the wake from zero, the Tenant check with its Secret, the optional children created and
-deleted: a PodDisruptionBudget and a NetworkPolicy) and each router path (discovery of
-InferenceServices and pods, the wake of a service at zero, routing to the woken replica), then
-reads every call recorded in the session.
+deleted: a PodDisruptionBudget and a NetworkPolicy; LoRA adapter sync, loading an adapter into
+and unloading it from an engine that requires an API key, on a tiny random model) and each
+router path (discovery of InferenceServices and pods, the wake of a service at zero, routing to
+the woken replica), then reads every call recorded in the session. The engine pods make no call
+(no ServiceAccount token is mounted in them).
 
 Needs the stand-ins (KVPILOT_E2E_KUBELET=standin; e2e/run-real-apiserver.sh): on a cluster
 with nodes nothing records the pods' calls, and the test is skipped.
@@ -30,6 +32,7 @@ from kvpilot.contract.tenancy import TENANT_PLURAL
 from .api_recorder import ApiCall, Permission, permissions, refused, unused
 from .cluster import example_isvc, get_isvc, port_forward, wait_for
 from .conftest import GROUP, PLURAL, VERSION, E2ESettings
+from .lora_models import LoraModels, lora_models_for_pods, tiny_lora_spec
 from .standin_cluster import StandinCluster
 
 pytestmark = pytest.mark.k8s
@@ -37,6 +40,9 @@ pytestmark = pytest.mark.k8s
 NAME = "rbac"
 TENANT = "rbac-team"
 SECRET = "rbac-team-keys"
+LORA = "rbac-lora"  # the InferenceService whose adapters the operator syncs
+ENGINE_KEY = "rbac-engine-key"  # the Secret of its engines' API key
+ADAPTER = "sql"
 SCALE_TO_ZERO_AFTER_S = 20
 # Granted for a check the API server makes, not for a call: with OwnerReferencesPermission-
 # Enforcement on (OpenShift, hardened clusters), setting blockOwnerDeletion on a child needs
@@ -79,6 +85,50 @@ def tenant_with_keys(apis: dict[str, Any], e2e: E2ESettings) -> Iterator[None]:
             apis["core"].delete_namespaced_secret(SECRET, e2e.namespace)
 
 
+@contextlib.contextmanager
+def lora_service(apis: dict[str, Any], e2e: E2ESettings, models: LoraModels) -> Iterator[None]:
+    """The tiny model with adapter ADAPTER, its engines requiring the key in Secret ENGINE_KEY:
+    the operator reads the key to list, load and unload adapters."""
+    from kubernetes import client
+
+    key = base64.b64encode(b"sk-engine-0123456789abcdef0123").decode()
+    secret = client.V1Secret(metadata=client.V1ObjectMeta(name=ENGINE_KEY), data={"api-key": key})
+    apis["core"].create_namespaced_secret(e2e.namespace, secret)
+    spec = tiny_lora_spec(models, max_loras=1)
+    spec["engine"]["apiKeySecret"] = {"name": ENGINE_KEY}
+    spec["adapters"] = [{"name": ADAPTER, "uri": f"file://{models.sql}"}]
+    body = {
+        "apiVersion": f"{GROUP}/{VERSION}",
+        "kind": "InferenceService",
+        "metadata": {"name": LORA, "namespace": e2e.namespace},
+        "spec": spec,
+    }
+    custom = apis["custom"]
+    custom.create_namespaced_custom_object(GROUP, VERSION, e2e.namespace, PLURAL, body)
+    try:
+        yield
+    finally:
+        with contextlib.suppress(Exception):
+            custom.delete_namespaced_custom_object(GROUP, VERSION, e2e.namespace, PLURAL, LORA)
+        with contextlib.suppress(Exception):
+            apis["core"].delete_namespaced_secret(ENGINE_KEY, e2e.namespace)
+
+
+def adapter_states(apis: dict[str, Any], e2e: E2ESettings) -> dict[str, list[str]]:
+    """{adapter: [state of each replica]} from LORA's status (written by the operator)."""
+    status = get_isvc(apis, e2e, LORA).get("status") or {}
+    return {
+        a["name"]: [r["state"] for r in a.get("replicas") or []]
+        for a in status.get("adapters") or []
+    }
+
+
+@pytest.fixture(scope="module")
+def lora_models() -> Iterator[LoraModels]:
+    with lora_models_for_pods() as models:
+        yield models
+
+
 def granted(apis: dict[str, Any], account: str, namespaces: list[str]) -> list[Permission]:
     """What the installed bindings grant ServiceAccount `account` (namespace/name)."""
     from kubernetes import client
@@ -117,6 +167,7 @@ def test_the_operator_and_routers_use_every_permission_and_are_refused_none(
     apis: dict[str, Any],
     stand_ins: StandinCluster,
     pod_logs: Callable[[str, str], str],
+    lora_models: LoraModels,
 ) -> None:
     import httpx
 
@@ -150,7 +201,7 @@ def test_the_operator_and_routers_use_every_permission_and_are_refused_none(
                 found.append(False)
         return found[0], found[1]
 
-    with tenant_with_keys(apis, e2e):
+    with tenant_with_keys(apis, e2e), lora_service(apis, e2e, lora_models):
         custom.create_namespaced_custom_object(GROUP, VERSION, e2e.namespace, PLURAL, body)
         try:
             wait_for(lambda: children() == (True, True), 60, "the PDB and NetworkPolicy")
@@ -186,6 +237,19 @@ def test_the_operator_and_routers_use_every_permission_and_are_refused_none(
                 GROUP, VERSION, e2e.namespace, PLURAL, NAME, patch
             )
             wait_for(lambda: children() == (False, False), 60, "the PDB and NetworkPolicy to go")
+
+            # Adapter sync: loaded into the tiny model's replica, then unloaded when the spec
+            # drops it (the operator reads the engines' key, lists its pods, writes status).
+            wait_for(
+                lambda: adapter_states(apis, e2e) == {ADAPTER: ["Loaded"]},
+                e2e.timeout_s,
+                f"{ADAPTER} Loaded in {LORA}",
+                describe=lambda: (get_isvc(apis, e2e, LORA).get("status"), stand_ins.errors()),
+            )
+            custom.patch_namespaced_custom_object(
+                GROUP, VERSION, e2e.namespace, PLURAL, LORA, {"spec": {"adapters": []}}
+            )
+            wait_for(lambda: adapter_states(apis, e2e) == {}, 60, f"{ADAPTER} to be unloaded")
         finally:
             with contextlib.suppress(Exception):
                 custom.delete_namespaced_custom_object(GROUP, VERSION, e2e.namespace, PLURAL, NAME)
@@ -205,6 +269,9 @@ def test_the_operator_and_routers_use_every_permission_and_are_refused_none(
         ]
         report[account] = {"refused": refused(calls), "unused": never}
     assert all(not r["refused"] and not r["unused"] for r in report.values()), report
+    # No other pod called the API: the engines have no ServiceAccount token.
+    others = {call.who for call in stand_ins.recorder.calls} - set(report)
+    assert not others, others
 
     # Nor did anything else they called answer Forbidden (their logs say so where it happens).
     selector = "app.kubernetes.io/part-of=kvpilot"
