@@ -15,7 +15,9 @@ from kvpilot.contract.engine_flags import FlagError
 from kvpilot.engine import LLM, SamplingParams
 from kvpilot.engine.config import SpeculativeConfig
 from kvpilot.engine.model.layer_cut import cut_layers
+from kvpilot.engine.sequence import Sequence
 from kvpilot.engine.server.from_flags import engine_config, parse_flags
+from kvpilot.engine.spec_decode.draft_cache import DraftBlocks, DraftState
 from kvpilot.engine.spec_decode.draft_model import BUILTIN_NAME, DraftModelProposer, draft_source
 from kvpilot.operator.builtin_models import BUILTIN_MODELS
 
@@ -50,6 +52,33 @@ def test_builtin_names_the_bundled_model() -> None:
         draft_source("builtin://llama-70b")
 
 
+# ---- the draft's cache ------------------------------------------------------------------------
+
+
+def test_the_draft_keeps_the_proposals_the_sequence_took_and_no_more() -> None:
+    state = DraftState(num_computed=10, base=10, fed=[7, 8, 9])  # KV written at 10, 11, 12
+    tokens = [*range(10), 7, 8, 5, 6]  # took 7 and 8, then not 9
+    state.rollback(tokens)
+    assert (state.num_computed, state.fed) == (12, [])
+    state = DraftState(num_computed=4, base=4, fed=[1])
+    state.rollback([0, 0, 0, 0, 2])  # the first proposal rejected: nothing of them kept
+    assert state.num_computed == 4
+
+
+def test_draft_blocks_are_reserved_whole_or_not_at_all_and_come_back() -> None:
+    blocks = DraftBlocks(num_blocks=4, block_size=16)
+    seqs = [
+        Sequence("r", i, [1, 2, 3], num_prompt_tokens=3, params=SamplingParams()) for i in (0, 1)
+    ]
+    first, second = blocks.state(seqs[0]), blocks.state(seqs[1])
+    assert blocks.reserve(first, 40) and len(first.blocks) == 3
+    assert blocks.reserve(first, 48) and len(first.blocks) == 3  # already held
+    assert not blocks.reserve(second, 20) and second.blocks == []  # 2 needed, 1 free
+    assert blocks.slot(first, 17) == first.blocks[1] * 16 + 1
+    blocks.keep_only({seqs[1].seq_id})  # the first sequence left the running list
+    assert blocks.num_free == 4 and blocks.reserve(second, 20)
+
+
 # ---- the engine --------------------------------------------------------------------------------
 
 
@@ -67,7 +96,7 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 
 PROMPT_LENGTHS = (5, 16, 37, 70)
-GREEDY = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
+GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
 # Chunked prefill (a 32-token budget cuts the long prompts, and the draft's first catch-up of
 # them), and a pool that the four sequences outgrow (preemption); the prefix cache is on.
 SETUP = {"dtype": "float32", "block_size": 16, "max_num_batched_tokens": 32, "num_blocks": 14}
