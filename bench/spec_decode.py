@@ -104,6 +104,12 @@ def main() -> None:
     parser.add_argument(
         "--draft-layers", type=int, default=None, help="cut the draft to its first N layers"
     )
+    parser.add_argument(
+        "--kv-cache-gib",
+        type=float,
+        default=None,
+        help="each engine's KV budget (default the engine's; a draft's pool holds as many tokens)",
+    )
     parser.add_argument("--out", type=Path, default=None, help="write the figures as JSON")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
@@ -132,6 +138,7 @@ def run(args: argparse.Namespace, spec: SpeculativeConfig) -> None:
             name: LLM(
                 dtype=args.dtype,
                 max_num_seqs=conc,
+                **({} if args.kv_cache_gib is None else {"kv_cache_gib": args.kv_cache_gib}),
                 speculative=spec if name == method else None,
             )
             for name in ("plain", method)
@@ -171,6 +178,8 @@ def run(args: argparse.Namespace, spec: SpeculativeConfig) -> None:
     draft = "" if method == "ngram" else f" --method {method} --draft-model {args.draft_model}"
     if method != "ngram" and args.draft_layers is not None:
         draft += f" --draft-layers {args.draft_layers}"
+    if args.kv_cache_gib is not None:
+        draft += f" --kv-cache-gib {args.kv_cache_gib}"
     report = {
         "command": "python bench/spec_decode.py "
         f"--concurrency {args.concurrency} --rounds {args.rounds} --max-tokens {args.max_tokens}"
