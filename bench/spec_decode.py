@@ -1,4 +1,5 @@
-"""N-gram speculative decoding against plain decoding, side by side in one process: inter-token
+"""Speculative decoding (n-gram, or a draft model) against plain decoding, side by side in one
+process: inter-token
 latency (decode time per output token after the first: (last token - first token) / (tokens - 1),
 per request, a burst of accepted tokens counting as its tokens) on an input-grounded workload.
 
@@ -13,6 +14,9 @@ disable_by_batch_size) keeps speculation off: the goal there is "never slower".
 
     .venv/bin/python bench/spec_decode.py --concurrency 1,8,64 --rounds 2 \
         --out bench/spec_decode.json
+
+--method draft_model proposes with a draft model instead (--draft-model, default the bundled
+SmolLM2 itself; --draft-layers N cuts it to its first N layers, engine/model/layer_cut.py).
 """
 
 from __future__ import annotations
@@ -21,11 +25,20 @@ import argparse
 import json
 import platform
 import statistics
+import tempfile
 import time
 from pathlib import Path
 
 from kvpilot.engine import LLM, SamplingParams
 from kvpilot.engine.config import SpeculativeConfig
+from kvpilot.engine.model.layer_cut import cut_layers
+from kvpilot.engine.spec_decode.draft_model import BUILTIN_NAME, BUILTIN_SCHEME, draft_source
+
+NGRAM_CONFIG = (
+    '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, '
+    '"prompt_lookup_min": 2}'
+)
+DRAFT_CONFIG = '{"method": "draft_model", "num_speculative_tokens": 4}'
 
 PARAGRAPHS = [
     "The committee met on Tuesday to review the budget for the new library. After a long "
@@ -81,14 +94,43 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--max-tokens", type=int, default=96)
     parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--method", choices=("ngram", "draft_model"), default="ngram")
     parser.add_argument(
         "--speculative-config",
-        default='{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, '
-        '"prompt_lookup_min": 2}',
+        default=None,
+        help=f"default: {NGRAM_CONFIG} (ngram), {DRAFT_CONFIG} and the draft (draft_model)",
+    )
+    parser.add_argument("--draft-model", default=f"{BUILTIN_SCHEME}{BUILTIN_NAME}")
+    parser.add_argument(
+        "--draft-layers", type=int, default=None, help="cut the draft to its first N layers"
+    )
+    parser.add_argument(
+        "--kv-cache-gib",
+        type=float,
+        default=None,
+        help="each engine's KV budget (default the engine's; a draft's pool holds as many tokens)",
     )
     parser.add_argument("--out", type=Path, default=None, help="write the figures as JSON")
     args = parser.parse_args()
-    spec = SpeculativeConfig.from_json(args.speculative_config)
+    with tempfile.TemporaryDirectory() as tmp:
+        spec = speculative_config(args, Path(tmp))
+        run(args, spec)
+
+
+def speculative_config(args: argparse.Namespace, tmp: Path) -> SpeculativeConfig:
+    if args.speculative_config is not None:
+        return SpeculativeConfig.from_json(args.speculative_config)
+    if args.method == "ngram":
+        return SpeculativeConfig.from_json(NGRAM_CONFIG)
+    draft = args.draft_model
+    if args.draft_layers is not None:
+        draft = str(cut_layers(draft_source(draft).hf_dir, args.draft_layers, tmp / "draft"))
+    fields = json.loads(DRAFT_CONFIG)
+    return SpeculativeConfig(**fields, model=draft)
+
+
+def run(args: argparse.Namespace, spec: SpeculativeConfig) -> None:
+    method = spec.method
     concurrencies = [int(c) for c in args.concurrency.split(",")]
     results = []
     for conc in concurrencies:
@@ -96,9 +138,10 @@ def main() -> None:
             name: LLM(
                 dtype=args.dtype,
                 max_num_seqs=conc,
-                speculative=spec if name == "ngram" else None,
+                **({} if args.kv_cache_gib is None else {"kv_cache_gib": args.kv_cache_gib}),
+                speculative=spec if name == method else None,
             )
-            for name in ("plain", "ngram")
+            for name in ("plain", method)
         }
         prompts = workload(engines["plain"], conc)
         for llm in engines.values():  # warm-up (and prefix-cache state alike for both)
@@ -111,16 +154,16 @@ def main() -> None:
                 engines[name].engine.core.block_manager.reset_prefix_cache()
                 round_itls, tokens[name] = run_round(engines[name], prompts, args.max_tokens)
                 itls[name].extend(round_itls)
-        if tokens["plain"] != tokens["ngram"]:
+        if tokens["plain"] != tokens[method]:
             raise SystemExit(f"concurrency {conc}: greedy outputs differ with speculation")
-        counters = engines["ngram"].engine.core.speculation.counters
+        counters = engines[method].engine.core.speculation.counters
         plain_ms = statistics.mean(itls["plain"]) * 1000
-        ngram_ms = statistics.mean(itls["ngram"]) * 1000
+        spec_ms = statistics.mean(itls[method]) * 1000
         row = {
             "concurrency": conc,
             "itl_ms_plain": round(plain_ms, 2),
-            "itl_ms_ngram": round(ngram_ms, 2),
-            "speedup": round(plain_ms / ngram_ms, 2),
+            f"itl_ms_{method}": round(spec_ms, 2),
+            "speedup": round(plain_ms / spec_ms, 2),
             "output_tokens_per_request": statistics.mean(len(t) for t in tokens["plain"]),
             "drafts": counters.num_drafts,
             "draft_tokens": counters.num_draft_tokens,
@@ -132,12 +175,18 @@ def main() -> None:
         print(json.dumps(row), flush=True)
         results.append(row)
         del engines
+    draft = "" if method == "ngram" else f" --method {method} --draft-model {args.draft_model}"
+    if method != "ngram" and args.draft_layers is not None:
+        draft += f" --draft-layers {args.draft_layers}"
+    if args.kv_cache_gib is not None:
+        draft += f" --kv-cache-gib {args.kv_cache_gib}"
     report = {
         "command": "python bench/spec_decode.py "
-        f"--concurrency {args.concurrency} --rounds {args.rounds} --max-tokens {args.max_tokens}",
+        f"--concurrency {args.concurrency} --rounds {args.rounds} --max-tokens {args.max_tokens}"
+        + draft,
         "machine": f"{platform.machine()} {platform.node()}",
         "dtype": args.dtype,
-        "speculative_config": args.speculative_config,
+        "speculative_config": args.speculative_config or repr(spec),
         "when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         "results": results,
     }

@@ -247,17 +247,25 @@ class SchedulerConfig:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
 
 
-SPECULATIVE_METHODS = ("ngram",)
+SPECULATIVE_METHODS = ("ngram", "draft_model")
+# A "model" that names the n-gram method rather than a draft (vLLM's spellings).
+NGRAM_MODEL_NAMES = ("ngram", "[ngram]")
 
 
 @dataclass(frozen=True)
 class SpeculativeConfig:
     """Speculative decoding (`--speculative-config`, vLLM's JSON keys): proposals from the
-    sequence's own tokens (n-gram / prompt lookup, engine/spec_decode/ngram.py), verified in one
+    sequence's own tokens (n-gram / prompt lookup, engine/spec_decode/ngram.py) or from a smaller
+    draft model of the same vocabulary (engine/spec_decode/draft_model.py), verified in one
     target forward per step. When it backs off is decided in one place:
-    engine/spec_decode/policy.py (disable_by_batch_size, min_acceptance)."""
+    engine/spec_decode/policy.py (disable_by_batch_size, min_acceptance).
 
-    method: str = "ngram"
+    As vLLM's: without a method, a "model" other than "ngram" makes it draft_model (no model:
+    ngram)."""
+
+    method: str | None = None  # None: inferred from model (see above)
+    # The draft model (draft_model): an HF directory, a .gguf, or builtin://NAME.
+    model: str | None = None
     num_speculative_tokens: int = 4  # proposals per sequence per step, at most
     # The longest and shortest suffix of the sequence looked up earlier in it (longest first).
     prompt_lookup_max: int = 4
@@ -270,10 +278,25 @@ class SpeculativeConfig:
     min_acceptance: float = 0.2
 
     def __post_init__(self) -> None:
+        if self.method is None:
+            draft = self.model is not None and self.model not in NGRAM_MODEL_NAMES
+            object.__setattr__(self, "method", "draft_model" if draft else "ngram")
         if self.method not in SPECULATIVE_METHODS:
             raise ValueError(
                 f"speculative method must be one of {', '.join(SPECULATIVE_METHODS)}, got "
                 f"{self.method!r}"
+            )
+        if self.model is not None and (not isinstance(self.model, str) or not self.model):
+            raise ValueError(f"speculative model must be a non-empty string, got {self.model!r}")
+        if self.method == "draft_model" and self.model is None:
+            raise ValueError(
+                'speculative method draft_model needs a "model": the draft\'s directory, .gguf '
+                "or builtin://NAME"
+            )
+        if self.method == "ngram" and self.model not in (None, *NGRAM_MODEL_NAMES):
+            raise ValueError(
+                f"speculative method ngram takes no draft model, got model {self.model!r} "
+                '(a draft model is method "draft_model")'
             )
         for name in ("num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min"):
             value = getattr(self, name)
@@ -415,6 +438,12 @@ class EngineConfig:
         if not 0 < self.distributed_timeout_s < math.inf:
             raise ValueError(
                 f"distributed_timeout_s must be > 0 and finite, got {self.distributed_timeout_s}"
+            )
+        spec = self.speculative
+        if spec is not None and spec.method == "draft_model" and self.tensor_parallel_size != 1:
+            raise ValueError(
+                "speculative method draft_model runs with tensor_parallel_size 1 only, got "
+                f"{self.tensor_parallel_size}"
             )
         if self.speculative is not None and self.async_scheduling:
             raise ValueError(

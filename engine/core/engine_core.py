@@ -44,7 +44,9 @@ from kvpilot.engine.model_runner import LaunchedStep, ModelRunner
 from kvpilot.engine.sampling_params import SamplingParams
 from kvpilot.engine.scheduler import ScheduledSequence, Scheduler
 from kvpilot.engine.sequence import PENDING_TOKEN, Sequence, SequenceStatus
+from kvpilot.engine.spec_decode.draft_model import draft_model_config
 from kvpilot.engine.spec_decode.policy import SpecDecodeCounters, SpeculationPolicy
+from kvpilot.engine.spec_decode.proposer import build_proposer
 from kvpilot.engine.structured.backend import resolve_backend
 from kvpilot.engine.structured.manager import SequenceGrammar, StructuredOutputs
 
@@ -154,6 +156,9 @@ class EngineCore:
         if on_model_files is not None:
             on_model_files(source.hf_dir)
         self.model_config = ModelConfig.from_hf_config(read_hf_config(source.hf_dir))
+        if config.speculative is not None and config.speculative.method == "draft_model":
+            # A draft of another vocabulary is refused before any weight is read.
+            draft_model_config(config.speculative, self.model_config)
         self.max_model_len = config.max_model_len or self.model_config.max_position_embeddings
         if config.resolved_device.type == "cpu":
             if config.retain_freed_memory:
@@ -187,7 +192,17 @@ class EngineCore:
         self.speculation = (
             None
             if config.speculative is None
-            else SpeculationPolicy(config.speculative, self.max_seq_len)
+            else SpeculationPolicy(
+                config.speculative,
+                self.max_seq_len,
+                build_proposer(
+                    config,
+                    self.model_config,
+                    self.runner.device,
+                    max_seq_len=self.max_seq_len,
+                    target_pool_tokens=self.num_blocks * self.block_size,
+                ),
+            )
         )
         self.structured = StructuredOutputs(
             source.hf_dir,

@@ -1,2 +1,3 @@
-"""Speculative decoding: proposals (ngram.py), when to make them (policy.py), and their
+"""Speculative decoding: proposals (proposer.py: n-gram lookup in ngram.py, a draft model in
+draft_model.py with its KV cache in draft_cache.py), when to make them (policy.py), and their
 verification against the target model's distribution (verify.py)."""

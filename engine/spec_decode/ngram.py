@@ -8,6 +8,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from kvpilot.engine.sequence import Sequence as EngineSequence
+
 
 def propose_ngram(
     token_ids: Sequence[int], *, min_n: int, max_n: int, num_tokens: int
@@ -28,3 +30,20 @@ def propose_ngram(
             start = int(hits[-1]) + n
             return ids[start : start + num_tokens].tolist()
     return []
+
+
+class NgramProposer:
+    """The Proposer of method ngram (no state between steps)."""
+
+    def __init__(self, *, min_n: int, max_n: int) -> None:
+        self.min_n = min_n
+        self.max_n = max_n
+
+    def propose(self, seqs: list[EngineSequence], num_tokens: list[int]) -> list[list[int]]:
+        return [
+            propose_ngram(seq.token_ids, min_n=self.min_n, max_n=self.max_n, num_tokens=num)
+            for seq, num in zip(seqs, num_tokens, strict=True)
+        ]
+
+    def keep_only(self, running: list[EngineSequence]) -> None:
+        pass

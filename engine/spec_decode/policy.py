@@ -18,7 +18,8 @@ from dataclasses import dataclass, field
 
 from kvpilot.engine.config import SpeculativeConfig
 from kvpilot.engine.sequence import Sequence
-from kvpilot.engine.spec_decode.ngram import propose_ngram
+from kvpilot.engine.spec_decode.ngram import NgramProposer
+from kvpilot.engine.spec_decode.proposer import Proposer
 
 # While acceptance is low, one step in this many still proposes, so that the average can recover.
 PROBE_EVERY = 16
@@ -50,9 +51,15 @@ def speculates(seq: Sequence) -> bool:
 
 
 class SpeculationPolicy:
-    def __init__(self, config: SpeculativeConfig, max_seq_len: int) -> None:
+    def __init__(
+        self, config: SpeculativeConfig, max_seq_len: int, proposer: Proposer | None = None
+    ) -> None:
+        """proposer: what makes the proposals (None: n-gram lookup with the config's sizes)."""
         self.config = config
         self.max_seq_len = max_seq_len
+        self.proposer: Proposer = proposer or NgramProposer(
+            min_n=config.prompt_lookup_min, max_n=config.prompt_lookup_max
+        )
         self.acceptance = 1.0  # optimistic until measured
         self.num_steps = 0
         self.counters = SpecDecodeCounters(accepted_per_pos=[0] * config.num_speculative_tokens)
@@ -63,23 +70,24 @@ class SpeculationPolicy:
         active = len(running) <= self.config.disable_by_batch_size and (
             self.acceptance >= self.config.min_acceptance or self.num_steps % PROBE_EVERY == 0
         )
+        self.proposer.keep_only(running)
+        seqs, nums = [], []
         for seq in running:
-            seq.spec_token_ids = self._proposal(seq) if active and speculates(seq) else []
+            seq.spec_token_ids = []
+            num = self._num_proposals(seq) if active and speculates(seq) else 0
+            if num >= 1:
+                seqs.append(seq)
+                nums.append(num)
+        if seqs:
+            for seq, proposal in zip(seqs, self.proposer.propose(seqs, nums), strict=True):
+                seq.spec_token_ids = proposal
 
-    def _proposal(self, seq: Sequence) -> list[int]:
+    def _num_proposals(self, seq: Sequence) -> int:
         left = self.max_seq_len - seq.num_tokens
         max_tokens = seq.params.max_tokens
         if max_tokens is not None:
             left = min(left, max_tokens - seq.num_output_tokens)
-        num = min(self.config.num_speculative_tokens, left - 1)
-        if num < 1:
-            return []
-        return propose_ngram(
-            seq.token_ids,
-            min_n=self.config.prompt_lookup_min,
-            max_n=self.config.prompt_lookup_max,
-            num_tokens=num,
-        )
+        return min(self.config.num_speculative_tokens, left - 1)
 
     def record(self, results: list[tuple[int, int]]) -> None:
         """One step's verifications: (proposed tokens, accepted tokens) per speculating

@@ -42,8 +42,13 @@ def test_the_flag_takes_vllms_json() -> None:
     [
         ("{ngram", "speculative config is not valid JSON"),
         ("[1, 2]", "speculative config must be a JSON object"),
-        ('{"method": "eagle"}', "speculative method must be one of ngram, got 'eagle'"),
-        ('{"model": "x"}', "speculative config has unknown keys ['model']"),
+        (
+            '{"method": "eagle"}',
+            "speculative method must be one of ngram, draft_model, got 'eagle'",
+        ),
+        ('{"speculative_model": "x"}', "speculative config has unknown keys ['speculative_model']"),
+        ('{"method": "ngram", "model": "x"}', "speculative method ngram takes no draft model"),
+        ('{"method": "draft_model"}', 'speculative method draft_model needs a "model"'),
         ('{"num_speculative_tokens": 0}', "num_speculative_tokens must be an integer >= 1"),
         ('{"num_speculative_tokens": "4"}', "num_speculative_tokens must be an integer >= 1"),
         (
