@@ -12,6 +12,7 @@ import torch
 
 from kvpilot.engine.attention import AttentionMetadata
 from kvpilot.engine.config import EngineConfig, ModelConfig
+from kvpilot.engine.core.messages import SampledLogprobs
 from kvpilot.engine.cuda_graphs import StepGraphs
 from kvpilot.engine.graph_capture import (
     capture_step_graphs,
@@ -35,7 +36,7 @@ from kvpilot.engine.sampler import (
     resolve_sample,
 )
 from kvpilot.engine.scheduler import ScheduledSequence
-from kvpilot.engine.spec_decode.verify import VerifyRow, verify
+from kvpilot.engine.spec_decode.verify import Verified, VerifyRow, verify
 from kvpilot.engine.step_input import CUDA_TABLE_WIDTH_MULTIPLE, StepInput, plan_step
 from kvpilot.engine.structured.manager import StructuredOutputs
 
@@ -57,6 +58,8 @@ class LaunchedStep:
     # and the token after them (read on the host already: speculation steps run in turn).
     speculated: list[ScheduledSequence] = field(default_factory=list)
     verified: list[list[int]] = field(default_factory=list)
+    # Per speculating sequence, its tokens' logprobs when it asked for them.
+    verified_logprobs: list[list[SampledLogprobs] | None] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -237,10 +240,15 @@ class ModelRunner:
             self.fill_lora_slots(lora_fills)
             step.lora_fills = [(slot, a.name, a.path) for slot, a in lora_fills]
         pending = pending_inputs(scheduled)
-        sampling = [item for item in scheduled if item.will_sample and not item.num_spec_tokens]
-        speculated = [item for item in scheduled if item.will_sample and item.num_spec_tokens]
-        grammars = [item.seq.grammar for item in sampling]
-        masks = structured.start_masks(grammars) if structured is not None else None
+        samplers = [item for item in scheduled if item.will_sample]  # in their logits rows' order
+        sampling = [item for item in samplers if not item.num_spec_tokens]
+        speculated = [item for item in samplers if item.num_spec_tokens]
+        masks = None
+        if structured is not None:
+            masks = structured.start_masks(
+                [item.seq.grammar for item in samplers],
+                [item.seq.spec_token_ids[: item.num_spec_tokens] for item in samplers],
+            )
         if self.workers is None:
             logits = self.forward_step(step, pending)
         else:
@@ -252,12 +260,16 @@ class ModelRunner:
             except RuntimeError as exc:  # a collective failed: name the rank that died, if one did
                 self.workers.blame(exc)
                 raise
-        verified: list[list[int]] = []
+        # Awaited even without logits: the mask walk must be done before a token is accepted.
+        mask = masks.result() if masks is not None else None
+        if logits is not None and mask is not None:
+            mask.apply(logits)
+        verified = Verified([], [])
         if logits is not None and speculated:
             logits, verified = self._verify(scheduled, logits)
         if logits is None or not sampling:
             self._last_draws = None
-            return LaunchedStep([], None, speculated, verified)
+            return LaunchedStep([], None, speculated, verified.token_ids, verified.logprobs)
         rows = [
             SamplerRow(
                 item.seq.params,
@@ -267,16 +279,15 @@ class ModelRunner:
             )
             for item in sampling
         ]
-        mask = masks.result() if masks is not None else None
         drawn = launch_sample(
-            logits, rows, self.default_generator, mask, self.model.model.ops.argmax_rows
+            logits, rows, self.default_generator, None, self.model.model.ops.argmax_rows
         )
         self._last_draws = drawn.token_ids
-        return LaunchedStep(sampling, drawn, speculated, verified)
+        return LaunchedStep(sampling, drawn, speculated, verified.token_ids, verified.logprobs)
 
     def _verify(
         self, scheduled: list[ScheduledSequence], logits: torch.Tensor
-    ) -> tuple[torch.Tensor, list[list[int]]]:
+    ) -> tuple[torch.Tensor, Verified]:
         """Splits a step's logits rows: the plain sampling rows (returned, in order) and the
         speculating sequences' k+1 rows each, verified here (their tokens, in order)."""
         plain_rows: list[int] = []
@@ -294,7 +305,8 @@ class ModelRunner:
             spec_rows.extend(range(row, row + n))
             row += n
             seq = item.seq
-            sampler_row = SamplerRow(seq.params, [], seq.generator)
+            outputs = seq.output_token_ids if seq.params.has_penalties else []
+            sampler_row = SamplerRow(seq.params, outputs, seq.generator)
             seqs.append(VerifyRow(sampler_row, seq.spec_token_ids[: item.num_spec_tokens]))
         verified = verify(
             logits[self._indices(spec_rows)],

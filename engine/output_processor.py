@@ -48,6 +48,8 @@ class _RequestState:
     metrics: RequestMetrics
     seqs: list[_SeqState]
     num_cached_tokens: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
     kind: OutputKind = OutputKind.CUMULATIVE
 
     @property
@@ -137,6 +139,9 @@ class OutputProcessor:
             if request is None:  # aborted here while the core was stepping
                 continue
             seq = request.seqs[update.index]
+            # Counted even past a stop string: the engine's counters count them too.
+            request.num_draft_tokens += update.num_draft_tokens
+            request.num_accepted_tokens += update.num_accepted_tokens
             if seq.finish_reason is not None:  # a stop string ended it before this step landed
                 continue
             if self._apply(request, seq, update) and update.finish_reason is None:
@@ -235,6 +240,8 @@ class OutputProcessor:
             outputs=completions,
             finished=request.finished,
             num_cached_tokens=request.num_cached_tokens,
+            num_draft_tokens=request.num_draft_tokens,
+            num_accepted_tokens=request.num_accepted_tokens,
             metrics=RequestMetrics(
                 m.arrival_time,
                 m.first_scheduled_time,

@@ -59,6 +59,9 @@ class RequestOutput:
     finished: bool
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
     metrics: RequestMetrics | None = None
+    # Speculation so far, over the request's sequences: proposed tokens verified, and accepted.
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
     extra: dict[str, object] = field(default_factory=dict)
 
 

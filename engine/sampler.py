@@ -266,7 +266,7 @@ def inverse_cdf(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
     return (block * CDF_BLOCK + torch.minimum(pick, last_live)).squeeze(1)
 
 
-def _logprobs(
+def sampled_logprobs(
     logits: torch.Tensor, rows: list[SamplerRow], token_ids: torch.Tensor
 ) -> list[tuple[float, int, list[tuple[int, float]]] | None]:
     """Chosen-token logprob, its rank and the top-N of the raw distribution, for rows that asked."""
@@ -360,7 +360,7 @@ def resolve_sample(launched: LaunchedSample) -> SampleResult:
         token_list = launched.host_copy.tolist()
     else:
         token_list = launched.token_ids.tolist()
-    logprobs = _logprobs(launched.raw_logits, launched.rows, launched.token_ids)
+    logprobs = sampled_logprobs(launched.raw_logits, launched.rows, launched.token_ids)
     return SampleResult(token_list, logprobs)
 
 

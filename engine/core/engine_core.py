@@ -45,6 +45,7 @@ from kvpilot.engine.sampling_params import SamplingParams
 from kvpilot.engine.scheduler import ScheduledSequence, Scheduler
 from kvpilot.engine.sequence import PENDING_TOKEN, Sequence, SequenceStatus
 from kvpilot.engine.spec_decode.draft_model import draft_model_config
+from kvpilot.engine.spec_decode.grammar import cut_to_grammar
 from kvpilot.engine.spec_decode.policy import SpecDecodeCounters, SpeculationPolicy
 from kvpilot.engine.spec_decode.proposer import build_proposer
 from kvpilot.engine.structured.backend import resolve_backend
@@ -469,6 +470,7 @@ class EngineCore:
         started = time.monotonic()
         if self.speculation is not None:
             self.speculation.propose(self.scheduler.running)
+            cut_to_grammar(self.scheduler.running)
         plan = self.scheduler.schedule()
         if plan.is_empty:
             return None
@@ -562,13 +564,16 @@ class EngineCore:
         launched = step.launched
         updates = []
         results = []
-        for item, tokens in zip(launched.speculated, launched.verified, strict=True):
+        for item, tokens, logprobs in zip(
+            launched.speculated, launched.verified, launched.verified_logprobs, strict=True
+        ):
             seq = item.seq
-            results.append((item.num_spec_tokens, len(tokens) - 1))
+            num_accepted = len(tokens) - 1
+            results.append((item.num_spec_tokens, num_accepted))
             if seq.is_finished:  # aborted meanwhile
                 continue
             max_tokens = seq.params.max_tokens
-            for token in tokens:
+            for i, token in enumerate(tokens):
                 seq.token_ids.append(token)
                 seq.reached_length = (
                     max_tokens is not None and seq.num_output_tokens >= max_tokens
@@ -579,10 +584,13 @@ class EngineCore:
                         seq.request_id,
                         seq.index,
                         token,
-                        None,
+                        None if logprobs is None else logprobs[i],
                         seq.finish_reason,
                         seq.stop_reason,
                         seq.num_cached_tokens,
+                        # The step's proposals count once, on its first token.
+                        num_draft_tokens=0 if i else item.num_spec_tokens,
+                        num_accepted_tokens=0 if i else num_accepted,
                     )
                 )
                 if seq.finish_reason is not None:

@@ -103,6 +103,10 @@ class SeqUpdate(msgspec.Struct, array_like=True, gc=False):
     finish_reason: str | None = None
     stop_reason: int | None = None
     num_cached_tokens: int = 0
+    # Speculation in the step that gave this token: the proposals verified and how many were
+    # accepted (on a step's first token of the sequence; 0 on the others and without proposals).
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
 
 
 class StepOutputs(msgspec.Struct, array_like=True, tag=True, gc=False):

@@ -36,12 +36,25 @@ def clamp_logprob(value: float) -> float:
     return MIN_LOGPROB if math.isnan(value) or value < MIN_LOGPROB else value
 
 
-def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict[str, Any]:
+def usage(
+    prompt_tokens: int,
+    completion_tokens: int,
+    cached_tokens: int,
+    draft_tokens: int = 0,
+    accepted_tokens: int = 0,
+) -> dict[str, Any]:
+    """OpenAI's usage object. Its prediction counts are the request's speculation: proposed
+    tokens the model accepted, and those it rejected (every proposal verified is one of the
+    two)."""
     return {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
         "prompt_tokens_details": {"cached_tokens": cached_tokens},
+        "completion_tokens_details": {
+            "accepted_prediction_tokens": accepted_tokens,
+            "rejected_prediction_tokens": draft_tokens - accepted_tokens,
+        },
     }
 
 

@@ -141,6 +141,8 @@ def usage_of(
         prompt_tokens=sum(len(p.token_ids) for p in prompts),
         completion_tokens=completion_tokens,
         cached_tokens=sum(out.num_cached_tokens for out in outputs if out is not None),
+        draft_tokens=sum(out.num_draft_tokens for out in outputs if out is not None),
+        accepted_tokens=sum(out.num_accepted_tokens for out in outputs if out is not None),
     )
 
 

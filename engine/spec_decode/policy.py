@@ -1,9 +1,8 @@
 """When the engine speculates, and how much: the one place of the back-off rule.
 
 A running sequence gets proposals in a step when all of these hold:
-- It decodes (its prompt is computed) with no token in flight, and it has no grammar, no
-  penalties and no logprobs (their per-token state would have to follow each proposal; such a
-  sequence decodes one token per step as without speculation).
+- It decodes (its prompt is computed) with no token in flight. A grammar, penalties and
+  logprobs follow each proposal (verify.py; a grammar also cuts the proposals, grammar.py).
 - At most `disable_by_batch_size` sequences run: past that the batch already fills the compute a
   step has, and verifying k more tokens per sequence would slow every stream.
 - The measured acceptance (accepted / proposed tokens, a moving average over steps) is at least
@@ -40,14 +39,7 @@ class SpecDecodeCounters:
 
 def speculates(seq: Sequence) -> bool:
     """Whether this sequence may get proposals at all (see the module's docstring)."""
-    params = seq.params
-    return (
-        seq.grammar is None
-        and not params.has_penalties
-        and params.logprobs is None
-        and seq.num_pending_tokens == 0
-        and seq.is_decoding
-    )
+    return seq.num_pending_tokens == 0 and seq.is_decoding
 
 
 class SpeculationPolicy:

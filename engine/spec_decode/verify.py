@@ -12,6 +12,11 @@ step without speculation gives.
   proposal has no distribution of its own): d_i is accepted with probability p_i(d_i); on
   rejection the token is drawn from p_i with d_i removed, renormalized. Each emitted token then
   follows the target distribution, as if drawn without speculation.
+
+Each row first gets what a step without speculation would give it at that position: the grammar's
+mask after the proposals before it (applied by the caller), the penalties counting those
+proposals as output. A token the mask forbids has probability 0, so it is never accepted nor
+drawn.
 """
 
 from __future__ import annotations
@@ -21,11 +26,14 @@ from dataclasses import dataclass
 
 import torch
 
+from kvpilot.engine.core.messages import SampledLogprobs
 from kvpilot.engine.sampler import (
     SamplerRow,
     apply_logit_bias,
+    apply_penalties,
     filter_logits,
     inverse_cdf,
+    sampled_logprobs,
 )
 
 
@@ -69,10 +77,31 @@ def rejection_sample(
 
 @dataclass(frozen=True)
 class VerifyRow:
-    """One speculating sequence: its sampling row (params, generator) and its proposals."""
+    """One speculating sequence: its sampling row (params, generator, and for the penalties its
+    output tokens before the proposals) and its proposals."""
 
     row: SamplerRow
     draft_ids: list[int]
+
+    def position_rows(self) -> list[SamplerRow]:
+        """The sampling row of each of the k+1 positions: position i follows the output tokens
+        and the proposals before it, as decoding them one by one would see it."""
+        r = self.row
+        if not r.params.has_penalties:
+            return [r] * (len(self.draft_ids) + 1)
+        return [
+            SamplerRow(r.params, [*r.output_token_ids, *self.draft_ids[:i]], r.generator)
+            for i in range(len(self.draft_ids) + 1)
+        ]
+
+
+@dataclass(frozen=True)
+class Verified:
+    """Per sequence: its accepted proposals and the token after them, and for a sequence that
+    asked for logprobs each of those tokens' (None otherwise)."""
+
+    token_ids: list[list[int]]
+    logprobs: list[list[SampledLogprobs] | None]
 
 
 def verify(
@@ -80,18 +109,21 @@ def verify(
     seqs: list[VerifyRow],
     default_generator: torch.Generator,
     argmax_rows: Callable[[torch.Tensor], torch.Tensor],
-) -> list[list[int]]:
-    """logits: [sum(k_s + 1), V] float32, each sequence's k_s + 1 rows in turn. Per sequence,
-    its accepted proposals and the token after them. The rows get what a step without
-    speculation applies to them (logit bias, then temperature, top-k, top-p, min-p); sequences
-    with penalties, a grammar or logprobs do not speculate (engine/spec_decode/policy.py)."""
+) -> Verified:
+    """logits: [sum(k_s + 1), V] float32, each sequence's k_s + 1 rows in turn, a grammar's mask
+    already applied (row i under the grammar's state after the proposals before it). Per
+    sequence, its accepted proposals and the token after them. The rows get what a step without
+    speculation applies to them (logit bias, penalties over the output and the proposals before
+    the row, then temperature, top-k, top-p, min-p); logprobs are those of the masked logits, as
+    without speculation."""
     spans = []
     start = 0
     for s in seqs:
         spans.append((start, start + len(s.draft_ids) + 1))
         start = spans[-1][1]
-    position_rows = [s.row for s in seqs for _ in range(len(s.draft_ids) + 1)]
-    logits = apply_logit_bias(logits, position_rows)
+    position_rows = [r for s in seqs for r in s.position_rows()]
+    raw_logits = logits
+    logits = apply_penalties(apply_logit_bias(logits, position_rows), position_rows)
     out: list[list[int]] = [[] for _ in seqs]
     greedy = [i for i, s in enumerate(seqs) if s.row.params.is_greedy]
     if greedy:
@@ -110,4 +142,33 @@ def verify(
         uniforms = torch.empty(b - a, dtype=torch.float32, device=logits.device)
         uniforms.uniform_(generator=s.row.generator or default_generator)
         out[i] = rejection_sample(probs, s.draft_ids, uniforms)
+    return Verified(out, _emitted_logprobs(raw_logits, seqs, spans, position_rows, out))
+
+
+def _emitted_logprobs(
+    raw_logits: torch.Tensor,
+    seqs: list[VerifyRow],
+    spans: list[tuple[int, int]],
+    position_rows: list[SamplerRow],
+    emitted: list[list[int]],
+) -> list[list[SampledLogprobs] | None]:
+    """The logprobs of each emitted token from its own row, in one batch over the sequences
+    that asked for them."""
+    asking = [i for i, s in enumerate(seqs) if s.row.params.logprobs is not None]
+    out: list[list[SampledLogprobs] | None] = [None] * len(seqs)
+    if not asking:
+        return out
+    rows = [spans[i][0] + j for i in asking for j in range(len(emitted[i]))]
+    tokens = [t for i in asking for t in emitted[i]]
+    index = torch.tensor(rows, device=raw_logits.device)
+    values = sampled_logprobs(
+        raw_logits[index],
+        [position_rows[r] for r in rows],
+        torch.tensor(tokens, dtype=torch.int64, device=raw_logits.device),
+    )
+    offset = 0
+    for i in asking:
+        n = len(emitted[i])
+        out[i] = [v for v in values[offset : offset + n] if v is not None]
+        offset += n
     return out

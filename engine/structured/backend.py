@@ -39,6 +39,16 @@ class GrammarMatcher(Protocol):
 
     def accept(self, token_id: int) -> bool: ...
 
+    def num_acceptable(self, token_ids: list[int]) -> int:
+        """How many leading tokens of token_ids the grammar takes in turn from here without
+        reaching its end: the count stops before a token it refuses and before one after which
+        it is terminated. The matcher's state is left as it was."""
+        ...
+
+    def rollback(self, num_tokens: int) -> None:
+        """Undo the last num_tokens accepted tokens."""
+        ...
+
     @property
     def is_terminated(self) -> bool:
         """Nothing but the end can follow (a stop token was accepted, or only one is allowed)."""

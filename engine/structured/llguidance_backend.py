@@ -68,6 +68,25 @@ class _LLGuidanceMatcher:
     def accept(self, token_id: int) -> bool:
         return bool(self._matcher.consume_token(token_id))
 
+    def num_acceptable(self, token_ids: list[int]) -> int:
+        # A refused token would put the matcher in its error state: validate first, then walk
+        # only the valid ones to find where the grammar ends.
+        valid = int(self._matcher.validate_tokens(token_ids))
+        count = 0
+        for token in token_ids[:valid]:
+            self._matcher.consume_token(token)
+            if self._matcher.is_stopped():
+                self._matcher.rollback(1)
+                break
+            count += 1
+        if count:
+            self._matcher.rollback(count)
+        return count
+
+    def rollback(self, num_tokens: int) -> None:
+        if num_tokens:
+            self._matcher.rollback(num_tokens)
+
     @property
     def is_terminated(self) -> bool:
         return bool(self._matcher.is_stopped())

@@ -58,6 +58,24 @@ class SequenceGrammar:
     def is_terminated(self) -> bool:
         return self.matcher.is_terminated
 
+    def num_acceptable(self, token_ids: list[int]) -> int:
+        """How many leading proposals the grammar takes from its state without ending (the
+        matcher does not move)."""
+        return self.matcher.num_acceptable(token_ids)
+
+    def fill_rows(self, bitmask: torch.Tensor, first_row: int, draft_ids: list[int]) -> None:
+        """bitmask rows first_row .. first_row + k: the allowed tokens after each prefix
+        d_0..d_{i-1} of the k proposals (which the grammar takes: num_acceptable cut them). The
+        matcher ends where it started; the emitted tokens are accepted when they are read."""
+        matcher = self.matcher
+        for i, token in enumerate(draft_ids):
+            matcher.fill_mask(bitmask, first_row + i)
+            if not matcher.accept(token):
+                matcher.rollback(i)
+                raise RuntimeError(f"the grammar refused proposal {token}, which it was cut to")
+        matcher.fill_mask(bitmask, first_row + len(draft_ids))
+        matcher.rollback(len(draft_ids))
+
 
 class StructuredOutputs:
     """Created once per core; the backend (the tokenizer's vocabulary) loads on the compile thread
@@ -118,31 +136,38 @@ class StructuredOutputs:
         """Until one of grammars is ready or timeout_s passes (without the interpreter lock)."""
         wait([g.compiled for g in grammars], timeout_s, return_when=FIRST_COMPLETED)
 
-    def start_masks(self, grammars: list[SequenceGrammar | None]) -> Future[GrammarMask] | None:
-        """This step's masks for the rows that have a grammar (grammars[i] is sampling row i);
-        None when no row has one. Overlapping: filled and expanded into an additive bias on the
+    def start_masks(
+        self, grammars: list[SequenceGrammar | None], drafts: list[list[int]] | None = None
+    ) -> Future[GrammarMask] | None:
+        """This step's masks, one bitmask for the logits rows of every sampling sequence in
+        turn: grammars[i] is sequence i's (None: unconstrained), drafts[i] the proposals it
+        verifies (k_i of them, k_i + 1 rows; None: no proposals, one row each). None when no
+        sequence has a grammar. Overlapping: filled and expanded into an additive bias on the
         mask thread while the forward runs. Else: the bitmask, filled right here."""
         if all(g is None for g in grammars):
             return None
+        spans = drafts if drafts is not None else [[] for _ in grammars]
         if self.overlap:
-            return self._mask_pool.submit(self._bias, grammars)
+            return self._mask_pool.submit(self._bias, grammars, spans)
         done: Future[GrammarMask] = Future()
-        done.set_result(self._fill(grammars))
+        done.set_result(self._fill(grammars, spans))
         return done
 
-    def _fill(self, grammars: list[SequenceGrammar | None]) -> GrammarMask:
-        num_rows = len(grammars)
+    def _fill(self, grammars: list[SequenceGrammar | None], drafts: list[list[int]]) -> GrammarMask:
+        num_rows = sum(len(d) + 1 for d in drafts)
         if self._bitmask is None or self._bitmask.shape[0] < num_rows:
             self._bitmask = self.backend.allocate_bitmask(max(num_rows, 64))
-        rows = tuple(i for i, g in enumerate(grammars) if g is not None)
-        for i in rows:
-            grammar = grammars[i]
-            assert grammar is not None
-            grammar.matcher.fill_mask(self._bitmask, i)
-        return GrammarMask(rows, bitmask=self._bitmask[:num_rows])
+        rows: list[int] = []
+        row = 0
+        for grammar, draft_ids in zip(grammars, drafts, strict=True):
+            if grammar is not None:
+                grammar.fill_rows(self._bitmask, row, draft_ids)
+                rows.extend(range(row, row + len(draft_ids) + 1))
+            row += len(draft_ids) + 1
+        return GrammarMask(tuple(rows), bitmask=self._bitmask[:num_rows])
 
-    def _bias(self, grammars: list[SequenceGrammar | None]) -> GrammarMask:
-        filled = self._fill(grammars)
+    def _bias(self, grammars: list[SequenceGrammar | None], drafts: list[list[int]]) -> GrammarMask:
+        filled = self._fill(grammars, drafts)
         assert filled.bitmask is not None
         bias = bitmask_to_bias(filled.bitmask, self.backend.vocab_size)
         return GrammarMask(filled.rows, bias=bias)

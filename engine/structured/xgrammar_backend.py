@@ -65,6 +65,24 @@ class _XGrammarMatcher:
     def accept(self, token_id: int) -> bool:
         return bool(self._matcher.accept_token(token_id))
 
+    def num_acceptable(self, token_ids: list[int]) -> int:
+        # A refused token leaves an xgrammar matcher as it was, so trying is checking.
+        count = 0
+        for token in token_ids:
+            if not self._matcher.accept_token(token):
+                break
+            if self._matcher.is_terminated():
+                self._matcher.rollback(1)
+                break
+            count += 1
+        if count:
+            self._matcher.rollback(count)
+        return count
+
+    def rollback(self, num_tokens: int) -> None:
+        if num_tokens:
+            self._matcher.rollback(num_tokens)
+
     @property
     def is_terminated(self) -> bool:
         return bool(self._matcher.is_terminated())

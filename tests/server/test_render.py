@@ -59,12 +59,16 @@ def test_next_delta_counts_delta_outputs_and_finishes_once() -> None:
     assert render.next_delta(cursor, repeat) is None and cursor.num_tokens == 4
 
 
-def test_usage_has_cached_tokens_details() -> None:
-    assert render.usage(10, 4, 8) == {
+def test_usage_has_cached_tokens_and_prediction_details() -> None:
+    assert render.usage(10, 4, 8, draft_tokens=6, accepted_tokens=2) == {
         "prompt_tokens": 10,
         "completion_tokens": 4,
         "total_tokens": 14,
         "prompt_tokens_details": {"cached_tokens": 8},
+        "completion_tokens_details": {
+            "accepted_prediction_tokens": 2,
+            "rejected_prediction_tokens": 4,
+        },
     }
 
 
