@@ -4,6 +4,7 @@ greedily."""
 from __future__ import annotations
 
 import os
+from copy import deepcopy
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
@@ -47,12 +48,28 @@ def smollm2_tokenizer() -> object:
 
 @cache
 def smollm2_reference(dtype: torch.dtype = torch.float32) -> tuple[object, object]:
+    """transformers' model of the bundled GGUF in dtype, and its tokenizer. transformers
+    dequantizes a GGUF to float32 and casts each weight to dtype as it loads it, so another dtype
+    is the float32 model with its parameters cast (its buffers, such as the rotary frequencies,
+    stay as transformers builds them): the same model without a second dequantization."""
+    if dtype != torch.float32:
+        return with_parameters_cast(smollm2_reference()[0], dtype), smollm2_tokenizer()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from transformers import AutoModelForCausalLM
 
     path = bundled_gguf_path()
     model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=dtype)
     return model.eval(), smollm2_tokenizer()
+
+
+def with_parameters_cast(model: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
+    """A copy of model whose parameters are in dtype; its buffers keep their dtype (tied
+    parameters stay tied: each is one Parameter, cast once)."""
+    copy = deepcopy(model)
+    for param in copy.parameters():
+        param.data = param.data.to(dtype)
+    copy.config.dtype = dtype
+    return copy.eval()
 
 
 def chat_prompt_ids(tokenizer: object, questions: list[str]) -> list[list[int]]:
