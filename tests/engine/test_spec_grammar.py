@@ -216,6 +216,9 @@ def with_and_without_speculation(
     finally:
         core.speculation = policy
     drafts, accepted = policy.counters.num_draft_tokens, policy.counters.num_accepted_tokens
+    # Each comparison starts from the acceptance a new engine assumes: an earlier test's low
+    # acceptance would otherwise leave only the back-off's probe steps proposing.
+    policy.acceptance = 1.0
     spec = llm.generate(prompts, params)
     growth = (
         policy.counters.num_draft_tokens - drafts,
