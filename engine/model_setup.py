@@ -19,7 +19,7 @@ from kvpilot.engine.model.loader import (
     ResolvedModel,
     build_model,
     init_dummy_weights,
-    load_safetensors_weights,
+    load_model_from_files,
     model_size_gib,
 )
 from kvpilot.engine.parallel.group import TPGroup
@@ -62,12 +62,14 @@ def load_model(
         from kvpilot.engine.lora.ops import add_lora
 
         ops = dataclasses.replace(ops, add_lora=add_lora)
-    model = build_model(model_config, backend, max_model_len, device, dtype, ops, tp)
-    bytes_loaded = 0
     if source.load_format == "dummy":
+        model = build_model(model_config, backend, max_model_len, device, dtype, ops, tp)
         init_dummy_weights(model, config.seed)
+        bytes_loaded = 0
     else:
-        bytes_loaded = load_safetensors_weights(model, source.hf_dir)
+        model, bytes_loaded = load_model_from_files(
+            model_config, backend, max_model_len, device, dtype, source.hf_dir, ops, tp
+        )
     log.info(
         "model weights: %.2f GiB in %s on %s%s",
         model_size_gib(model),

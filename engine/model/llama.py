@@ -188,7 +188,13 @@ class LlamaModel(nn.Module):
         tp: TPGroup | None,
     ) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(shard.vocab_per_rank, cfg.hidden_size)
+        # Its storage given, not initialised: a random init of an Embedding on the meta device
+        # (the loader builds there) imports torch's Python references and dynamo, seconds.
+        self.embed_tokens = nn.Embedding(
+            shard.vocab_per_rank,
+            cfg.hidden_size,
+            _weight=torch.empty(shard.vocab_per_rank, cfg.hidden_size),
+        )
         self.layers = nn.ModuleList(
             DecoderLayer(cfg, backend, ops, shard, tp) for _ in range(cfg.num_hidden_layers)
         )
@@ -204,7 +210,10 @@ class LlamaForCausalLM(nn.Module):
         max_positions: int,
         ops: LayerOps | None = None,
         tp: TPGroup | None = None,
+        cos_sin_cache: torch.Tensor | None = None,
     ) -> None:
+        """cos_sin_cache: the rotary table, built for max_positions (rope_cos_sin_cache) where the
+        caller has it; else built here."""
         super().__init__()
         self.config = cfg
         self.tp = tp
@@ -215,8 +224,10 @@ class LlamaForCausalLM(nn.Module):
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         # A plain attribute, not a buffer: it must stay float32 when the weights move to bf16/fp16.
-        self.cos_sin_cache = layers.rope_cos_sin_cache(
-            cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling
+        self.cos_sin_cache = (
+            layers.rope_cos_sin_cache(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling)
+            if cos_sin_cache is None
+            else cos_sin_cache
         )
 
     def forward(self, input_ids: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:

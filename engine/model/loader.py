@@ -7,6 +7,7 @@ import functools
 import importlib.util
 import json
 import logging
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -144,6 +145,22 @@ def read_hf_config(hf_dir: Path) -> dict[str, Any]:
         raise ModelFileError(f"{hf_dir / 'config.json'}: unreadable config ({exc})") from exc
 
 
+def meta_model(
+    cfg: ModelConfig,
+    backend: AttentionBackend,
+    max_positions: int,
+    ops: LayerOps | None = None,
+    tp: TPGroup | None = None,
+) -> LlamaForCausalLM:
+    """The model's modules on the meta device: shapes only, no storage, no random init; its
+    rotary table real (float32, on the CPU)."""
+    # Built before the meta context: computed on meta, torch's Python references of arange and
+    # friends import dynamo and sympy (seconds), for a table that would have to be rebuilt.
+    cos_sin = rope_cos_sin_cache(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling)
+    with torch.device("meta"):
+        return LlamaForCausalLM(cfg, backend, max_positions, ops, tp, cos_sin_cache=cos_sin)
+
+
 def build_model(
     cfg: ModelConfig,
     backend: AttentionBackend,
@@ -153,11 +170,9 @@ def build_model(
     ops: LayerOps | None = None,
     tp: TPGroup | None = None,
 ) -> LlamaForCausalLM:
-    # Built on the meta device, then given uninitialised storage: no time spent on random init.
-    with torch.device("meta"):
-        model = LlamaForCausalLM(cfg, backend, max_positions, ops, tp)
+    """The model with uninitialised storage of its own (dummy weights, copies into it)."""
     # dtype first, on meta: the device then only ever holds the weights in their final dtype.
-    model = model.to(dtype).to_empty(device=device)
+    model = meta_model(cfg, backend, max_positions, ops, tp).to(dtype).to_empty(device=device)
     if cfg.tie_word_embeddings:  # to_empty re-creates parameters, which unties them
         model.lm_head.weight = model.model.embed_tokens.weight
     if tp is not None:  # the vocab padding of the last rank: rows no checkpoint fills
@@ -165,15 +180,30 @@ def build_model(
         with torch.no_grad():
             model.model.embed_tokens.weight[stop - start :].zero_()
             model.lm_head.weight[stop - start :].zero_()
-    # The rotary table was built on meta like the rest: build it for real (float32, on the device).
-    model.cos_sin_cache = rope_cos_sin_cache(
-        cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling
-    ).to(device)
+    return _finish(model, device)
+
+
+def _finish(model: LlamaForCausalLM, device: torch.device) -> LlamaForCausalLM:
+    model.cos_sin_cache = model.cos_sin_cache.to(device)
     return model.eval().requires_grad_(False)
 
 
-def load_safetensors_weights(model: LlamaForCausalLM, hf_dir: Path) -> int:
-    """Fills the model's parameters from hf_dir's safetensors files; returns the bytes read.
+@dataclass(frozen=True)
+class _FileTensor:
+    """One tensor of a checkpoint, read (a view of the file's memory map) and checked against
+    the parameter it fills."""
+
+    target: str  # our parameter's name
+    rows: tuple[int, int] | None  # the rows of a merged parameter it fills (None: all of it)
+    tensor: torch.Tensor
+
+
+def _file_tensors(
+    model: LlamaForCausalLM, hf_dir: Path, params: dict[str, torch.nn.Parameter]
+) -> Iterator[_FileTensor]:
+    """Every tensor of hf_dir's safetensors files that fills a parameter, checked for its name and
+    shape; ModelFileError for a file that is unreadable, has a tensor no parameter takes, or lacks
+    one a parameter needs (raised once every file was read).
 
     Under tensor parallelism each rank reads only its shard's slice of each tensor
     (safe_open(...).get_slice, over the memory-mapped file), so host memory per rank holds that
@@ -181,14 +211,12 @@ def load_safetensors_weights(model: LlamaForCausalLM, hf_dir: Path) -> int:
     files = sorted(hf_dir.glob("*.safetensors"))
     if not files:
         raise ModelFileError(f"{hf_dir}: no *.safetensors weight files")
-    params = dict(model.named_parameters(remove_duplicate=False))
     cfg, shard = model.config, model.shard
     q, kv = shard.num_heads * cfg.head_dim, shard.num_kv_heads * cfg.head_dim
     qkv_slices = [(0, q), (q, q + kv), (q + kv, q + 2 * kv)]
     inter = shard.intermediate_size
     gate_up_slices = [(0, inter), (inter, 2 * inter)]
     loaded: set[str] = set()
-    num_bytes = 0
     for file in tqdm(files, desc="loading weights", unit="file", leave=False):
         try:
             handle = safe_open(str(file), framework="pt", device="cpu")
@@ -204,24 +232,81 @@ def load_safetensors_weights(model: LlamaForCausalLM, hf_dir: Path) -> int:
                 if target not in params:
                     raise ModelFileError(f"{file}: unexpected tensor {name!r}")
                 tensor = _read_shard(f, name, shard.source_slice(name))
-                num_bytes += tensor.numel() * tensor.element_size()
-                dest = (
-                    params[target].data if rows is None else params[target].data[rows[0] : rows[1]]
-                )
+                shape = params[target].shape
+                expected = (shape[0] if rows is None else rows[1] - rows[0], *shape[1:])
                 if target in ("model.embed_tokens.weight", "lm_head.weight"):
-                    dest = dest[: tensor.shape[0]]  # the last rank's padding rows stay zero
-                if dest.shape != tensor.shape:
+                    # the last rank's padding rows: no checkpoint fills them
+                    expected = (min(expected[0], tensor.shape[0]), *expected[1:])
+                if tuple(tensor.shape) != expected:
                     raise ModelFileError(
                         f"{file}: tensor {name!r} has shape {tuple(tensor.shape)}, "
-                        f"expected {tuple(dest.shape)}"
+                        f"expected {expected}"
                     )
-                dest.copy_(tensor)
                 loaded.add(target if rows is None else f"{target}[{rows[0]}]")
-    expected = _expected_loads(params, cfg, qkv_slices, gate_up_slices)
-    missing = sorted(expected - loaded)
+                yield _FileTensor(target, rows, tensor)
+    missing = sorted(_expected_loads(params, cfg, qkv_slices, gate_up_slices) - loaded)
     if missing:
         raise ModelFileError(f"{hf_dir}: missing weights, e.g. {missing[:3]}")
+
+
+def load_safetensors_weights(model: LlamaForCausalLM, hf_dir: Path) -> int:
+    """Copies hf_dir's safetensors into the parameters of a model built with storage of its own
+    (build_model); returns the bytes read."""
+    params = dict(model.named_parameters(remove_duplicate=False))
+    num_bytes = 0
+    for got in _file_tensors(model, hf_dir, params):
+        dest = params[got.target].data
+        if got.rows is not None:
+            dest = dest[got.rows[0] : got.rows[1]]
+        dest[: got.tensor.shape[0]].copy_(got.tensor)
+        num_bytes += got.tensor.numel() * got.tensor.element_size()
     return num_bytes
+
+
+def load_model_from_files(
+    cfg: ModelConfig,
+    backend: AttentionBackend,
+    max_positions: int,
+    device: torch.device,
+    dtype: torch.dtype,
+    hf_dir: Path,
+    ops: LayerOps | None = None,
+    tp: TPGroup | None = None,
+) -> tuple[LlamaForCausalLM, int]:
+    """The model with hf_dir's safetensors as its parameters, and the bytes those files hold.
+
+    Built on the meta device (no storage, no init), then each parameter is given its tensor: where
+    the file's tensor is already in the run's dtype and on its device, the parameter IS the
+    file's memory map (a private mapping: nothing is read before it is used, nothing copied,
+    and a write would stay in this process). A merged parameter (qkv_proj, gate_up_proj), a
+    padded vocab shard and a dtype or device the file does not have take one copy each."""
+    model = meta_model(cfg, backend, max_positions, ops, tp)
+    params = dict(model.named_parameters(remove_duplicate=False))
+    merged: dict[str, torch.Tensor] = {}
+    num_bytes = 0
+    for got in _file_tensors(model, hf_dir, params):
+        num_bytes += got.tensor.numel() * got.tensor.element_size()
+        shape = params[got.target].shape
+        if got.rows is None and tuple(got.tensor.shape) == tuple(shape):
+            _set_parameter(model, got.target, got.tensor.to(device=device, dtype=dtype))
+            continue
+        if got.target not in merged:  # every row filled, but a padded vocab shard's: zeros
+            alloc = torch.empty if got.rows is not None else torch.zeros
+            merged[got.target] = alloc(shape, dtype=dtype, device=device)
+        dest = merged[got.target]
+        if got.rows is not None:
+            dest = dest[got.rows[0] : got.rows[1]]
+        dest[: got.tensor.shape[0]].copy_(got.tensor)
+    for name, tensor in merged.items():
+        _set_parameter(model, name, tensor)
+    if cfg.tie_word_embeddings:
+        model.lm_head.weight = model.model.embed_tokens.weight
+    return _finish(model, device), num_bytes
+
+
+def _set_parameter(model: torch.nn.Module, name: str, tensor: torch.Tensor) -> None:
+    owner, _, attr = name.rpartition(".")
+    setattr(model.get_submodule(owner), attr, torch.nn.Parameter(tensor, requires_grad=False))
 
 
 def _read_shard(f: Any, name: str, part: tuple[int, int, int] | None) -> torch.Tensor:

@@ -108,3 +108,49 @@ def test_bfloat16_on_cpu_runs_the_real_model() -> None:
 def test_float16_on_cpu_is_refused_with_a_reason() -> None:
     with pytest.raises(ValueError, match="float16 is not supported on CPU"):
         LLM(dtype="float16")
+
+
+def _mapped_file(address: int) -> str | None:
+    """The file whose memory map holds `address` in this process (None: anonymous memory)."""
+    for line in Path("/proc/self/maps").read_text().splitlines():
+        fields = line.split()
+        low, high = (int(x, 16) for x in fields[0].split("-"))
+        if low <= address < high:
+            return fields[5] if len(fields) > 5 else None
+    return None
+
+
+def test_weights_are_the_files_memory_map_not_a_copy(tmp_path: Path) -> None:
+    """A parameter whose file tensor has the run's dtype is that tensor, mapped from the file;
+    merged ones (qkv, gate_up) are copies; every value equals the copying loader's."""
+    from kvpilot.engine.attention import get_attention_backend
+    from kvpilot.engine.config import ModelConfig
+    from kvpilot.engine.model.loader import (
+        build_model,
+        load_model_from_files,
+        load_safetensors_weights,
+        read_hf_config,
+    )
+
+    path = tiny_llama(tmp_path)
+    cfg = ModelConfig.from_hf_config(read_hf_config(path))
+    backend, cpu = get_attention_backend("torch"), torch.device("cpu")
+    model, num_bytes = load_model_from_files(cfg, backend, 64, cpu, torch.float32, path)
+    weights = str((path / "model.safetensors").resolve())
+    layer = model.model.layers[0]
+    for mapped in (model.model.embed_tokens.weight, layer.self_attn.o_proj.weight,
+                   layer.mlp.down_proj.weight, layer.input_layernorm.weight):  # fmt: skip
+        assert _mapped_file(mapped.data_ptr()) == weights
+    for merged in (layer.self_attn.qkv_proj.weight, layer.mlp.gate_up_proj.weight):
+        assert _mapped_file(merged.data_ptr()) != weights
+    copied = build_model(cfg, backend, 64, cpu, torch.float32)
+    assert num_bytes == load_safetensors_weights(copied, path) > 0
+    ours, theirs = dict(model.named_parameters()), dict(copied.named_parameters())
+    assert ours.keys() == theirs.keys()
+    assert all(torch.equal(ours[name], theirs[name]) for name in ours)
+    assert not any(p.requires_grad for p in ours.values())
+    assert torch.equal(model.cos_sin_cache, copied.cos_sin_cache)
+    # A run in another dtype converts (a copy), and the file stays as it was.
+    bf16, _ = load_model_from_files(cfg, backend, 64, cpu, torch.bfloat16, path)
+    assert bf16.model.layers[0].self_attn.o_proj.weight.dtype == torch.bfloat16
+    assert _mapped_file(bf16.model.layers[0].self_attn.o_proj.weight.data_ptr()) != weights
