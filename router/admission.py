@@ -145,7 +145,7 @@ class Admission:
         except (QueueFull, QueueTimeout) as exc:
             reason = "queue_full" if isinstance(exc, QueueFull) else "queue_timeout"
             self.metrics.tenant_rejections.labels(tenant.key, reason).inc()
-            await self.keeper.settle(admitted.lease, 0)
+            await self.keeper.settle(admitted.lease, 0, prompt_tokens=0)  # never served
             admitted.finished = True
             raise errors.APIError(
                 429,
@@ -155,7 +155,7 @@ class Admission:
                 headers={**headers, "Retry-After": str(_SHED_RETRY_S)},
             ) from None
         except BaseException:
-            await self.keeper.settle(admitted.lease, 0)
+            await self.keeper.settle(admitted.lease, 0, prompt_tokens=0)  # never served
             admitted.finished = True
             raise
         finally:
@@ -179,14 +179,29 @@ class Admission:
         admitted.charged_tokens += due
         await self.keeper.charge(admitted.lease, due)
 
-    def finish(self, admitted: Admitted, status: int, usage: Usage | None, counted: int) -> None:
+    def finish(
+        self,
+        admitted: Admitted,
+        status: int,
+        usage: Usage | None,
+        counted: int,
+        *,
+        served: bool,
+    ) -> None:
         """The request is over (answered, broken off, or its client gone): account for it once.
-        The quota store's settle runs in the background: the response does not wait for it."""
+        Its tokens are what it really used: the engine's usage when it reported one, else the
+        completion tokens counted as it streamed plus the prompt if it was `served` (a byte of
+        the replica's answer reached the client); a request never served gets its prompt's
+        charge back. The quota store's settle runs in the background: the response does not
+        wait for it."""
         if admitted.finished:
             return
         admitted.finished = True
         completion = usage.completion_tokens if usage is not None else counted
-        prompt = usage.prompt_tokens if usage is not None else admitted.prompt_tokens
+        if usage is not None:
+            prompt = usage.prompt_tokens
+        else:
+            prompt = admitted.prompt_tokens if served else 0
         if admitted.fair is not None and admitted.ticket is not None:
             admitted.fair.done(admitted.ticket, prompt + completion)
         tenant, model = admitted.tenant.key, admitted.model
@@ -197,4 +212,6 @@ class Admission:
         # Once the response is on its way (the handler's step ends first): no task, and off
         # the request's path. The keeper fails open or closed by itself; a settle the store
         # does not take expires with its lease.
-        asyncio.get_running_loop().call_soon(self.keeper.settle_soon, admitted.lease, completion)
+        asyncio.get_running_loop().call_soon(
+            self.keeper.settle_soon, admitted.lease, completion, prompt
+        )

@@ -28,7 +28,7 @@ from typing import Any
 from kvpilot.contract.tenancy import StoreFailure
 from kvpilot.router.quota.decision import Decision, build_decision, store_unavailable
 from kvpilot.router.quota.local_store import LocalQuotaStore
-from kvpilot.router.quota.model import Lease, Scope, Usage
+from kvpilot.router.quota.model import Lease, Scope, Usage, window_index
 from kvpilot.router.quota.redis_store import DEFAULT_KEY_PREFIX, STORE_ERRORS, RedisQuotaStore
 
 log = logging.getLogger("kvpilot.router.quota")
@@ -40,7 +40,9 @@ DEFAULT_PROBE_INTERVAL_S = 0.5
 @dataclass
 class _Flight:
     lease: Lease
-    charged: int = 0
+    prompt: int  # the prompt tokens its admission charged
+    window: int  # the window they were charged in
+    charged: int = 0  # completion tokens charged since
 
 
 class QuotaKeeper:
@@ -135,12 +137,14 @@ class QuotaKeeper:
                 lease = None
                 if verdict.refused_kind is None:
                     self._local.admit(limited, prompt_tokens, lease_id, now, expiry, check=False)
-                    lease = self._hold(Lease(lease_id, keys, "shared"))
+                    lease = self._hold(Lease(lease_id, keys, "shared"), prompt_tokens, now)
                 return build_decision(limited, prompt_tokens, verdict, now, lease)
         if self._shared is not None and on_store_failure == "closed":
             return store_unavailable()
         verdict = self._local.admit(limited, prompt_tokens, lease_id, now, expiry)
-        lease = None if verdict.refused_kind else self._hold(Lease(lease_id, keys, "local"))
+        lease = None
+        if verdict.refused_kind is None:
+            lease = self._hold(Lease(lease_id, keys, "local"), prompt_tokens, now)
         return build_decision(limited, prompt_tokens, verdict, now, lease)
 
     async def charge(self, lease: Lease | None, tokens: int) -> None:
@@ -154,23 +158,34 @@ class QuotaKeeper:
         flight.charged += tokens
         await _answer(self._finish(flight.lease, tokens, release=False))
 
-    async def settle(self, lease: Lease | None, completion_tokens: int) -> None:
+    async def settle(
+        self, lease: Lease | None, completion_tokens: int, prompt_tokens: int | None = None
+    ) -> None:
         """settle_soon(), then wait for the shared store's answer. The store takes the settle
         even if the caller is cancelled (the client went away)."""
-        await _answer(self.settle_soon(lease, completion_tokens))
+        await _answer(self.settle_soon(lease, completion_tokens, prompt_tokens))
 
     def settle_soon(
-        self, lease: Lease | None, completion_tokens: int
+        self, lease: Lease | None, completion_tokens: int, prompt_tokens: int | None = None
     ) -> asyncio.Future[Any] | None:
         """The request is over: charge what `completion_tokens` (its true total) adds to what
-        charge() already did (never less), and release its concurrency. A second settle of the
-        same lease does nothing. The local count is settled on return and the shared store's
-        command is on its way (no task): the Future of its answer, or None without one. A
-        failed answer marks the store down; nobody needs to await it."""
+        charge() already did (never less), correct the prompt's charge to `prompt_tokens` (the
+        prompt really served: 0 for a request that never was, which refunds it; None: as
+        charged), and release its concurrency. A refund is taken back only while the window it
+        was charged in lasts (a past window's count no longer limits anyone). A second settle of
+        the same lease does nothing. The local count is settled on return and the shared
+        store's command is on its way (no task): the Future of its answer, or None without one.
+        A failed answer marks the store down; nobody needs to await it."""
+        if prompt_tokens is not None and prompt_tokens < 0:
+            raise ValueError(f"prompt_tokens must be >= 0, got {prompt_tokens}")
         flight = None if lease is None else self._flights.pop(lease.id, None)
         if flight is None:
             return None
         extra = max(0, completion_tokens - flight.charged)
+        if prompt_tokens is not None:
+            correction = prompt_tokens - flight.prompt
+            if correction > 0 or window_index(self._clock()) == flight.window:
+                extra += correction
         return self._finish(flight.lease, extra, release=True)
 
     async def usage(self, scope_key: str) -> Usage:
@@ -184,8 +199,8 @@ class QuotaKeeper:
                 self._mark_down(error)
         return self._local.usage(scope_key, now)
 
-    def _hold(self, lease: Lease) -> Lease:
-        self._flights[lease.id] = _Flight(lease)
+    def _hold(self, lease: Lease, prompt_tokens: int, now: float) -> Lease:
+        self._flights[lease.id] = _Flight(lease, prompt_tokens, window_index(now))
         return lease
 
     def _finish(self, lease: Lease, tokens: int, *, release: bool) -> asyncio.Future[Any] | None:
