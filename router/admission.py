@@ -12,12 +12,15 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
+import time
+import weakref
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from kvpilot.contract import errors
-from kvpilot.contract.tenancy import TENANT_HEADER, tenant_salt
+from kvpilot.contract.tenancy import PRIORITY_CLASSES, TENANT_HEADER, tenant_salt
 from kvpilot.router.config import TenancyConfig
 from kvpilot.router.fair_queue import FairQueue, QueueFull, QueueTimeout, Ticket
 from kvpilot.router.metrics import RouterMetrics
@@ -27,6 +30,9 @@ from kvpilot.router.tenants import Tenant, TenantDirectory, check_grant, present
 from kvpilot.router.usage_meter import Usage
 
 log = logging.getLogger("kvpilot.router")
+
+# Engine priorities by rank (best first).
+ENGINE_PRIORITIES = tuple(PRIORITY_CLASSES.values())
 
 # Retry-After for a request shed from a full queue or timed out in it: the queue is saturated
 # now; a second later it may not be.
@@ -47,6 +53,8 @@ class Admitted:
     headers: dict[str, str] = field(default_factory=dict)
     charged_tokens: int = 0  # completion tokens charged while it streamed
     finished: bool = False
+    # The engine priority of a better class recently active on the model (None: none).
+    guard_priority: int | None = None
 
     def body_fields(self, parsed: ParsedRequest, shared_tokens: int) -> dict[str, Any]:
         """What the router sets on the forwarded body (router.forwarded_body)."""
@@ -57,6 +65,8 @@ class Admitted:
         }
         if shared_tokens:
             fields["kvpilot_shared_prefix_tokens"] = shared_tokens
+        if self.guard_priority is not None:
+            fields["kvpilot_guard_priority"] = self.guard_priority
         if request.stream:
             # Every stream ends with the engine's usage: the quota settles on it (the chunk
             # goes on only to clients that asked for it: router.usage_meter).
@@ -92,6 +102,10 @@ class Admission:
         self.directory = directory
         self.keeper = keeper
         self.metrics = metrics
+        # Per model's fair queue: when a request of each class (by rank) was last admitted.
+        self._active: weakref.WeakKeyDictionary[FairQueue, list[float]] = (
+            weakref.WeakKeyDictionary()
+        )
 
     def authenticate(self, headers: Mapping[str, str]) -> Tenant:
         """The request's tenant by its key (401 otherwise): asked before anything else."""
@@ -135,6 +149,7 @@ class Admission:
         admitted = Admitted(tenant, model, prompt_tokens, decision.lease, None, fair, headers)
         if fair is None:
             return admitted
+        admitted.guard_priority = self._better_active(fair, tenant.rank)
         cost = prompt_tokens + self.completion_estimate(parsed)
         queued = self.metrics.tenant_queued.labels(tenant.key)
         queued.inc()
@@ -164,6 +179,20 @@ class Admission:
                 held.dec()
         self.metrics.tenant_queue_seconds.labels(tenant.key).observe(admitted.ticket.queued_s)
         return admitted
+
+    def _better_active(self, fair: FairQueue, rank: int) -> int | None:
+        """Note the class of `rank` active on the model now; the engine priority of the best
+        better class active within guard_memory_s (None: none)."""
+        now = time.monotonic()
+        seen = self._active.get(fair)
+        if seen is None:
+            seen = self._active[fair] = [-math.inf] * len(PRIORITY_CLASSES)
+        seen[rank] = now
+        memory_s = self.config.guard_memory_s
+        for better in range(rank):
+            if now - seen[better] <= memory_s:
+                return ENGINE_PRIORITIES[better]
+        return None
 
     def completion_estimate(self, parsed: ParsedRequest) -> int:
         request = parsed.request

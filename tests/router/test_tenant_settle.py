@@ -1,8 +1,10 @@
 """A tenant's request settles to what it really used, and gives its replica slot back, whatever
 becomes of it: shed from the fair queue, its client gone before the replica answered, gone
 before the first byte of a stream (Starlette never iterates the body then), gone mid-stream, a
-replica that refuses it. A real router (uvicorn on loopback, its tenants from a file) charging
-a real redis-server, in front of a stand-in replica that answers when the test says."""
+replica that refuses it. And a worse class's requests declare a better class active on the
+model to the engine (its guard then holds before the better class's next request). A real
+router (uvicorn on loopback, its tenants from a file) charging a real redis-server, in front of
+a stand-in replica that answers when the test says."""
 
 from __future__ import annotations
 
@@ -33,6 +35,8 @@ pytestmark = pytest.mark.timeout(60)
 
 NS = "teams"
 KEY = "sk-metered-0"
+PREMIUM_KEY = "sk-premium-0"
+BATCH_KEY = "sk-batch-0"
 SCOPE = tenant_scope_key(NS, "metered")
 COMPLETION_TOKENS = 3
 
@@ -66,24 +70,32 @@ class GatedStreams(StandIn):
         return response
 
 
-def tenants_yaml() -> str:
+def tenant_documents(name: str, key: str, spec: dict[str, Any]) -> list[dict[str, Any]]:
     tenant = {
         "apiVersion": "kvpilot.dev/v1alpha1",
         "kind": "Tenant",
-        "metadata": {"name": "metered", "namespace": NS},
-        "spec": {
-            "apiKeys": [{"name": "metered-keys"}],
-            "models": ["base"],
-            "quota": {"tokensPerMinute": 100_000, "maxConcurrent": 10},
-        },
+        "metadata": {"name": name, "namespace": NS},
+        "spec": {"apiKeys": [{"name": f"{name}-keys"}], "models": ["base"], **spec},
     }
     secret = {
         "apiVersion": "v1",
         "kind": "Secret",
-        "metadata": {"name": "metered-keys", "namespace": NS},
-        "data": {"k0": base64.b64encode(KEY.encode()).decode()},
+        "metadata": {"name": f"{name}-keys", "namespace": NS},
+        "data": {"k0": base64.b64encode(key.encode()).decode()},
     }
-    return yaml.safe_dump_all([tenant, secret])
+    return [tenant, secret]
+
+
+def tenants_yaml() -> str:
+    return yaml.safe_dump_all(
+        [
+            *tenant_documents(
+                "metered", KEY, {"quota": {"tokensPerMinute": 100_000, "maxConcurrent": 10}}
+            ),
+            *tenant_documents("premium", PREMIUM_KEY, {"priorityClass": "critical"}),
+            *tenant_documents("batch", BATCH_KEY, {"priorityClass": "best-effort"}),
+        ]
+    )
 
 
 @dataclass
@@ -114,8 +126,10 @@ class Setup:
     def body(self, prompt: list[int] = PROMPT) -> dict[str, Any]:
         return {"model": "base", "prompt": prompt, "max_tokens": 8, "stream": True}
 
-    def post(self, body: dict[str, Any] | None = None) -> asyncio.Task[httpx.Response]:
-        headers = {"authorization": f"Bearer {KEY}"}
+    def post(
+        self, body: dict[str, Any] | None = None, key: str = KEY
+    ) -> asyncio.Task[httpx.Response]:
+        headers = {"authorization": f"Bearer {key}"}
         request = self.http.post(
             f"{self.url}/v1/completions", json=body or self.body(), headers=headers, timeout=30
         )
@@ -209,6 +223,20 @@ async def test_a_client_gone_mid_stream_pays_its_prompt_and_what_streamed(setup:
     assert setup.replica.in_flight == 0
     assert used.concurrent == 0
     assert len(PROMPT) <= used.tokens <= len(PROMPT) + COMPLETION_TOKENS
+
+
+async def test_worse_classes_declare_a_better_class_recently_active(setup: Setup) -> None:
+    setup.engine.answer.set()
+    setup.engine.body.set()
+    for key in (BATCH_KEY, PREMIUM_KEY, BATCH_KEY, KEY, PREMIUM_KEY):
+        answer = await setup.post(key=key)
+        assert answer.status_code == 200, answer.text
+    declared = [body.get("kvpilot_guard_priority") for body in setup.engine.bodies]
+    priorities = [body["priority"] for body in setup.engine.bodies]
+    assert priorities == [1, -2, 1, 0, -2]
+    # Best-effort before any critical request: nothing to declare; after one, every worse
+    # class declares critical's engine priority; critical itself never declares.
+    assert declared == [None, None, -2, -2, None]
 
 
 @pytest.mark.parametrize("asgi_spec", ["2.3", "2.4"])
