@@ -18,9 +18,11 @@ chunk; each request's usage is recorded next to its count).
   same through a tenancy router with `--replica-concurrency` `--knob-rc` (it bounds the
   best-effort requests in flight; the critical class only by the engine's max_num_seqs); (4)
   `fcfs`: the same burst
-  through a router without tenancy. `--phases` picks which (alone first: the ratios are to it).
-  The router's fair-queue wait per tenant (its kvpilot_router_tenant_queue_seconds) is recorded
-  per phase.
+  through a router without tenancy; `undeclared`: as (2) through a tenancy router run with
+  `--guard-memory 0` (it never declares the premium class to the engine, whose guard then acts
+  only once it has seen a premium request). `--phases` picks which (alone first: the ratios
+  are to it). The router's fair-queue wait per tenant (its
+  kvpilot_router_tenant_queue_seconds) is recorded per phase.
   Each phase counts premium requests for `--phase-s`; the burst is cancelled once the premium
   requests of the phase have their answers. The load generator's event-loop lag and the load
   average are recorded per phase (a TTFT measured here includes the former), and the burst
@@ -355,8 +357,12 @@ async def run_priority(args: argparse.Namespace, plat: Platform) -> dict[str, An
     tenancy = plat.router("router-tenancy", tenancy_args)
     knob_args = [*tenancy_args, "--replica-concurrency", str(args.knob_rc)]
     knob = plat.router("router-tenancy-rc", knob_args)
+    # A tenancy router that never declares a better class to the engine: the guard acts only
+    # once the engine itself has seen a premium request.
+    undeclared = plat.router("router-tenancy-undeclared", [*tenancy_args, "--guard-memory", "0"])
     fcfs = plat.router("router-fcfs", [])
-    for url, key in ((tenancy, "sk-premium"), (knob, "sk-premium"), (fcfs, None)):
+    routers = ((tenancy, "sk-premium"), (knob, "sk-premium"), (undeclared, "sk-premium"))
+    for url, key in (*routers, (fcfs, None)):
         await wait_tokenizer(url, key)
     # Warm the engine (first requests compile and fill caches).
     await priority_phase("warm-up", tenancy, False, "sk-premium", None, _short(args))
@@ -364,6 +370,7 @@ async def run_priority(args: argparse.Namespace, plat: Platform) -> dict[str, An
         "alone": ("alone", tenancy, False, "sk-premium", None),
         "tenancy": ("tenancy", tenancy, True, "sk-premium", "sk-batch"),
         "knob": (f"tenancy rc={args.knob_rc}", knob, True, "sk-premium", "sk-batch"),
+        "undeclared": ("tenancy, undeclared", undeclared, True, "sk-premium", "sk-batch"),
         "fcfs": ("fcfs", fcfs, True, None, None),
     }
     results = []

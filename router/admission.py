@@ -25,7 +25,7 @@ from kvpilot.router.config import TenancyConfig
 from kvpilot.router.fair_queue import FairQueue, QueueFull, QueueTimeout, Ticket
 from kvpilot.router.metrics import RouterMetrics
 from kvpilot.router.prompts import ParsedRequest
-from kvpilot.router.quota import Lease, QuotaKeeper
+from kvpilot.router.quota import Decision, Lease, QuotaKeeper
 from kvpilot.router.tenants import Tenant, TenantDirectory, check_grant, presented_key
 from kvpilot.router.usage_meter import Usage
 
@@ -55,6 +55,9 @@ class Admitted:
     finished: bool = False
     # The engine priority of a better class recently active on the model (None: none).
     guard_priority: int | None = None
+    # A request that went ahead before its quota's answer: the admission on its way (confirm()
+    # awaits it before anything is passed back). None: decided before it went.
+    verdict: asyncio.Future[Decision] | None = None
 
     def body_fields(self, parsed: ParsedRequest, shared_tokens: int) -> dict[str, Any]:
         """What the router sets on the forwarded body (router.forwarded_body)."""
@@ -135,17 +138,27 @@ class Admission:
     ) -> Admitted:
         """Charge the quota, then wait for the fair queue's turn. Raises the 429/503. `held`:
         the model's held-requests gauge child, which counts the wait too (the operator's
-        autoscaler adds it to the model's queue: a queue at the router is a queue)."""
-        decision = await self.keeper.admit(
-            tenant.scopes(model), prompt_tokens, tenant.spec.on_store_failure
-        )
-        self.metrics.quota_store_up.set(1 if self.keeper.store_up else 0)
-        headers = {**decision.headers, TENANT_HEADER: tenant.key}
-        if not decision.admitted:
-            reason = decision.reason or "store_unavailable"
-            self.metrics.tenant_rejections.labels(tenant.key, reason).inc()
-            headers["Retry-After"] = str(max(1, round(decision.retry_after_s + 0.499)))
-            raise quota_refused(reason, decision.message, headers)
+        autoscaler adds it to the model's queue: a queue at the router is a queue).
+
+        A request that can go at once (the fair queue has room for it) and whose quota has
+        headroom (QuotaKeeper.has_headroom) returns before the quota's answer, with its
+        `verdict` on the way: the caller forwards it meanwhile and calls confirm() before it
+        passes anything of the answer back."""
+        scopes = tenant.scopes(model)
+        if fair is not None and self.keeper.has_headroom(scopes, prompt_tokens):
+            cost = prompt_tokens + self.completion_estimate(parsed)
+            ticket = fair.try_acquire(tenant.key, tenant.rank, tenant.spec.weight, cost)
+            if ticket is not None:
+                headers = {TENANT_HEADER: tenant.key}
+                admitted = Admitted(tenant, model, prompt_tokens, None, ticket, fair, headers)
+                admitted.guard_priority = self._better_active(fair, tenant.rank)
+                admitted.verdict = asyncio.ensure_future(
+                    self.keeper.admit(scopes, prompt_tokens, tenant.spec.on_store_failure)
+                )
+                self.metrics.tenant_queue_seconds.labels(tenant.key).observe(0.0)
+                return admitted
+        decision = await self.keeper.admit(scopes, prompt_tokens, tenant.spec.on_store_failure)
+        headers = self._decided(tenant, decision)
         admitted = Admitted(tenant, model, prompt_tokens, decision.lease, None, fair, headers)
         if fair is None:
             return admitted
@@ -179,6 +192,44 @@ class Admission:
                 held.dec()
         self.metrics.tenant_queue_seconds.labels(tenant.key).observe(admitted.ticket.queued_s)
         return admitted
+
+    def _decided(self, tenant: Tenant, decision: Decision) -> dict[str, str]:
+        """The response headers of a quota decision; raises the refusal (429 or 503)."""
+        self.metrics.quota_store_up.set(1 if self.keeper.store_up else 0)
+        headers = {**decision.headers, TENANT_HEADER: tenant.key}
+        if not decision.admitted:
+            reason = decision.reason or "store_unavailable"
+            self.metrics.tenant_rejections.labels(tenant.key, reason).inc()
+            headers["Retry-After"] = str(max(1, round(decision.retry_after_s + 0.499)))
+            raise quota_refused(reason, decision.message, headers)
+        return headers
+
+    async def confirm(self, admitted: Admitted) -> None:
+        """Wait for the quota's answer of a request that went ahead (nothing when it was decided
+        before): admitted, it takes its lease and headers; refused, the 429/503 is raised and
+        the request is over (nothing was served: the caller drops what the replica began)."""
+        verdict = admitted.verdict
+        if verdict is None:
+            return
+        try:
+            decision = await asyncio.shield(verdict)
+        except asyncio.CancelledError:
+            raise  # finish() settles what the verdict admits when it comes
+        admitted.verdict = None
+        try:
+            admitted.headers = self._decided(admitted.tenant, decision)
+        except errors.APIError:
+            admitted.finished = True
+            if admitted.fair is not None and admitted.ticket is not None:
+                admitted.fair.done(admitted.ticket, 0)
+            raise
+        admitted.lease = decision.lease
+
+    def _abandoned(self, verdict: asyncio.Future[Decision]) -> None:
+        """The answer to a request that ended before it came: release what it admitted."""
+        if verdict.cancelled() or verdict.exception() is not None:
+            return
+        self.keeper.settle_soon(verdict.result().lease, 0, prompt_tokens=0)
 
     def _better_active(self, fair: FairQueue, rank: int) -> int | None:
         """Note the class of `rank` active on the model now; the engine priority of the best
@@ -226,6 +277,9 @@ class Admission:
         if admitted.finished:
             return
         admitted.finished = True
+        if admitted.verdict is not None:  # it ended before its quota answered
+            admitted.verdict.add_done_callback(self._abandoned)
+            served = False
         completion = usage.completion_tokens if usage is not None else counted
         if usage is not None:
             prompt = usage.prompt_tokens

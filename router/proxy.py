@@ -324,6 +324,15 @@ class Proxy:
             upstream.release()
             self.metrics.upstream_errors.labels(model, f"status_{upstream.status}").inc()
             return None
+        if admitted is not None and admitted.verdict is not None and self.admission is not None:
+            # It went ahead of its quota's answer: nothing goes back before it (refused: 429,
+            # and what the replica began is dropped).
+            try:
+                await self.admission.confirm(admitted)
+            except BaseException:
+                self._released(pool, replica, admitted)
+                upstream.close()
+                raise
         passed = {k: v for k, v in upstream.raw_headers if k in _PASSED_HEADERS}
         if request.parsed.request.stream:
             meter = None

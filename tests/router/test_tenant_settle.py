@@ -22,9 +22,10 @@ import yaml
 from aiohttp import web
 
 from kvpilot.contract.kv_events import Load
+from kvpilot.contract.tenancy import Quota
 from kvpilot.router.config import RouterConfig, TenancyConfig
 from kvpilot.router.openai_routes import OpenAIRoutes
-from kvpilot.router.quota import Usage, tenant_scope_key
+from kvpilot.router.quota import QuotaKeeper, Scope, Usage, tenant_scope_key
 from kvpilot.router.replica import Replica
 from kvpilot.router.runtime import RouterRuntime
 
@@ -101,6 +102,7 @@ def tenants_yaml() -> str:
 @dataclass
 class Setup:
     url: str
+    redis_url: str
     runtime: RouterRuntime
     engine: GatedStreams
     http: httpx.AsyncClient
@@ -156,7 +158,7 @@ async def setup(tmp_path: Path) -> AsyncIterator[Setup]:
             )
             runtime = RouterRuntime(config, None)
             async with serve_runtime(runtime) as url, httpx.AsyncClient() as http:
-                yield Setup(url, runtime, engine, http)
+                yield Setup(url, redis.url, runtime, engine, http)
     finally:
         redis.stop()
 
@@ -237,6 +239,48 @@ async def test_worse_classes_declare_a_better_class_recently_active(setup: Setup
     # Best-effort before any critical request: nothing to declare; after one, every worse
     # class declares critical's engine priority; critical itself never declares.
     assert declared == [None, None, -2, -2, None]
+
+
+async def test_a_request_ahead_of_its_quota_answer_is_never_served_when_refused(
+    setup: Setup,
+) -> None:
+    setup.engine.answer.set()
+    setup.engine.body.set()
+    first = await setup.post()  # no answer from the store yet for this tenant: checked first
+    assert first.status_code == 200 and first.headers["x-ratelimit-limit-tokens"] == "100000"
+    assert setup.runtime.quotas is not None
+    scopes = [Scope(SCOPE, Quota(tokens_per_minute=100_000, max_concurrent=10))]
+    assert setup.runtime.quotas.has_headroom(scopes, len(PROMPT))
+    ahead = await setup.post()  # goes ahead of its answer; admitted: served, with its headers
+    assert ahead.status_code == 200 and "[DONE]" in ahead.text
+    assert int(ahead.headers["x-ratelimit-remaining-tokens"]) < 100_000 - len(PROMPT)
+
+    # Another router spends the budget: this router's view still shows headroom.
+    other = QuotaKeeper(setup.redis_url)
+    await other.start()
+    try:
+        spent = await other.admit(scopes, 99_900, "open")
+        assert spent.admitted
+        await other.settle(spent.lease, 0)
+    finally:
+        await other.stop()
+    before = await setup.usage()
+    served = len(setup.engine.bodies)
+    refused = await setup.post()
+    assert refused.status_code == 429, refused.text
+    assert refused.json()["error"]["code"] == "rate_limit_exceeded"
+    assert "data:" not in refused.text  # nothing of the replica's answer
+    assert len(setup.engine.bodies) == served + 1  # it went ahead, then was dropped
+    for _ in range(100):
+        if setup.replica.in_flight == 0:
+            break
+        await asyncio.sleep(0.02)
+    assert setup.replica.in_flight == 0
+    assert await setup.usage() == before  # the store charged none of it
+    # Near the limit now: the next one is checked before it goes anywhere.
+    assert not setup.runtime.quotas.has_headroom(scopes, len(PROMPT))
+    again = await setup.post()
+    assert again.status_code == 429 and len(setup.engine.bodies) == served + 1
 
 
 @pytest.mark.parametrize("asgi_spec", ["2.3", "2.4"])
