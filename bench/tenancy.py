@@ -144,9 +144,15 @@ class Platform:
         self.redis = RedisProcess(self.work / "redis")
         return self.redis.url
 
-    def router(self, name: str, args: list[str], engine_url: str | None = None) -> str:
+    def router(
+        self,
+        name: str,
+        args: list[str],
+        engine_url: str | None = None,
+        env: dict[str, str] | None = None,
+    ) -> str:
         process, url = start_router(
-            name, MODEL, engine_url or self.engine_url, args, self.work / f"{name}.log"
+            name, MODEL, engine_url or self.engine_url, args, self.work / f"{name}.log", env
         )
         self.processes.append(process)
         log(f"router {name} ready at {url}: {' '.join(args)}")
@@ -713,6 +719,12 @@ async def run_overhead(args: argparse.Namespace, plat: Platform) -> dict[str, An
         # The same router, a tenant without a quota: what the quota's store costs.
         "router+tenancy, no quota": (tenancy, unmetered.key),
     }
+    if args.before:
+        # The same tenancy router from another checkout (its kvpilot package first on the path):
+        # a change's before and after, side by side in one run.
+        env = {**os.environ, "PYTHONPATH": str(args.before)}
+        before = plat.router("router-tenancy-before", tenancy_args, engine, env)
+        variants["router+tenancy (before)"] = (before, tenant.key)
     router_pids = {
         name: plat.process_at(url).proc.pid for name, (url, _) in variants.items() if url != engine
     }
@@ -789,6 +801,21 @@ async def run_overhead(args: argparse.Namespace, plat: Platform) -> dict[str, An
         ),
         "tenancy_without_quota_added_p50_ms": round(
             1000 * (p50["router+tenancy, no quota"] - p50["router"]), 3
+        ),
+        **(
+            {
+                "tenancy_before_added_p50_ms": round(
+                    1000 * (p50["router+tenancy (before)"] - p50["router"]), 3
+                ),
+                "tenancy_before_added_p50_ms_per_repeat": added(
+                    per_repeat["router+tenancy (before)"], per_repeat["router"]
+                ),
+                "tenancy_before_added_cpu_ms_per_request": round(
+                    cpu_median["router+tenancy (before)"] - cpu_median["router"], 4
+                ),
+            }
+            if args.before
+            else {}
         ),
         "cpu_requests_per_block": args.cpu_requests,
         "router_cpu_ms_per_request": cpu_ms,
@@ -878,6 +905,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     o.add_argument("--repeats", type=int, default=3)
     o.add_argument(
         "--cpu-requests", type=int, default=300, help="requests per router CPU block per repeat"
+    )
+    o.add_argument(
+        "--before",
+        type=Path,
+        default=None,
+        help="a folder holding another checkout's code as a `kvpilot` package: its tenancy "
+        "router runs as a fifth variant (e.g. the code before a change)",
     )
     cases.add_parser("stand-in", help="(internal) the overhead case's stand-in engine")
     return parser.parse_args(argv)

@@ -211,10 +211,9 @@ class Admission:
         verdict = admitted.verdict
         if verdict is None:
             return
-        try:
-            decision = await asyncio.shield(verdict)
-        except asyncio.CancelledError:
-            raise  # finish() settles what the verdict admits when it comes
+        # Usually answered by now (it raced the replica's first bytes). Shielded otherwise: a
+        # cancelled waiter leaves it running, and finish() settles what it admits.
+        decision = verdict.result() if verdict.done() else await asyncio.shield(verdict)
         admitted.verdict = None
         try:
             admitted.headers = self._decided(admitted.tenant, decision)

@@ -224,6 +224,11 @@ def test_async_scheduling_isolates_a_better_prefill_and_guards_the_steps_beside_
     assert sorted(outputs) == ["high", "low0", "low1", "low2"]
     assert all(len(t) == 5 for t in outputs.values())
     assert engine.core.in_flight is None and engine.block_manager.usage == 0.0
+    # A declared better priority reaches the scheduler through the engine's request path.
+    assert -2 not in engine.core.scheduler.last_seen
+    engine.add_request("declared", [1, 2, 3], params, priority=1, guard_priority=-2)
+    engine.step()
+    assert -2 in engine.core.scheduler.last_seen
 
 
 def test_the_guard_bounds_worse_sequences_and_tokens_apart() -> None:
