@@ -18,9 +18,11 @@ chunk; each request's usage is recorded next to its count).
   same through a tenancy router with `--replica-concurrency` `--knob-rc` (it bounds the
   best-effort requests in flight; the critical class only by the engine's max_num_seqs); (4)
   `fcfs`: the same burst
-  through a router without tenancy. `--phases` picks which (alone first: the ratios are to it).
-  The router's fair-queue wait per tenant (its kvpilot_router_tenant_queue_seconds) is recorded
-  per phase.
+  through a router without tenancy; `undeclared`: as (2) through a tenancy router run with
+  `--guard-memory 0` (it never declares the premium class to the engine, whose guard then acts
+  only once it has seen a premium request). `--phases` picks which (alone first: the ratios
+  are to it). The router's fair-queue wait per tenant (its
+  kvpilot_router_tenant_queue_seconds) is recorded per phase.
   Each phase counts premium requests for `--phase-s`; the burst is cancelled once the premium
   requests of the phase have their answers. The load generator's event-loop lag and the load
   average are recorded per phase (a TTFT measured here includes the former), and the burst
@@ -142,9 +144,15 @@ class Platform:
         self.redis = RedisProcess(self.work / "redis")
         return self.redis.url
 
-    def router(self, name: str, args: list[str], engine_url: str | None = None) -> str:
+    def router(
+        self,
+        name: str,
+        args: list[str],
+        engine_url: str | None = None,
+        env: dict[str, str] | None = None,
+    ) -> str:
         process, url = start_router(
-            name, MODEL, engine_url or self.engine_url, args, self.work / f"{name}.log"
+            name, MODEL, engine_url or self.engine_url, args, self.work / f"{name}.log", env
         )
         self.processes.append(process)
         log(f"router {name} ready at {url}: {' '.join(args)}")
@@ -355,8 +363,12 @@ async def run_priority(args: argparse.Namespace, plat: Platform) -> dict[str, An
     tenancy = plat.router("router-tenancy", tenancy_args)
     knob_args = [*tenancy_args, "--replica-concurrency", str(args.knob_rc)]
     knob = plat.router("router-tenancy-rc", knob_args)
+    # A tenancy router that never declares a better class to the engine: the guard acts only
+    # once the engine itself has seen a premium request.
+    undeclared = plat.router("router-tenancy-undeclared", [*tenancy_args, "--guard-memory", "0"])
     fcfs = plat.router("router-fcfs", [])
-    for url, key in ((tenancy, "sk-premium"), (knob, "sk-premium"), (fcfs, None)):
+    routers = ((tenancy, "sk-premium"), (knob, "sk-premium"), (undeclared, "sk-premium"))
+    for url, key in (*routers, (fcfs, None)):
         await wait_tokenizer(url, key)
     # Warm the engine (first requests compile and fill caches).
     await priority_phase("warm-up", tenancy, False, "sk-premium", None, _short(args))
@@ -364,6 +376,7 @@ async def run_priority(args: argparse.Namespace, plat: Platform) -> dict[str, An
         "alone": ("alone", tenancy, False, "sk-premium", None),
         "tenancy": ("tenancy", tenancy, True, "sk-premium", "sk-batch"),
         "knob": (f"tenancy rc={args.knob_rc}", knob, True, "sk-premium", "sk-batch"),
+        "undeclared": ("tenancy, undeclared", undeclared, True, "sk-premium", "sk-batch"),
         "fcfs": ("fcfs", fcfs, True, None, None),
     }
     results = []
@@ -706,6 +719,12 @@ async def run_overhead(args: argparse.Namespace, plat: Platform) -> dict[str, An
         # The same router, a tenant without a quota: what the quota's store costs.
         "router+tenancy, no quota": (tenancy, unmetered.key),
     }
+    if args.before:
+        # The same tenancy router from another checkout (its kvpilot package first on the path):
+        # a change's before and after, side by side in one run.
+        env = {**os.environ, "PYTHONPATH": str(args.before)}
+        before = plat.router("router-tenancy-before", tenancy_args, engine, env)
+        variants["router+tenancy (before)"] = (before, tenant.key)
     router_pids = {
         name: plat.process_at(url).proc.pid for name, (url, _) in variants.items() if url != engine
     }
@@ -782,6 +801,21 @@ async def run_overhead(args: argparse.Namespace, plat: Platform) -> dict[str, An
         ),
         "tenancy_without_quota_added_p50_ms": round(
             1000 * (p50["router+tenancy, no quota"] - p50["router"]), 3
+        ),
+        **(
+            {
+                "tenancy_before_added_p50_ms": round(
+                    1000 * (p50["router+tenancy (before)"] - p50["router"]), 3
+                ),
+                "tenancy_before_added_p50_ms_per_repeat": added(
+                    per_repeat["router+tenancy (before)"], per_repeat["router"]
+                ),
+                "tenancy_before_added_cpu_ms_per_request": round(
+                    cpu_median["router+tenancy (before)"] - cpu_median["router"], 4
+                ),
+            }
+            if args.before
+            else {}
         ),
         "cpu_requests_per_block": args.cpu_requests,
         "router_cpu_ms_per_request": cpu_ms,
@@ -871,6 +905,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     o.add_argument("--repeats", type=int, default=3)
     o.add_argument(
         "--cpu-requests", type=int, default=300, help="requests per router CPU block per repeat"
+    )
+    o.add_argument(
+        "--before",
+        type=Path,
+        default=None,
+        help="a folder holding another checkout's code as a `kvpilot` package: its tenancy "
+        "router runs as a fifth variant (e.g. the code before a change)",
     )
     cases.add_parser("stand-in", help="(internal) the overhead case's stand-in engine")
     return parser.parse_args(argv)

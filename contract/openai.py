@@ -87,6 +87,12 @@ class SamplingRequest(_Strict):
     # vLLM extension: the scheduling priority, lower served first (needs the engine's
     # --scheduling-policy priority for any value but 0).
     priority: Annotated[int, Field(ge=INT64_MIN, le=INT64_MAX)] = 0
+    # kvpilot extension: a better priority than this request's that the platform expects (a
+    # tenant of a better class active on the model). Under the priority policy the engine
+    # guards against it while this request is queued or running, as if a request of that
+    # priority had just arrived (its step bound applies before the first one does); ignored
+    # under fcfs and when not better than `priority`.
+    kvpilot_guard_priority: Annotated[int, Field(ge=INT64_MIN, le=INT64_MAX)] | None = None
     # {"token id": bias}; the keys are checked against the vocabulary while preprocessing.
     logit_bias: dict[str, Annotated[float, Field(ge=-100.0, le=100.0)]] | None = None
     # Output constraints (constraints.py): OpenAI's response_format (chat and, as vLLM has it,

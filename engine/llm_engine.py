@@ -82,9 +82,10 @@ class LLMEngine:
         lora_name: str | None = None,
         priority: int = 0,
         shared_prefix_tokens: int = 0,
+        guard_priority: int | None = None,
     ) -> None:
-        """kind: what step() returns for this request (outputs.py's OutputKind); priority and
-        shared_prefix_tokens: as the core's AddRequest."""
+        """kind: what step() returns for this request (outputs.py's OutputKind); priority,
+        shared_prefix_tokens and guard_priority: as the core's AddRequest."""
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ValueError("this model has no tokenizer: pass token ids")
@@ -104,6 +105,7 @@ class LLMEngine:
                 lora_name=lora_name,
                 priority=priority,
                 shared_prefix_tokens=shared_prefix_tokens,
+                guard_priority=guard_priority,
             )
         )
         self.processor.add_request(request_id, prompt_text, prompt_ids, params, arrival, kind=kind)

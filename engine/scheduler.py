@@ -25,7 +25,10 @@ step it arrives into and the steps its prefill shares. Under priority, when rank
   for an adapter or for blocks no worse sequence holds), the step is scheduled as if it did not
   wait.
 - Guard (guard_window_s, guard_step_seqs, guard_step_tokens). For guard_window_s after a rank
-  last had a sequence here (waiting or running), the ranks worse than it share guard_step_seqs
+  last had a sequence here (waiting or running), or was declared by one (a sequence's
+  guard_priority: a better rank the platform expects, e.g. a premium tenant active on the model,
+  so that the bound holds before that rank's first request arrives rather than from the step
+  after it), the ranks worse than it share guard_step_seqs
   sequences and guard_step_tokens tokens of each step: their decodes, prefill chunks and resumed
   (preempted) sequences' recompute together, in queue and admission order. A better request
   arriving meanwhile finds a step of at most that much worse work ahead of it. Worse ranks still
@@ -36,6 +39,7 @@ exactly as fcfs.
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections import deque
 from collections.abc import Callable
@@ -190,6 +194,11 @@ class Scheduler:
         ranks.update(self.rank(s) for s in self.waiting)
         for rank in ranks:
             self.last_seen[rank] = now
+        # A better rank a sequence declares (the platform expects its requests) counts as seen:
+        # its bound holds before its first request arrives.
+        for seq in itertools.chain(self.running, self.waiting):
+            if seq.guard_priority is not None and seq.guard_priority < seq.priority:
+                self.last_seen[seq.guard_priority] = now
         window = self.config.guard_window_s
         # Only the ranks inside the window are kept: clients may send any integer priority.
         self.last_seen = {r: seen for r, seen in self.last_seen.items() if now - seen <= window}

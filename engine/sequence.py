@@ -39,6 +39,9 @@ class Sequence:
     shared_prefix_tokens: int = 0
     # Its scheduling priority (vLLM's: lower is served first); ignored by the fcfs policy.
     priority: int = 0
+    # A better priority the platform expects: the priority policy guards against it while this
+    # sequence is here (contract.openai's kvpilot_guard_priority). None: none declared.
+    guard_priority: int | None = None
     lora_name: str | None = None  # the LoRA adapter it runs with (None: the base model)
     generator: torch.Generator | None = None
     grammar: SequenceGrammar | None = None  # its position in its constraint, if it has one

@@ -91,6 +91,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--queue-timeout", type=float, default=TenancyConfig.queue_timeout_s,
         help="seconds a request may wait in the fair queue",
     )  # fmt: skip
+    tenancy.add_argument(
+        "--guard-memory", type=float, default=TenancyConfig.guard_memory_s,
+        help="seconds after a request of a priority class that a model's worse classes ask "
+        "its engines to guard against that class (0: never)",
+    )  # fmt: skip
     parser.add_argument("--host", default="0.0.0.0", help="address to listen on")
     parser.add_argument("--port", type=int, default=8080, help="0 picks a free port")
     parser.add_argument(
@@ -160,6 +165,7 @@ def parse_args(argv: list[str]) -> RouterConfig:
             replica_concurrency=args.replica_concurrency,
             max_queued_per_model=args.max_queued,
             queue_timeout_s=args.queue_timeout,
+            guard_memory_s=args.guard_memory,
         )
     if not namespaces and not static:
         parser.error(

@@ -90,6 +90,11 @@ class TenancyConfig:
     charge_every_tokens: int = 32
     # How often routers write each active tenant's window use to its status.
     status_interval_s: float = 10.0
+    # For this long after this router admitted a request of a priority class on a model, that
+    # model's requests of worse classes declare the class to the engine
+    # (kvpilot_guard_priority): its guard then bounds their share of each step before the
+    # better class's next request arrives, not from the step after it. 0: never declared.
+    guard_memory_s: float = 60.0
 
     def __post_init__(self) -> None:
         if self.replica_concurrency is not None and self.replica_concurrency < 1:
@@ -100,6 +105,8 @@ class TenancyConfig:
             raise ValueError("the queue timeout must be > 0")
         if self.charge_every_tokens < 1:
             raise ValueError("charge_every_tokens must be >= 1")
+        if self.guard_memory_s < 0:
+            raise ValueError("guard_memory_s must be >= 0")
 
 
 @dataclass(frozen=True)

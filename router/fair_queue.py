@@ -122,16 +122,10 @@ class FairQueue:
             )
         if self._closed:
             raise QueueFull(CLOSED_MESSAGE)
-        ticket = Ticket(tenant, rank, weight, cost)
-        if (
-            not self._num_granting
-            and not self._waiting_at_or_above(rank)
-            and self._has_capacity(rank)
-        ):
-            level, flow = self._flow(rank, tenant)
-            flow.vtime = max(flow.vtime, level.vtime)
-            self._advance(level, flow, ticket)
+        ticket = self.try_acquire(tenant, rank, weight, cost)
+        if ticket is not None:
             return ticket
+        ticket = Ticket(tenant, rank, weight, cost)
         self._make_room(rank)
         waiter = self._enqueue(*self._flow(rank, tenant), ticket)
         self.kick()
@@ -143,6 +137,23 @@ class FairQueue:
         self._num_granting -= 1
         # The proxy counts this request before its next await; grant the next one after that.
         asyncio.get_running_loop().call_soon(self.kick)
+        return ticket
+
+    def try_acquire(self, tenant: str, rank: int, weight: int, cost: float) -> Ticket | None:
+        """acquire()'s answer when it would return at once (capacity for the rank and nobody of
+        the same or a better rank waiting); None when the request would have to wait (it is not
+        queued: call acquire() for that)."""
+        if (
+            self._closed
+            or self._num_granting
+            or self._waiting_at_or_above(rank)
+            or not self._has_capacity(rank)
+        ):
+            return None
+        ticket = Ticket(tenant, rank, weight, cost)
+        level, flow = self._flow(rank, tenant)
+        flow.vtime = max(flow.vtime, level.vtime)
+        self._advance(level, flow, ticket)
         return ticket
 
     def done(self, ticket: Ticket, actual_cost: float) -> None:

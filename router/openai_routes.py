@@ -23,7 +23,7 @@ from kvpilot.contract import errors
 from kvpilot.contract.http_errors import error_response
 from kvpilot.contract.openai import PATHS, RequestKind
 from kvpilot.router.prompts import parse
-from kvpilot.router.proxy import Proxy
+from kvpilot.router.proxy import Proxy, RelayResponse
 
 log = logging.getLogger("kvpilot.router")
 
@@ -81,6 +81,7 @@ async def unless_gone(answer: Coroutine[Any, Any, Response], receive: Receive) -
         await asyncio.wait((task, gone), return_when=asyncio.FIRST_COMPLETED)
     except asyncio.CancelledError:
         task.cancel()
+        discard_answer(task)
         raise
     finally:
         gone.cancel()
@@ -89,7 +90,17 @@ async def unless_gone(answer: Coroutine[Any, Any, Response], receive: Receive) -
     task.cancel()
     with contextlib.suppress(asyncio.CancelledError):
         await task
+    discard_answer(task)  # it may have finished before it saw the cancel
     raise ClientGone
+
+
+def discard_answer(task: asyncio.Future[Response]) -> None:
+    """A finished answer nobody will send: a relayed stream gives its replica slot and its
+    tenant's accounting back (they are held until the response is done with)."""
+    if task.done() and not task.cancelled() and task.exception() is None:
+        response = task.result()
+        if isinstance(response, RelayResponse):
+            response.discard()
 
 
 async def wait_for_disconnect(receive: Receive) -> None:

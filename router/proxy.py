@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 import httpx
 from starlette.responses import Response, StreamingResponse
+from starlette.types import Receive, Scope, Send
 
 from kvpilot.contract import errors
 from kvpilot.contract.http_errors import error_response
@@ -131,11 +132,11 @@ class Proxy:
             replicas = pool.routable(time.monotonic(), self.config.dead_after_s) or replicas
             response = await self._route(pool, replicas, request)
         except errors.APIError as exc:
-            self.admission.finish(admitted, exc.status_code, None, 0)
+            self.admission.finish(admitted, exc.status_code, None, 0, served=False)
             exc.headers.update(admitted.headers)
             raise
         except BaseException:
-            self.admission.finish(admitted, 499, None, 0)
+            self.admission.finish(admitted, 499, None, 0, served=False)
             raise
         response.headers.update(admitted.headers)
         return response
@@ -309,30 +310,36 @@ class Proxy:
             upstream = await self.engines.post(
                 replica.url, PATHS[request.kind], outgoing, request.body
             )
-        except asyncio.CancelledError:  # the client went away before the replica answered
-            self._released(pool, replica, admitted)
-            raise
         except _CONNECT_ERRORS as exc:
             self._released(pool, replica, admitted)
             replica.failed_at = time.monotonic()
             self.metrics.upstream_errors.labels(model, "connect").inc()
             log.warning("replica %s failed (%r): trying another", replica.name, exc)
             return None
+        except BaseException:  # the client went away before the replica answered, or a bug
+            self._released(pool, replica, admitted)
+            raise
         if upstream.status in (502, 503, 504):  # draining or overloaded: nothing was sent
             self._released(pool, replica, admitted)
             upstream.release()
             self.metrics.upstream_errors.labels(model, f"status_{upstream.status}").inc()
             return None
+        if admitted is not None and admitted.verdict is not None and self.admission is not None:
+            # It went ahead of its quota's answer: nothing goes back before it (refused: 429,
+            # and what the replica began is dropped).
+            try:
+                await self.admission.confirm(admitted)
+            except BaseException:
+                self._released(pool, replica, admitted)
+                upstream.close()
+                raise
         passed = {k: v for k, v in upstream.raw_headers if k in _PASSED_HEADERS}
         if request.parsed.request.stream:
             meter = None
             if admitted is not None:
                 meter = StreamMeter(client_wants_usage=request.parsed.request.include_usage)
-            return StreamingResponse(
-                self._relay(pool, replica, upstream, admitted, meter),
-                upstream.status,
-                headers=passed,
-            )
+            relay = _Relay(self, pool, replica, upstream, admitted, meter)
+            return RelayResponse(relay, upstream.status, passed)
         # One piece with a Content-Length: one write to the client instead of a chunked stream.
         try:
             content = await upstream.read()
@@ -341,17 +348,21 @@ class Proxy:
             self.metrics.upstream_errors.labels(model, "stream").inc()
             log.warning("replica %s broke its response off: %r", replica.name, exc)
             if admitted is not None and self.admission is not None:
-                self.admission.finish(admitted, 502, None, 0)
+                self.admission.finish(admitted, 502, None, 0, served=False)
             return error_response(
                 errors.APIError(
                     502, f"The replica {replica.name} broke its response off.", type="api_error"
                 )
             )
+        except BaseException:  # cancelled: the connection is mid-response, never reused
+            upstream.close()
+            raise
         finally:
             self._released(pool, replica, admitted)
         upstream.release()
         if admitted is not None and self.admission is not None:
-            self.admission.finish(admitted, upstream.status, body_usage(content), 0)
+            status = upstream.status
+            self.admission.finish(admitted, status, body_usage(content), 0, served=status < 400)
         return Response(content, upstream.status, headers=passed)
 
     def _taken(self, replica: Replica, admitted: Admitted | None) -> None:
@@ -366,45 +377,96 @@ class Proxy:
             if pool.fair is not None:
                 pool.fair.kick()  # its room goes to the next in the fair queue
 
-    async def _relay(
+
+class _Relay:
+    """One streamed response on its way from a replica to the client. It holds the replica's
+    slot (in_flight), the upstream connection and, with tenants, the request's accounting; close()
+    gives all of them back exactly once: when the stream ends or breaks, when the client goes
+    away mid-stream, or when the response is dropped before its first byte (the client gone
+    before Starlette iterated it: an async generator never started runs no `finally`)."""
+
+    def __init__(
         self,
+        proxy: Proxy,
         pool: ModelPool,
         replica: Replica,
         upstream: UpstreamResponse,
         admitted: Admitted | None,
         meter: StreamMeter | None,
-    ) -> AsyncIterator[bytes]:
-        model = pool.service.model
-        status = upstream.status
+    ) -> None:
+        self.proxy = proxy
+        self.pool = pool
+        self.replica = replica
+        self.upstream = upstream
+        self.admitted = admitted
+        self.meter = meter
+        self.status = upstream.status
+        self.started = False  # iterated at all
+        self.served = False  # a byte of the answer reached the client
+        self.closed = False
+
+    async def chunks(self) -> AsyncIterator[bytes]:
+        admission, admitted, meter = self.proxy.admission, self.admitted, self.meter
+        self.started = True
         try:
-            async for chunk in upstream.chunks():
+            async for chunk in self.upstream.chunks():
                 if meter is None:
                     yield chunk
+                    self.served = True
                     continue
                 passed = meter.feed(chunk)
                 if passed:
                     yield passed
-                if admitted is not None and self.admission is not None:
-                    await self.admission.charge(admitted, meter.counted_tokens)
+                    self.served = True
+                if admitted is not None and admission is not None:
+                    await admission.charge(admitted, meter.counted_tokens)
             if meter is not None:
                 rest = meter.flush()
                 if rest:
                     yield rest
         except _STREAM_ERRORS as exc:
-            status = 502
-            self.metrics.upstream_errors.labels(model, "stream").inc()
-            log.warning("replica %s broke a response mid-stream: %r", replica.name, exc)
+            self.status = 502
+            self.proxy.metrics.upstream_errors.labels(self.pool.service.model, "stream").inc()
+            log.warning("replica %s broke a response mid-stream: %r", self.replica.name, exc)
         finally:
-            self._released(pool, replica, admitted)
-            # A stream cut short (the client went away) cannot go back to the pool.
-            if upstream.is_eof:
-                upstream.release()
-            else:
-                upstream.close()
-            if admitted is not None and meter is not None and self.admission is not None:
-                usage = meter.usage
-                counted = meter.counted_tokens
-                self.admission.finish(admitted, status, usage, counted)
+            self.close()
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        self.proxy._released(self.pool, self.replica, self.admitted)
+        # A stream cut short (the client went away) cannot go back to the pool.
+        if self.upstream.is_eof:
+            self.upstream.release()
+        else:
+            self.upstream.close()
+        admission, admitted, meter = self.proxy.admission, self.admitted, self.meter
+        if admitted is not None and meter is not None and admission is not None:
+            status = self.status if self.started else 499  # never started: the client left
+            admission.finish(
+                admitted, status, meter.usage, meter.counted_tokens, served=self.served
+            )
+
+
+class RelayResponse(StreamingResponse):
+    """A replica's stream passed on; whatever becomes of the response (streamed to its end, cut
+    off, or never started because the client left first), its relay is closed once it is done
+    with."""
+
+    def __init__(self, relay: _Relay, status_code: int, headers: Mapping[str, str]) -> None:
+        super().__init__(relay.chunks(), status_code, headers=headers)
+        self.relay = relay
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.discard()
+
+    def discard(self) -> None:
+        """Give the relay's holds back (nothing if the stream already did)."""
+        self.relay.close()
 
 
 @dataclass(frozen=True)

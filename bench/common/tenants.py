@@ -105,12 +105,18 @@ class RedisProcess:
 
 
 def start_router(
-    name: str, model: str, engine_url: str, args: list[str], log: Path
+    name: str,
+    model: str,
+    engine_url: str,
+    args: list[str],
+    log: Path,
+    env: dict[str, str] | None = None,
 ) -> tuple[ServerProcess, str]:
-    """`kvpilot router --static model=engine_url ARGS` on a free port, and its URL once ready."""
+    """`kvpilot router --static model=engine_url ARGS` on a free port, and its URL once ready
+    (`env`: its environment, None: this process's)."""
     cmd = [sys.executable, "-m", "kvpilot.cli", "router", "--host", "127.0.0.1", "--port", "0"]
     cmd += ["--static", f"{model}={engine_url}", "--log-level", "info", *args]
-    process = ServerProcess(name, cmd, "/ready", log=log)
+    process = ServerProcess(name, cmd, "/ready", env=env, log=log)
     return process, process.wait_ready(120)
 
 

@@ -391,6 +391,7 @@ class EngineCore:
                     cache_salt=request.cache_salt,
                     shared_prefix_tokens=request.shared_prefix_tokens,
                     priority=request.priority,
+                    guard_priority=request.guard_priority,
                     lora_name=request.lora_name,
                     generator=generator,
                     grammar=grammars[index],

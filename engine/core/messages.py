@@ -55,6 +55,8 @@ class AddRequest(msgspec.Struct, frozen=True, array_like=True, tag=True):
     priority: int = 0  # lower is served first (the priority policy only)
     # Leading prompt tokens whose full blocks are cached without cache_salt (shared by all).
     shared_prefix_tokens: int = 0
+    # A better priority to guard against while this request is here (None: none declared).
+    guard_priority: int | None = None
 
 
 class Abort(msgspec.Struct, frozen=True, array_like=True, tag=True):

@@ -374,11 +374,12 @@ class AsyncEngine:
         lora_name: str | None = None,
         priority: int = 0,
         shared_prefix_tokens: int = 0,
+        guard_priority: int | None = None,
     ) -> RequestStream:
         """Hand a request to the core; ValueError when it cannot run (a client error).
         kind: DELTA for a stream (each output holds what is new), FINAL_ONLY for a response that
-        reads nothing before the end (one output, when the request finishes). priority and
-        shared_prefix_tokens: as the core's AddRequest."""
+        reads nothing before the end (one output, when the request finishes). priority,
+        shared_prefix_tokens and guard_priority: as the core's AddRequest."""
         info = self.info
         if not self.is_alive or info is None or self._processor is None:
             raise EngineDeadError("the engine is not running")
@@ -395,6 +396,7 @@ class AsyncEngine:
             lora_name=lora_name,
             priority=priority,
             shared_prefix_tokens=shared_prefix_tokens,
+            guard_priority=guard_priority,
         )
         with self._lock:
             if self.error is not None:

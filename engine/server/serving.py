@@ -201,6 +201,7 @@ async def start_generation(
                     shared_prefix_tokens=(
                         request.kvpilot_shared_prefix_tokens if request.cache_salt else 0
                     ),
+                    guard_priority=request.kvpilot_guard_priority,
                 )
             )
     except BaseException as exc:

@@ -9,6 +9,17 @@ the store is down no request waits on it: a background probe finds it back. (Fai
 overshoot by the admissions that were on their way to the store when it died: the local count
 learns of them only from the store's answer.)
 
+With a shared store a router may also go ahead before the store's answer (has_headroom(): the
+proxy forwards the request while its admission is on its way and passes nothing back before the
+answer; one the store refuses is cancelled and answered 429). That hides the round trip behind
+the replica's own time without admitting anything the store did not: the store counts and
+refuses exactly as before, and nothing of a refused request reaches its client. What a refused
+speculation can cost is replica work never served; a router speculates only while its last
+answers from the store (this window's, plus its own admissions still on their way) leave at
+least HEADROOM of every limit after the request, so the refused ones are those in flight while
+other routers spent that much of the budget between two answers of this router's: a tenant
+near or over its quota is checked before it reaches a replica.
+
 Concurrency leases live `lease_ttl_s` unless renewed; the keeper renews those of its requests in
 flight every third of that, so the leases of a router that died free themselves within the ttl.
 """
@@ -28,19 +39,24 @@ from typing import Any
 from kvpilot.contract.tenancy import StoreFailure
 from kvpilot.router.quota.decision import Decision, build_decision, store_unavailable
 from kvpilot.router.quota.local_store import LocalQuotaStore
-from kvpilot.router.quota.model import Lease, Scope, Usage
+from kvpilot.router.quota.model import Lease, Scope, Usage, window_index
 from kvpilot.router.quota.redis_store import DEFAULT_KEY_PREFIX, STORE_ERRORS, RedisQuotaStore
 
 log = logging.getLogger("kvpilot.router.quota")
 
 DEFAULT_LEASE_TTL_S = 30.0
 DEFAULT_PROBE_INTERVAL_S = 0.5
+# The share of every limit a router's view of the store must leave after a request for it to go
+# ahead before the store's answer.
+HEADROOM = 0.1
 
 
 @dataclass
 class _Flight:
     lease: Lease
-    charged: int = 0
+    prompt: int  # the prompt tokens its admission charged
+    window: int  # the window they were charged in
+    charged: int = 0  # completion tokens charged since
 
 
 class QuotaKeeper:
@@ -74,6 +90,10 @@ class QuotaKeeper:
         self._prober: asyncio.Task[None] | None = None
         # The shared store's answers to settles and charges under way; stop() waits for them.
         self._settling: set[asyncio.Future[Any]] = set()
+        # Per scope: its usage in the store's last answer (with the answer's window), and the
+        # requests and tokens of this router's admissions on their way to the store.
+        self._seen: dict[str, tuple[int, Usage]] = {}
+        self._pending: dict[str, list[int]] = {}
 
     @property
     def store_up(self) -> bool:
@@ -127,21 +147,65 @@ class QuotaKeeper:
         expiry = now + self._lease_ttl_s
         keys = tuple(scope.key for scope in limited)
         if self._shared is not None and self._store_up:
+            self._add_pending(keys, 1, prompt_tokens)
             try:
                 verdict = await self._shared.admit(limited, prompt_tokens, lease_id, now, expiry)
             except STORE_ERRORS as error:
                 self._mark_down(error)
             else:
+                window = window_index(now)
+                for key, used in zip(keys, verdict.usage, strict=True):
+                    self._seen[key] = (window, used)
                 lease = None
                 if verdict.refused_kind is None:
                     self._local.admit(limited, prompt_tokens, lease_id, now, expiry, check=False)
-                    lease = self._hold(Lease(lease_id, keys, "shared"))
+                    lease = self._hold(Lease(lease_id, keys, "shared"), prompt_tokens, now)
                 return build_decision(limited, prompt_tokens, verdict, now, lease)
+            finally:
+                self._add_pending(keys, -1, -prompt_tokens)
         if self._shared is not None and on_store_failure == "closed":
             return store_unavailable()
         verdict = self._local.admit(limited, prompt_tokens, lease_id, now, expiry)
-        lease = None if verdict.refused_kind else self._hold(Lease(lease_id, keys, "local"))
+        lease = None
+        if verdict.refused_kind is None:
+            lease = self._hold(Lease(lease_id, keys, "local"), prompt_tokens, now)
         return build_decision(limited, prompt_tokens, verdict, now, lease)
+
+    def has_headroom(self, scopes: Sequence[Scope], prompt_tokens: int) -> bool:
+        """Whether a request may go ahead before the shared store answers its admission (see
+        the module's docstring): the store is up, and by its last answers in this window plus
+        this router's admissions on their way, every limited scope keeps HEADROOM of each
+        limit after this request. False without a shared store (nothing to wait for) and for
+        a scope the store has not answered for in this window."""
+        if self._shared is None or not self._store_up:
+            return False
+        window = window_index(self._clock())
+        for scope in scopes:
+            quota = scope.quota
+            if not quota.is_limited:
+                continue
+            seen = self._seen.get(scope.key)
+            if seen is None or seen[0] != window:
+                return False
+            used = seen[1]
+            requests, tokens = self._pending.get(scope.key, (0, 0))
+            wanted = (
+                (quota.requests_per_minute, used.requests + requests + 1),
+                (quota.tokens_per_minute, used.tokens + tokens + prompt_tokens),
+                (quota.max_concurrent, used.concurrent + requests + 1),
+            )
+            for limit, after in wanted:
+                if limit is not None and after > limit * (1 - HEADROOM):
+                    return False
+        return True
+
+    def _add_pending(self, keys: Sequence[str], requests: int, tokens: int) -> None:
+        for key in keys:
+            counts = self._pending.setdefault(key, [0, 0])
+            counts[0] += requests
+            counts[1] += tokens
+            if counts[0] == 0:
+                del self._pending[key]
 
     async def charge(self, lease: Lease | None, tokens: int) -> None:
         """Add completion tokens (as they stream) to every scope of the lease, in the window of
@@ -154,23 +218,34 @@ class QuotaKeeper:
         flight.charged += tokens
         await _answer(self._finish(flight.lease, tokens, release=False))
 
-    async def settle(self, lease: Lease | None, completion_tokens: int) -> None:
+    async def settle(
+        self, lease: Lease | None, completion_tokens: int, prompt_tokens: int | None = None
+    ) -> None:
         """settle_soon(), then wait for the shared store's answer. The store takes the settle
         even if the caller is cancelled (the client went away)."""
-        await _answer(self.settle_soon(lease, completion_tokens))
+        await _answer(self.settle_soon(lease, completion_tokens, prompt_tokens))
 
     def settle_soon(
-        self, lease: Lease | None, completion_tokens: int
+        self, lease: Lease | None, completion_tokens: int, prompt_tokens: int | None = None
     ) -> asyncio.Future[Any] | None:
         """The request is over: charge what `completion_tokens` (its true total) adds to what
-        charge() already did (never less), and release its concurrency. A second settle of the
-        same lease does nothing. The local count is settled on return and the shared store's
-        command is on its way (no task): the Future of its answer, or None without one. A
-        failed answer marks the store down; nobody needs to await it."""
+        charge() already did (never less), correct the prompt's charge to `prompt_tokens` (the
+        prompt really served: 0 for a request that never was, which refunds it; None: as
+        charged), and release its concurrency. A refund is taken back only while the window it
+        was charged in lasts (a past window's count no longer limits anyone). A second settle of
+        the same lease does nothing. The local count is settled on return and the shared
+        store's command is on its way (no task): the Future of its answer, or None without one.
+        A failed answer marks the store down; nobody needs to await it."""
+        if prompt_tokens is not None and prompt_tokens < 0:
+            raise ValueError(f"prompt_tokens must be >= 0, got {prompt_tokens}")
         flight = None if lease is None else self._flights.pop(lease.id, None)
         if flight is None:
             return None
         extra = max(0, completion_tokens - flight.charged)
+        if prompt_tokens is not None:
+            correction = prompt_tokens - flight.prompt
+            if correction > 0 or window_index(self._clock()) == flight.window:
+                extra += correction
         return self._finish(flight.lease, extra, release=True)
 
     async def usage(self, scope_key: str) -> Usage:
@@ -184,8 +259,8 @@ class QuotaKeeper:
                 self._mark_down(error)
         return self._local.usage(scope_key, now)
 
-    def _hold(self, lease: Lease) -> Lease:
-        self._flights[lease.id] = _Flight(lease)
+    def _hold(self, lease: Lease, prompt_tokens: int, now: float) -> Lease:
+        self._flights[lease.id] = _Flight(lease, prompt_tokens, window_index(now))
         return lease
 
     def _finish(self, lease: Lease, tokens: int, *, release: bool) -> asyncio.Future[Any] | None:

@@ -73,7 +73,8 @@ class LocalQuotaStore:
     def finish(
         self, scope_keys: Sequence[str], lease_id: str | None, tokens: int, now: float
     ) -> None:
-        """Add `tokens` to each scope's current window and drop the lease (None: keep it)."""
+        """Add `tokens` (negative: a refund) to each scope's current window and drop the lease
+        (None: keep it)."""
         for key in scope_keys:
             state = self._state(key, now)
             state.window.tokens += tokens

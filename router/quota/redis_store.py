@@ -94,11 +94,12 @@ return out
 """
 
 # Settle or charge a lease, atomically. KEYS: per scope its window hash and its lease set. ARGV:
-# tokens to add to each window, the lease id to drop ('' = keep it), the window ttl (s).
+# tokens to add to each window (negative: a refund), the lease id to drop ('' = keep it), the
+# window ttl (s).
 FINISH_LUA = """
 local tokens = tonumber(ARGV[1])
 for i = 1, #KEYS / 2 do
-  if tokens > 0 then
+  if tokens ~= 0 then
     redis.call('HINCRBY', KEYS[2 * i - 1], 't', tokens)
     redis.call('EXPIRE', KEYS[2 * i - 1], ARGV[3])
   end
@@ -220,9 +221,9 @@ class RedisQuotaStore:
     def finish(
         self, scope_keys: tuple[str, ...], lease_id: str | None, tokens: int, now: float
     ) -> asyncio.Future[Any]:
-        """Add `tokens` to each scope's current window and drop the lease (None: keep it), in
-        one step. Written at once; the Future says whether the store took it (a store that lost
-        the script fails it, and the lease expires with its ttl)."""
+        """Add `tokens` (negative: a refund) to each scope's current window and drop the lease
+        (None: keep it), in one step. Written at once; the Future says whether the store took
+        it (a store that lost the script fails it, and the lease expires with its ttl)."""
         index = window_index(now)
         encoded = self._finishes.get(scope_keys)
         if encoded is None or encoded[0] != index:

@@ -106,6 +106,34 @@ def test_the_guard_ends_a_window_after_the_better_rank_was_last_seen() -> None:
     assert len(run_step(sched).scheduled) == 5
 
 
+def test_a_declared_better_rank_guards_before_its_first_request() -> None:
+    clock = Clock()
+    for declared, first_step in ((None, 4 * 5), (-1, GUARD), (1, 4 * 5)):
+        sched = guarded(clock, policy="priority")
+        for i in range(4):  # a burst of worse prompts, no better request seen yet
+            seq = make_seq(5, f"low{i}", 1, start=10 * i)
+            seq.guard_priority = declared  # 1: not better than its own rank, ignored
+            sched.add(seq)
+        assert run_step(sched).num_tokens == first_step, declared
+    # Under fcfs the declaration changes nothing.
+    sched = guarded(clock, policy="fcfs")
+    for i in range(4):
+        seq = make_seq(5, f"low{i}", 1, start=10 * i)
+        seq.guard_priority = -1
+        sched.add(seq)
+    assert run_step(sched).num_tokens == 4 * 5
+    # The declaration lasts while its sequences are here, then the window.
+    sched = guarded(clock)
+    seq = make_seq(5, "low", 1)
+    seq.guard_priority = -1
+    sched.add(seq)
+    sched.add(make_seq(5, "plain", 1, start=50))
+    assert plan(run_step(sched)) == [("low", GUARD)]
+    sched.finish(seq)
+    clock.now += 2.1
+    assert plan(run_step(sched)) == [("plain", 5)]
+
+
 def test_a_preempted_worse_request_resumes_within_the_guard() -> None:
     clock = Clock()
     sched = guarded(clock, max_num_seqs=1)
@@ -196,6 +224,11 @@ def test_async_scheduling_isolates_a_better_prefill_and_guards_the_steps_beside_
     assert sorted(outputs) == ["high", "low0", "low1", "low2"]
     assert all(len(t) == 5 for t in outputs.values())
     assert engine.core.in_flight is None and engine.block_manager.usage == 0.0
+    # A declared better priority reaches the scheduler through the engine's request path.
+    assert -2 not in engine.core.scheduler.last_seen
+    engine.add_request("declared", [1, 2, 3], params, priority=1, guard_priority=-2)
+    engine.step()
+    assert -2 in engine.core.scheduler.last_seen
 
 
 def test_the_guard_bounds_worse_sequences_and_tokens_apart() -> None:

@@ -87,7 +87,13 @@ async def serve_stand_in(engine: StandIn) -> AsyncIterator[str]:
 
 @contextlib.asynccontextmanager
 async def serve_router(config: RouterConfig, kube: KubeAccess | None = None) -> AsyncIterator[str]:
-    runtime = RouterRuntime(config, kube)
+    async with serve_runtime(RouterRuntime(config, kube)) as url:
+        yield url
+
+
+@contextlib.asynccontextmanager
+async def serve_runtime(runtime: RouterRuntime) -> AsyncIterator[str]:
+    """A router on loopback (uvicorn, its lifespan run) around a runtime the test can inspect."""
     server = uvicorn.Server(
         uvicorn.Config(create_app(runtime), host="127.0.0.1", port=0, log_level="warning")
     )

@@ -212,3 +212,28 @@ async def test_leases_in_flight_are_written_back_to_a_restarted_store(
             assert (await other.admit(scopes, 1, "closed")).reason == "concurrency"
             await keeper.settle(lease, 0)
             assert (await other.admit(scopes, 1, "closed")).admitted
+
+
+async def test_headroom_follows_the_stores_answers_and_admissions_on_their_way(
+    redis_server: RedisServer,
+) -> None:
+    scopes = [Scope(TENANT, Quota(requests_per_minute=100, tokens_per_minute=1000))]
+    async with running(QuotaKeeper(None, clock=fixed_clock)) as alone:
+        await alone.admit(scopes, 10, "open")
+        assert not alone.has_headroom(scopes, 10)  # no store: nothing to go ahead of
+    async with running(QuotaKeeper(redis_server.url, clock=fixed_clock)) as keeper:
+        assert not keeper.has_headroom(scopes, 10)  # the store has not answered for it
+        await keeper.admit(scopes, 10, "open")
+        assert keeper.has_headroom(scopes, 10)
+        assert keeper.has_headroom(scopes, 880)  # 890 of 1000 after it: 11 % left
+        assert not keeper.has_headroom(scopes, 900)  # 10 of it left: under HEADROOM
+        # Admissions on their way count as spent until the store answers them.
+        pending = [asyncio.ensure_future(keeper.admit(scopes, 400, "open")) for _ in range(2)]
+        await asyncio.sleep(0)
+        assert not keeper.has_headroom(scopes, 100)
+        await asyncio.gather(*pending)
+        assert not keeper.has_headroom(scopes, 100)  # the store's answer: 810 spent
+        assert keeper.has_headroom(scopes, 50)
+        redis_server.stop()
+        await keeper.admit(scopes, 1, "open")  # finds the store gone
+        assert not keeper.has_headroom(scopes, 1)

@@ -147,6 +147,26 @@ async def test_charge_and_settle_count_completion_tokens_once(keeper: QuotaKeepe
     assert (await keeper.usage(TENANT)).tokens == 240
 
 
+async def test_settle_corrects_the_prompt_to_what_was_served(
+    keeper: QuotaKeeper, clock: FakeClock
+) -> None:
+    scopes = [Scope(TENANT, Quota(tokens_per_minute=1000))]
+    never_served = (await keeper.admit(scopes, 100, "open")).lease
+    await keeper.settle(never_served, 0, prompt_tokens=0)  # shed or refused: its prompt back
+    assert await keeper.usage(TENANT) == Usage(requests=1, tokens=0, concurrent=0)
+
+    counted_more = (await keeper.admit(scopes, 100, "open")).lease
+    await keeper.settle(counted_more, 5, prompt_tokens=120)  # the engine counted 120
+    assert (await keeper.usage(TENANT)).tokens == 125
+
+    late = (await keeper.admit(scopes, 100, "open")).lease
+    clock.now += QUOTA_WINDOW_S  # the next window: the last one's count limits nobody now
+    await keeper.settle(late, 0, prompt_tokens=0)
+    assert (await keeper.usage(TENANT)).tokens == 0
+    with pytest.raises(ValueError, match="prompt_tokens"):
+        await keeper.settle(late, 0, prompt_tokens=-1)
+
+
 async def test_a_refusal_by_one_scope_charges_none(keeper: QuotaKeeper) -> None:
     tenant = Scope(TENANT, Quota(requests_per_minute=10, tokens_per_minute=1000))
     llama = Scope(MODEL, Quota(tokens_per_minute=100))

@@ -66,6 +66,11 @@ def test_priority_needs_the_priority_policy(server: InProcessServer, model_name:
 def test_priority_is_an_integer(priority_server: InProcessServer) -> None:
     response = completion(priority_server, prompt="Hi", max_tokens=1, priority="high")
     assert response.status_code == 400 and response.json()["error"]["param"] == "priority"
+    declared = {"prompt": "Hi", "max_tokens": 1, "priority": 1}
+    response = completion(priority_server, **declared, kvpilot_guard_priority="premium")
+    assert response.status_code == 400
+    assert response.json()["error"]["param"] == "kvpilot_guard_priority"
+    assert completion(priority_server, **declared, kvpilot_guard_priority=-2).is_success
 
 
 def test_a_better_request_starts_before_worse_ones_queued_ahead_of_it(
