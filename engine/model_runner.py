@@ -6,13 +6,12 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
 from kvpilot.engine.attention import AttentionMetadata
 from kvpilot.engine.config import EngineConfig, ModelConfig
-from kvpilot.engine.core.messages import SampledLogprobs
 from kvpilot.engine.cuda_graphs import StepGraphs
 from kvpilot.engine.graph_capture import (
     capture_step_graphs,
@@ -39,6 +38,9 @@ from kvpilot.engine.scheduler import ScheduledSequence
 from kvpilot.engine.spec_decode.verify import Verified, VerifyRow, verify
 from kvpilot.engine.step_input import CUDA_TABLE_WIDTH_MULTIPLE, StepInput, plan_step
 from kvpilot.engine.structured.manager import StructuredOutputs
+
+if TYPE_CHECKING:
+    from kvpilot.engine.core.messages import SampledLogprobs
 
 
 @dataclass(frozen=True)

@@ -23,10 +23,10 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
-from kvpilot.engine.core.messages import SampledLogprobs
 from kvpilot.engine.sampler import (
     SamplerRow,
     apply_logit_bias,
@@ -35,6 +35,9 @@ from kvpilot.engine.sampler import (
     inverse_cdf,
     sampled_logprobs,
 )
+
+if TYPE_CHECKING:
+    from kvpilot.engine.core.messages import SampledLogprobs
 
 
 def greedy_accept(target_ids: list[int], draft_ids: list[int]) -> list[int]:
