@@ -159,7 +159,7 @@ def test_rejects_inconsistent_inputs(paged_batch: Callable[..., object]) -> None
     )
     with pytest.raises(ValueError, match="multiple of num_kv_heads"):
         paged_attention(batch.query[:, :3], batch.k_cache, batch.v_cache, batch.meta, 0.125)
-    with pytest.raises(ValueError, match="share one of"):
+    with pytest.raises(ValueError, match="k_cache and v_cache both in its dtype"):
         paged_attention(batch.query.half(), batch.k_cache, batch.v_cache, batch.meta, 0.125)
     with pytest.raises(ValueError, match="tokens, the metadata"):
         paged_attention(batch.query[:-1], batch.k_cache, batch.v_cache, batch.meta, 0.125)
