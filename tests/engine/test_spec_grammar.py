@@ -33,20 +33,11 @@ from kvpilot.engine.structured.spec import StructuredSpec
 
 from .reference import save_tiny_hf_model
 from .test_spec_decode import CHI2_CRITICAL_0_001, chi_square
+from .test_structured import SCHEMA
 
 VOCAB = 49152  # SmolLM2's tokenizer
 EOS = 2
 REGEX = r"(ab|cd|ef){3,40}x"
-SCHEMA = {
-    "type": "object",
-    "properties": {
-        "name": {"type": "string", "maxLength": 10},
-        "score": {"type": "integer", "minimum": 1, "maximum": 5},
-        "tags": {"type": "array", "items": {"enum": ["x", "y"]}, "maxItems": 2},
-    },
-    "required": ["name", "score", "tags"],
-    "additionalProperties": False,
-}
 
 
 @pytest.fixture(scope="module")
