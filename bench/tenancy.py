@@ -127,6 +127,7 @@ class Platform:
         serve_args += ["--scheduling-policy", "priority", "--max-model-len", "1024"]
         if args.max_num_batched_tokens:
             serve_args += ["--max-num-batched-tokens", str(args.max_num_batched_tokens)]
+        serve_args += args.engine_arg
         cmd = kvpilot_serve_cmd(serve_args)
         # One torch thread: the engine has one core, the routers, redis and the clients the
         # other (two engines' thread pools spinning against each other on a shared 2-core VM
@@ -870,6 +871,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--max-num-seqs", type=int, default=16, help="the engine's")
     parser.add_argument(
         "--max-num-batched-tokens", type=int, default=None, help="the engine's (default: its own)"
+    )
+    parser.add_argument(
+        "--engine-arg",
+        action="append",
+        default=[],
+        help="one more `kvpilot serve` flag, e.g. --engine-arg=--priority-guard-tokens=4",
     )
     cases = parser.add_subparsers(dest="case", required=True)
     p = cases.add_parser("priority", help="premium TTFT under a best-effort burst")

@@ -26,6 +26,9 @@ from kvpilot.contract.engine_choices import (
     TOOL_CALL_PARSERS,
 )
 from kvpilot.contract.engine_defaults import (
+    DEFAULT_GUARD_STEP_SEQS,
+    DEFAULT_GUARD_STEP_TOKENS,
+    DEFAULT_GUARD_WINDOW_S,
     DEFAULT_KV_CACHE_GIB,
     DEFAULT_MAX_NUM_BATCHED_TOKENS,
     DEFAULT_MAX_NUM_SEQS,
@@ -181,6 +184,15 @@ FLAGS: tuple[Flag, ...] = (
          choices=SCHEDULING_POLICIES,
          help="fcfs: arrival order; priority: each request's `priority` (lower first), then "
          "arrival, preempting running requests of a worse priority"),
+    flag(SCHEDULER, "--priority-guard-window", type=float, default=DEFAULT_GUARD_WINDOW_S,
+         metavar="SECONDS",
+         help="under priority: for this long after a better priority was last seen (or "
+         "declared), worse ones share a bounded part of each step (0: no guard)"),
+    flag(SCHEDULER, "--priority-guard-seqs", type=int, default=DEFAULT_GUARD_STEP_SEQS,
+         help="under priority's guard: sequences of worse priority in one step"),
+    flag(SCHEDULER, "--priority-guard-tokens", type=int, default=DEFAULT_GUARD_STEP_TOKENS,
+         help="under priority's guard: tokens of worse priority in one step (what a better "
+         "request arriving mid-step can find ahead of it)"),
     flag(REQUEST_LIMITS, "--max-queue", type=int, default=None,
          help="429 when this many requests wait (default: no limit)"),
     flag(REQUEST_LIMITS, "--retry-after", type=int, default=1,

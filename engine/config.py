@@ -20,6 +20,9 @@ from kvpilot.contract.engine_choices import (
 )
 from kvpilot.contract.engine_defaults import (
     AUTO_DTYPE,
+    DEFAULT_GUARD_STEP_SEQS,
+    DEFAULT_GUARD_STEP_TOKENS,
+    DEFAULT_GUARD_WINDOW_S,
     DEFAULT_KV_CACHE_GIB,
     DEFAULT_MAX_NUM_BATCHED_TOKENS,
     DEFAULT_MAX_NUM_SEQS,
@@ -47,15 +50,6 @@ SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2")
 
 DEVICE_PATTERN = re.compile(r"auto|cpu|cuda(:[0-9]+)?")
 SEED_MIN, SEED_END = -(2**63), 2**64
-# The priority policy's guard (SchedulerConfig): a few seconds covers a tenant's steady traffic
-# between its requests. What a better request arriving mid-step waits for beyond its own class's
-# work is the worse tokens in that step, and on a CPU a step costs per token (bench/step_cost.py:
-# SmolLM2, float32, one thread, a step of 32 tokens ~3.4x one of 1, of 8 ~1.6x; bench/RESULTS.md
-# "Tenants"); a few sequences let worse decodes go on beside the better ones, and their prompts
-# still start, 8 tokens a step.
-DEFAULT_GUARD_WINDOW_S = 2.0
-DEFAULT_GUARD_STEP_SEQS = 4
-DEFAULT_GUARD_STEP_TOKENS = 8
 
 
 @dataclass(frozen=True)

@@ -57,6 +57,9 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
             max_num_batched_tokens=args.max_num_batched_tokens,
             max_num_seqs=args.max_num_seqs,
             policy=args.scheduling_policy,
+            guard_window_s=args.priority_guard_window,
+            guard_step_seqs=args.priority_guard_seqs,
+            guard_step_tokens=args.priority_guard_tokens,
         ),
         lora=lora_config(args),
         speculative=(

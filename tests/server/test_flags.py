@@ -281,3 +281,13 @@ def test_startup_places_the_engine_among_this_machines_cpus() -> None:
     assert placement is not None and placement.engine == (min(allowed),)
     assert placement.api == (tuple(sorted(allowed - {min(allowed)})) or None)
     assert startup_settings(build_parser().parse_args([]))[1].cpu_placement is None
+
+
+def test_the_priority_guard_flags_reach_the_scheduler() -> None:
+    argv = ["--scheduling-policy", "priority", "--priority-guard-window", "5"]
+    argv += ["--priority-guard-seqs", "2", "--priority-guard-tokens", "3"]
+    config, _ = startup_settings(build_parser().parse_args(argv))
+    guard = config.scheduler
+    assert (guard.guard_window_s, guard.guard_step_seqs, guard.guard_step_tokens) == (5.0, 2, 3)
+    # A guard that would let no worse work run at all is refused by the engine's own rules.
+    assert main(["--priority-guard-tokens", "0"]) == 2
