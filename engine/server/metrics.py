@@ -11,6 +11,7 @@ See engine/server/README.md for the meaning of every metric.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
@@ -28,9 +29,13 @@ from kvpilot.contract.load_metrics import (
 )
 from kvpilot.contract.lora import LORA_INFO_LABELS
 from kvpilot.contract.prometheus import Family
-from kvpilot.engine.outputs import RequestOutput
+from kvpilot.engine.outputs import RequestMetrics, RequestOutput
 from kvpilot.engine.sampling_params import SamplingParams
 from kvpilot.engine.server.histograms import Histogram, HistogramSet
+
+# One line per finished request with where its time went (--log-level debug): the histograms
+# mix every request, a tail is found by reading the requests that made it.
+_timing_log = logging.getLogger("kvpilot.request_timing")
 
 # vLLM labels its metrics with the index of the engine core (data parallelism); kvpilot runs one.
 VLLM_ENGINE_INDEX = "0"
@@ -534,6 +539,14 @@ class ServerMetrics:
         m = output.metrics
         if m is None:
             return
+        if _timing_log.isEnabledFor(logging.DEBUG):
+            _timing_log.debug(
+                "%s: prompt %d tokens (%d cached), %s",
+                output.request_id,
+                len(output.prompt_token_ids),
+                output.num_cached_tokens,
+                request_phases(m),
+            )
         if m.first_token_time is not None:
             self.time_to_first_token.observe(max(0.0, m.first_token_time - m.arrival_time))
         if m.first_scheduled_time is not None:
@@ -555,6 +568,19 @@ class ServerMetrics:
         if num_generated > 1 and m.first_token_time is not None and m.last_token_time is not None:
             decode = max(0.0, m.last_token_time - m.first_token_time)
             self.time_per_output_token.observe(decode / (num_generated - 1))
+
+
+def request_phases(m: RequestMetrics) -> str:
+    """Where a request's time went, in ms from its arrival: queued (to its first step), first
+    token, finished; `-` for what it never reached."""
+
+    def since_arrival(t: float | None) -> str:
+        return "-" if t is None else f"{1000 * max(0.0, t - m.arrival_time):.1f}"
+
+    return (
+        f"queued {since_arrival(m.first_scheduled_time)} ms, first token "
+        f"{since_arrival(m.first_token_time)} ms, finished {since_arrival(m.finished_time)} ms"
+    )
 
 
 class _Metrics:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import random
 
 import pytest
@@ -327,7 +328,8 @@ def test_counters_follow_cumulative_engine_stats_by_delta() -> None:
     assert sample(registry, "vllm:iteration_tokens_total_count") == 2
 
 
-def test_finished_request_latencies() -> None:
+def test_finished_request_latencies(caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.DEBUG, logger="kvpilot.request_timing")
     metrics, registry = build()
     output = RequestOutput(
         request_id="r",
@@ -348,6 +350,11 @@ def test_finished_request_latencies() -> None:
     assert sample(registry, "vllm:request_prefill_time_seconds_sum") == 0.5
     assert sample(registry, "vllm:request_decode_time_seconds_sum") == 2.0
     assert sample(registry, "vllm:request_inference_time_seconds_sum") == 2.5
+    # At debug, one line says where this request's time went, in ms from its arrival.
+    (line,) = [r.getMessage() for r in caplog.records if r.name == "kvpilot.request_timing"]
+    assert line == (
+        "r: prompt 2 tokens (0 cached), queued 500.0 ms, first token 1000.0 ms, finished 3000.0 ms"
+    )
     assert sample(registry, "vllm:time_per_prefill_token_request_seconds_sum") == 0.25
     assert sample(registry, "vllm:request_prompt_tokens_sum") == 2
     assert sample(registry, "vllm:request_generation_tokens_sum") == 5
