@@ -92,3 +92,27 @@ def test_jains_index(tenants: ModuleType) -> None:
     assert tenants.jain([1.0, 0.0, 0.0]) == pytest.approx(1 / 3)
     assert tenants.jain([2.0, 1.0]) == pytest.approx(9 / 10)
     assert tenants.jain([]) == 0.0
+
+
+def test_the_priority_case_pools_a_phases_rounds() -> None:
+    if str(BENCH) not in sys.path:
+        sys.path.insert(0, str(BENCH))
+    tenancy = importlib.import_module("tenancy")
+
+    def round_of(ttfts: list[float], chunks: int) -> dict[str, object]:
+        return {
+            "phase": "tenancy",
+            "premium_requests": len(ttfts),
+            "premium_refused": [],
+            "premium_ttft_ms": ttfts,
+            "burst_chunks_in_window": chunks,
+            "window_s": 10.0,
+            "load_average_1m": [1.0, 1.1],
+        }
+
+    first = [float(v) for v in range(1, 51)]
+    pooled = tenancy.pool_rounds([round_of(first, 5), round_of([500.0] + first[1:], 7)])
+    assert pooled["premium_requests"] == 100 and pooled["burst_chunks_in_window"] == 12
+    # The p99 of the hundred together: the slowest request of round 2 alone sets it.
+    assert pooled["premium_ttft_p99_ms"] == round(50 + 0.01 * 450, 1)
+    assert pooled["premium_ttft_max_ms"] == 500.0 and pooled["window_s"] == 20.0
