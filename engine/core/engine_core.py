@@ -23,6 +23,7 @@ import torch
 from kvpilot.contract import sizing
 from kvpilot.engine.config import EngineConfig, LoRAConfig, ModelConfig
 from kvpilot.engine.core.fit import check_prompt_fits
+from kvpilot.engine.core.load_threads import loading_threads
 from kvpilot.engine.core.messages import (
     AddRequest,
     EngineStats,
@@ -168,7 +169,8 @@ class EngineCore:
             check_memory_fit(cpu_memory_need(config, self.model_config), memory_limit())
         self.workers: TPWorkers | None = None
         if config.tensor_parallel_size == 1:
-            self.runner = ModelRunner(config, self.model_config, source, self.max_model_len)
+            with loading_threads(config.resolved_device):
+                self.runner = ModelRunner(config, self.model_config, source, self.max_model_len)
         else:
             from kvpilot.engine.executor.launch import start_tensor_parallel
 
