@@ -84,8 +84,15 @@ class Preprocessed:
 
 def max_chars_per_token(tokenizer: Any) -> int:
     """An upper bound on the input characters one token can stand for."""
-    vocab_size = len(tokenizer)
-    texts = tokenizer.batch_decode([[i] for i in range(vocab_size)], skip_special_tokens=False)
+    ids = [[i] for i in range(len(tokenizer))]
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is not None:
+        # The Rust tokenizer's own batch decode: half the time of transformers' (its per-token
+        # Python), during the start. transformers' clean-up after it only removes characters,
+        # so the bound still holds for what the tokenizer's decode gives.
+        texts = backend.decode_batch(ids, skip_special_tokens=False)
+    else:
+        texts = tokenizer.batch_decode(ids, skip_special_tokens=False)
     # +1: SentencePiece-style decoders drop a token's leading-space marker when it stands alone.
     longest = max(len(t) for t in texts) + 1
     backend = getattr(tokenizer, "backend_tokenizer", None)
