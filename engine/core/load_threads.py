@@ -3,8 +3,9 @@
 The load's bulk work (the merged projections copied out of the weights' memory map, the linear
 layers reordered for oneDNN, the KV pool zeroed) is page faults and memory copies, and under
 `kvpilot serve` the API process loads the tokenizer on the same CPUs meanwhile. OpenMP threads
-that wait at each copy's barrier for a thread the kernel has descheduled made it 3-4x slower on the
-2-CPU development VM than one thread (bench/serve_startup.py; the step loop keeps every thread).
+that wait at each copy's barrier for a thread the kernel has descheduled made each of those 2-5x
+slower with two threads than with one on the shared 2-CPU development VM; bench/serve_startup.py's
+"weights" phase went from 2.3 to 0.8 s (median of 3). The step loop keeps every thread.
 """
 
 from __future__ import annotations
