@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kvpilot.contract import sizing
 from kvpilot.engine.attention import AttentionMetadata
 from kvpilot.engine.config import EngineConfig, ModelConfig, SpeculativeConfig
 from kvpilot.engine.host_copy import to_device
@@ -69,6 +70,31 @@ def draft_model_config(spec: SpeculativeConfig, target: ModelConfig) -> ModelCon
     return draft
 
 
+def draft_bytes(config: EngineConfig, target: ModelConfig, *, target_kv_tokens: int) -> int:
+    """What config's draft model holds (contract/sizing.py): its weights and the KV pool
+    DraftModelProposer sizes, for an engine whose target pool holds target_kv_tokens. Reads the
+    draft's config only; ValueError as draft_model_config."""
+    spec = config.speculative
+    assert spec is not None and spec.method == "draft_model"
+    draft = draft_model_config(spec, target)
+    max_model_len = config.max_model_len or target.max_position_embeddings
+    kv_tokens = sizing.draft_kv_tokens(
+        target_kv_tokens=target_kv_tokens,
+        # The engine's longest sequence (EngineCore.max_seq_len).
+        max_seq_len=min(max_model_len, target_kv_tokens),
+        max_speculating_seqs=spec.disable_by_batch_size,
+        block_size=config.cache.block_size,
+    )
+    return sizing.draft_model_bytes(
+        num_params=draft.num_params,
+        num_layers=draft.num_hidden_layers,
+        num_kv_heads=draft.num_key_value_heads,
+        head_dim=draft.head_dim,
+        itemsize=torch.empty((), dtype=config.resolved_dtype).element_size(),
+        kv_tokens=kv_tokens,
+    )
+
+
 @dataclass
 class _Row:
     """A sequence in a draft step."""
@@ -113,8 +139,13 @@ class DraftModelProposer:
             draft_config, draft, source, self.max_len, device, None
         ).model
         block_size = config.cache.block_size
-        tokens = min(target_pool_tokens, spec.disable_by_batch_size * max_seq_len)
-        num_blocks = max(1, -(-tokens // block_size))
+        tokens = sizing.draft_kv_tokens(
+            target_kv_tokens=target_pool_tokens,
+            max_seq_len=max_seq_len,
+            max_speculating_seqs=spec.disable_by_batch_size,
+            block_size=block_size,
+        )
+        num_blocks = tokens // block_size
         layout = KVLayout(
             draft.num_hidden_layers, self.model.shard.num_kv_heads, draft.head_dim, block_size
         )
