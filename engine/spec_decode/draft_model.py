@@ -25,6 +25,7 @@ from kvpilot.contract import sizing
 from kvpilot.engine.attention import AttentionMetadata
 from kvpilot.engine.config import EngineConfig, ModelConfig, SpeculativeConfig
 from kvpilot.engine.host_copy import to_device
+from kvpilot.engine.kv_cache.budget import DraftReserve
 from kvpilot.engine.kv_cache.pool import KVLayout, PagedKVPool
 from kvpilot.engine.model.llama import ForwardContext, LlamaForCausalLM
 from kvpilot.engine.model.loader import (
@@ -92,6 +93,27 @@ def draft_bytes(config: EngineConfig, target: ModelConfig, *, target_kv_tokens: 
         head_dim=draft.head_dim,
         itemsize=torch.empty((), dtype=config.resolved_dtype).element_size(),
         kv_tokens=kv_tokens,
+    )
+
+
+def draft_reserve(config: EngineConfig, target: ModelConfig, max_model_len: int) -> DraftReserve:
+    """The draft's share of the target's device, for sizing the target's pool beside it: its
+    weights, and its pool's bytes per token and largest size (disable_by_batch_size sequences of
+    max_model_len)."""
+    spec = config.speculative
+    assert spec is not None and spec.method == "draft_model"
+    draft = draft_model_config(spec, target)
+    itemsize = torch.empty((), dtype=config.resolved_dtype).element_size()
+    most = spec.disable_by_batch_size * max_model_len
+    return DraftReserve(
+        weight_bytes=draft.num_params * itemsize,
+        kv_bytes_per_token=draft.kv_bytes_per_token * itemsize,
+        max_kv_tokens=sizing.draft_kv_tokens(
+            target_kv_tokens=most,
+            max_seq_len=max_model_len,
+            max_speculating_seqs=spec.disable_by_batch_size,
+            block_size=config.cache.block_size,
+        ),
     )
 
 

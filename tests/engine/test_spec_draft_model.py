@@ -22,6 +22,7 @@ from kvpilot.engine.spec_decode.draft_model import (
     BUILTIN_NAME,
     DraftModelProposer,
     draft_bytes,
+    draft_reserve,
     draft_source,
 )
 from kvpilot.operator.builtin_models import BUILTIN_MODELS
@@ -171,6 +172,12 @@ def test_the_target_as_its_own_draft_accepts_every_proposal(
     target_tokens = core.num_blocks * core.block_size
     counted = draft_bytes(core.config, core.model_config, target_kv_tokens=target_tokens)
     assert counted == core.model_config.num_params * 4 + pool
+    # On a GPU the target's pool leaves the draft this share: as much per token, and at least
+    # the pool it takes.
+    reserve = draft_reserve(core.config, core.model_config, core.max_model_len)
+    assert reserve.weight_bytes == core.model_config.num_params * 4
+    assert reserve.kv_bytes_per_token * core.block_size == proposer.pool.bytes_per_block
+    assert reserve.max_kv_tokens >= proposer.pool.num_blocks * core.block_size
 
 
 def test_a_draft_of_another_vocabulary_is_refused_at_start(models: dict[str, Path]) -> None:
