@@ -4,7 +4,9 @@ for every speculating sequence at once.
 Each step the draft runs one forward over every speculating sequence's tokens it has not seen yet
 (the prompt the first time, else the tokens the target took last step), whose last rows give the
 first proposals, then k - 1 one-token forwards, the whole batch each, feeding its own proposals
-back. Its KV cache is its own (draft_cache.py). A catch-up never takes more tokens in a step than
+back. Its KV cache is its own (draft_cache.py), sized by contract/sizing.draft_kv_tokens; its
+weights and that cache are counted by the start-up memory check (draft_bytes) and, on a GPU,
+left free beside the target's pool (draft_reserve). A catch-up never takes more tokens in a step than
 a target step may (max_num_batched_tokens): a longer one continues in the next step, with no
 proposals meanwhile.
 
