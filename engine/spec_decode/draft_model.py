@@ -6,8 +6,8 @@ Each step the draft runs one forward over every speculating sequence's tokens it
 first proposals, then k - 1 one-token forwards, the whole batch each, feeding its own proposals
 back. Its KV cache is its own (draft_cache.py), sized by contract/sizing.draft_kv_tokens; its
 weights and that cache are counted by the start-up memory check (draft_bytes) and, on a GPU,
-left free beside the target's pool (draft_reserve). A catch-up never takes more tokens in a step than
-a target step may (max_num_batched_tokens): a longer one continues in the next step, with no
+left free beside the target's pool (draft_reserve). A catch-up never takes more tokens in a step
+than a target step may (max_num_batched_tokens): a longer one continues in the next step, with no
 proposals meanwhile.
 
 The proposals are one token each (no distribution): verify.py treats them as n-gram ones, so
