@@ -111,8 +111,12 @@ async def create_isvc(
     min_replicas: int | None = None,
     annotations: dict[str, str] | None = None,
     adapters: dict[str, Path] | None = None,
+    api_key_secret: str | None = None,
 ) -> None:
+    """api_key_secret: the Secret whose `api-key` its engines require (spec.engine.apiKeySecret)."""
     spec: dict[str, Any] = {"model": {"uri": "builtin://smollm2-135m-instruct"}}
+    if api_key_secret is not None:
+        spec["engine"] = {"apiKeySecret": {"name": api_key_secret}}
     spec["model"]["servedName"] = served_name
     if adapters:
         spec["adapters"] = [{"name": n, "uri": f"file://{p}"} for n, p in adapters.items()]
