@@ -6,11 +6,9 @@ by a new replica while a running one keeps the key its engine started with."""
 
 from __future__ import annotations
 
-import base64
 import logging
 import time
 from pathlib import Path
-from typing import Any
 
 import httpx
 import pytest
@@ -32,12 +30,11 @@ from kvpilot.router.runtime import RouterRuntime
 from ..operator.conftest import NAMESPACE
 from ..operator.emulated import api
 from ..operator.kube_emulator import KubeEmulator
-from .loopback import create_isvc, create_pod, eventually_async
+from .loopback import SECRETS_PATH, create_isvc, create_pod, eventually_async, key_secret
 from .stand_in import PROMPT, StandIn, serve_runtime, serve_stand_in
 
 MODEL = "keyed"
 SECRET = "keyed-engine-key"
-SECRETS_PATH = f"/api/v1/namespaces/{NAMESPACE}/secrets"
 
 
 def test_the_router_reads_the_secret_key_the_operator_gives_the_engine() -> None:
@@ -60,15 +57,6 @@ def test_a_replica_tries_its_accepted_key_first_then_the_others_in_turn() -> Non
     assert key_to_try(("new", "old"), "old", 1) == "new"
     assert key_to_try(("new",), "gone", 0) == "new"
     assert key_to_try((None,), None, 3) is None
-
-
-def secret(value: str) -> dict[str, Any]:
-    return {
-        "apiVersion": "v1",
-        "kind": "Secret",
-        "metadata": {"name": SECRET, "namespace": NAMESPACE},
-        "data": {"api-key": base64.b64encode(value.encode()).decode()},
-    }
 
 
 def routable(runtime: RouterRuntime) -> set[str]:
@@ -119,7 +107,7 @@ async def test_engine_keys_come_from_the_secret_401s_are_visible_and_rotation_wo
         assert any("refused the router's API key" in r.getMessage() for r in caplog.records)
 
         # The Secret created: the router reads it and the replica becomes routable.
-        await api(kmock, "POST", SECRETS_PATH, secret("sk-engine-old"))
+        await api(kmock, "POST", SECRETS_PATH, key_secret(SECRET, "sk-engine-old"))
 
         async def first_routable() -> bool:
             return routable(runtime) == {"keyed-0"}
@@ -134,7 +122,10 @@ async def test_engine_keys_come_from_the_secret_401s_are_visible_and_rotation_wo
         # Rotated: a replica started after it requires the new key, and gets it within
         # seconds; the running one keeps the key its engine started with.
         await api(
-            kmock, "PATCH", f"{SECRETS_PATH}/{SECRET}", {"data": secret("sk-engine-new")["data"]}
+            kmock,
+            "PATCH",
+            f"{SECRETS_PATH}/{SECRET}",
+            {"data": key_secret(SECRET, "sk-engine-new")["data"]},
         )
         started = time.monotonic()
         await create_pod(kmock, "keyed-1", MODEL, int(second_url.rsplit(":", 1)[1]))
