@@ -319,8 +319,8 @@ class Proxy:
         except BaseException:  # the client went away before the replica answered, or a bug
             self._released(pool, replica, admitted)
             raise
-        if upstream.status == 401:  # passed on to the client; the key is read again now
-            self.registry.keys.refused(pool.service, "proxy")
+        if upstream.status == 401 and replica.engine_key:  # the router's key, not a client's
+            self.registry.keys.refused(pool.service, "proxy")  # passed on; the key read again
         if upstream.status in (502, 503, 504):  # draining or overloaded: nothing was sent
             self._released(pool, replica, admitted)
             upstream.release()

@@ -150,6 +150,11 @@ async def test_engine_keys_come_from_the_secret_401s_are_visible_and_rotation_wo
         assert answer.status_code == 200, answer.text
         assert answer.json()["choices"][0]["text"] == "second"
         assert second.authorizations[-1] == "Bearer sk-engine-new"
+        # An engine refusing the router's key on a request: its 401 passes on, and is counted.
+        second.api_key = "sk-engine-other"
+        refused = await http.post(f"{url}/v1/completions", json=body)
+        assert refused.status_code == 401
+        assert counted("engine_unauthorized", model=MODEL, path="proxy") == 1
         exported = generate_latest(runtime.metrics.registry).decode()
     # Keys in memory only: not in any log line, not in the metrics.
     for key in ("sk-engine-old", "sk-engine-new"):
