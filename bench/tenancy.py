@@ -128,6 +128,8 @@ class Platform:
         if args.max_num_batched_tokens:
             serve_args += ["--max-num-batched-tokens", str(args.max_num_batched_tokens)]
         serve_args += args.engine_arg
+        if args.engine_cpu is not None:
+            serve_args += ["--engine-cpus", str(args.engine_cpu)]
         cmd = kvpilot_serve_cmd(serve_args)
         # One torch thread: the engine has one core, the routers, redis and the clients the
         # other (two engines' thread pools spinning against each other on a shared 2-core VM
@@ -139,6 +141,12 @@ class Platform:
         self.processes.append(engine)
         self.engine_url = engine.wait_ready()
         log(f"engine ready at {self.engine_url}")
+        if args.engine_cpu is not None:
+            # Everything started from here on (routers, redis-server, this load generator)
+            # runs beside the engine core's CPU, never on it, as a pod's guaranteed CPUs would.
+            others = os.sched_getaffinity(0) - {args.engine_cpu}
+            os.sched_setaffinity(0, others)
+            log(f"engine core on CPU {args.engine_cpu}; the rest on CPUs {sorted(others)}")
         return self.engine_url
 
     def start_redis(self) -> str:
@@ -904,6 +912,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--max-num-seqs", type=int, default=16, help="the engine's")
     parser.add_argument(
         "--max-num-batched-tokens", type=int, default=None, help="the engine's (default: its own)"
+    )
+    parser.add_argument(
+        "--engine-cpu",
+        type=int,
+        default=None,
+        help="bind the engine core to this CPU (--engine-cpus) and run the routers, "
+        "redis-server and the load generator on the others (default: unbound)",
     )
     parser.add_argument(
         "--engine-arg",

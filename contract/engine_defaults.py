@@ -11,15 +11,16 @@ DEFAULT_MAX_NUM_SEQS = 128
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
 # First come, first served, as vLLM (--scheduling-policy); a request's `priority` then must be 0.
 DEFAULT_SCHEDULING_POLICY = "fcfs"
-# The priority policy's guard (SchedulerConfig): a few seconds covers a tenant's steady traffic
-# between its requests. What a better request arriving mid-step waits for beyond its own class's
-# work is the worse tokens in that step, and on a CPU a step costs per token (bench/step_cost.py:
-# SmolLM2, float32, one thread, a step of 32 tokens ~3.4x one of 1, of 8 ~1.6x; bench/RESULTS.md
-# "Tenants"); a few sequences let worse decodes go on beside the better ones, and their prompts
-# still start, 8 tokens a step.
+# The priority policy's guard (SchedulerConfig; --priority-guard-*): a few seconds covers a
+# tenant's steady traffic between its requests. What a better request arriving mid-step waits for
+# beyond its own class's work is the worse tokens in that step, and on a CPU a step costs per
+# token, prompt tokens and decodes alike (bench/step_cost.py: SmolLM2, float32, one thread, a step
+# of 32 tokens ~3.4x one of 1, of 8 ~1.6x, of 4 ~1.3x). 4 worse tokens keep a premium chat's p99
+# time to first token within 1.2x of its time alone (bench/RESULTS.md "Tenants"); a few sequences
+# let worse decodes go on beside the better ones, and their prompts still start, 4 tokens a step.
 DEFAULT_GUARD_WINDOW_S = 2.0
 DEFAULT_GUARD_STEP_SEQS = 4
-DEFAULT_GUARD_STEP_TOKENS = 8
+DEFAULT_GUARD_STEP_TOKENS = 4
 # The KV-cache budget on CPU when none is given (--kv-cache-gib).
 DEFAULT_KV_CACHE_GIB = 1.0
 DEFAULT_KV_CACHE_BYTES = int(DEFAULT_KV_CACHE_GIB * 2**30)

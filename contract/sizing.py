@@ -25,10 +25,11 @@ class MemoryNeed:
     kv_cache: int
     working: int  # runtime + activations
     adapters: int = 0  # LoRA adapters: their slots and the ones kept read in host memory
+    draft: int = 0  # a speculative draft model: its weights and its own KV cache
 
     @property
     def total(self) -> int:
-        return self.weights + self.kv_cache + self.working + self.adapters
+        return self.weights + self.kv_cache + self.working + self.adapters + self.draft
 
 
 def lora_bytes(
@@ -55,6 +56,33 @@ def lora_bytes(
 def kv_bytes_per_token(*, num_layers: int, num_kv_heads: int, head_dim: int, itemsize: int) -> int:
     """Bytes of K and V one token holds in the KV cache, over all layers."""
     return 2 * num_layers * num_kv_heads * head_dim * itemsize
+
+
+def kv_cache_tokens(*, kv_cache_bytes: int, kv_bytes_per_token: int, block_size: int) -> int:
+    """Tokens a KV budget holds on one rank: whole blocks only."""
+    return kv_cache_bytes // (kv_bytes_per_token * block_size) * block_size
+
+
+def draft_kv_tokens(
+    *, target_kv_tokens: int, max_seq_len: int, max_speculating_seqs: int, block_size: int
+) -> int:
+    """Tokens the draft model's own KV cache holds, in whole blocks (one at least): as many as
+    the target's pool, or max_speculating_seqs (disable_by_batch_size: past it no sequence
+    speculates) sequences of max_seq_len (the engine's longest sequence) where that is fewer."""
+    tokens = min(target_kv_tokens, max_speculating_seqs * max_seq_len)
+    return max(1, -(-tokens // block_size)) * block_size
+
+
+def draft_model_bytes(
+    *, num_params: int, num_layers: int, num_kv_heads: int, head_dim: int, itemsize: int,
+    kv_tokens: int,
+) -> int:  # fmt: skip
+    """A draft model's weights and its KV cache of kv_tokens tokens (draft_kv_tokens), both at
+    the engine's dtype (the draft's cache is never FP8)."""
+    per_token = kv_bytes_per_token(
+        num_layers=num_layers, num_kv_heads=num_kv_heads, head_dim=head_dim, itemsize=itemsize
+    )
+    return num_params * itemsize + kv_tokens * per_token
 
 
 def activation_bytes(

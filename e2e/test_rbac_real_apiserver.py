@@ -10,7 +10,8 @@ pods, the wake from zero, the Tenant check with its Secret, the optional childre
 deleted: a PodDisruptionBudget and a NetworkPolicy; LoRA adapter sync, loading an adapter into
 and unloading it from an engine that requires an API key, on a tiny random model) and each
 router path (discovery of InferenceServices and pods, the wake of a service at zero, routing to
-the woken replica), then reads every call recorded in the session. The engine pods make no call
+the woken replica, reading the engine key of a service whose engines require one and routing to
+it with that key), then reads every call recorded in the session. The engine pods make no call
 (no ServiceAccount token is mounted in them).
 
 Needs the stand-ins (KVPILOT_E2E_KUBELET=standin; e2e/run-real-apiserver.sh): on a cluster
@@ -246,6 +247,17 @@ def test_the_operator_and_routers_use_every_permission_and_are_refused_none(
                 f"{ADAPTER} Loaded in {LORA}",
                 describe=lambda: (get_isvc(apis, e2e, LORA).get("status"), stand_ins.errors()),
             )
+            # The routers read LORA's engine key from its Secret (under their own
+            # ServiceAccount) and send it: its engine refuses the block events and the
+            # request without it.
+            with port_forward(e2e.operator_namespace, "svc/kvpilot-router", 80) as port:
+                keyed = httpx.post(
+                    f"http://127.0.0.1:{port}/v1/completions",
+                    json={"model": LORA, "prompt": [1, 2, 3], "max_tokens": 1},
+                    timeout=e2e.timeout_s,
+                )
+            assert keyed.status_code == 200, keyed.text
+            assert keyed.headers["x-kvpilot-replica"].startswith(LORA)
             custom.patch_namespaced_custom_object(
                 GROUP, VERSION, e2e.namespace, PLURAL, LORA, {"spec": {"adapters": []}}
             )

@@ -75,10 +75,18 @@ def check_memory_fit(need: MemoryNeed, limit: int | None) -> None:
     if limit is None or need.total <= limit:
         return
     gib = 2**30
+    draft = (
+        f" + draft model (weights and its KV cache) {need.draft / gib:.2f} GiB"
+        if need.draft
+        else ""
+    )
+    adapters = f" + LoRA adapters {need.adapters / gib:.2f} GiB" if need.adapters else ""
     raise MemoryFitError(
         f"the engine needs about {need.total / gib:.2f} GiB but the container's memory limit is "
         f"{limit / gib:.2f} GiB: weights {need.weights / gib:.2f} GiB + KV cache "
-        f"{need.kv_cache / gib:.2f} GiB + working memory {need.working / gib:.2f} GiB. Lower the "
-        "KV-cache budget (--kv-cache-memory-bytes / --kv-cache-gib; spec.engine.kvCacheBytes), "
-        "max_num_batched_tokens or max_num_seqs, use a smaller dtype, or raise the memory limit."
+        f"{need.kv_cache / gib:.2f} GiB + working memory {need.working / gib:.2f} GiB"
+        f"{draft}{adapters}. Lower the KV-cache budget (--kv-cache-memory-bytes / "
+        "--kv-cache-gib; spec.engine.kvCacheBytes), max_num_batched_tokens or max_num_seqs, use "
+        "a smaller dtype (or a smaller draft model, or a lower disable_by_batch_size in "
+        "--speculative-config), or raise the memory limit."
     )

@@ -35,6 +35,7 @@ from kvpilot.engine.sampler import (
     resolve_sample,
 )
 from kvpilot.engine.scheduler import ScheduledSequence
+from kvpilot.engine.spec_decode.draft_model import draft_reserve
 from kvpilot.engine.spec_decode.verify import Verified, VerifyRow, verify
 from kvpilot.engine.step_input import CUDA_TABLE_WIDTH_MULTIPLE, StepInput, plan_step
 from kvpilot.engine.structured.manager import StructuredOutputs
@@ -126,9 +127,17 @@ class ModelRunner:
             model_config.head_dim,
             self.block_size,
         )
+        draft = None
+        if (
+            self.device.type == "cuda"
+            and config.speculative is not None
+            and config.speculative.method == "draft_model"
+        ):
+            # The draft loads after this pool, on the same GPU: its share is left free.
+            draft = draft_reserve(config, model_config, max_model_len)
         self.kv_pool = build_kv_pool(
             config, self.model, source, layout, self.dtype, self.device, tp,
-            with_null_block=use_graphs,
+            with_null_block=use_graphs, draft=draft,
         )  # fmt: skip
         self.lora_slots: LoRASlots | None = None
         if config.lora is not None:

@@ -19,6 +19,7 @@ class ModelShape:
     hidden_size: int
     intermediate_size: int
     vocab_size: int
+    max_position_embeddings: int  # the engine's max_model_len when the spec sets none
 
 
 # builtin://NAME -> its shape.
@@ -32,5 +33,6 @@ BUILTIN_MODELS: dict[str, ModelShape] = {
         hidden_size=576,
         intermediate_size=1536,
         vocab_size=49_152,
+        max_position_embeddings=8192,
     ),
 }

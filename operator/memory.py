@@ -5,6 +5,8 @@ is one the engine starts under.
 
 hf://, pvc:// and file:// models are only known once downloaded or mounted: there the engine's
 own check at start is the guard (a clear message in the pod's log and status, not an OOM kill).
+The same holds for a speculative draft model (`--speculative-config` in extraArgs): a builtin
+draft's weights and KV pool are counted here, another one's only by the engine.
 """
 
 from __future__ import annotations
@@ -17,8 +19,10 @@ from kvpilot.contract.engine_defaults import (
     DEFAULT_MAX_NUM_SEQS,
     DTYPE_ITEMSIZE,
 )
-from kvpilot.operator.builtin_models import BUILTIN_MODELS
-from kvpilot.operator.modeluri import BuiltinModel
+from kvpilot.contract.engine_flags import read_flags
+from kvpilot.engine.server.from_flags import engine_config
+from kvpilot.operator.builtin_models import BUILTIN_MODELS, ModelShape
+from kvpilot.operator.modeluri import BuiltinModel, parse_model_uri
 from kvpilot.operator.spec import InferenceServiceSpec
 
 
@@ -42,7 +46,55 @@ def cpu_memory_need(spec: InferenceServiceSpec) -> int | None:
         max_num_batched_tokens=engine.max_num_batched_tokens or DEFAULT_MAX_NUM_BATCHED_TOKENS,
         max_num_seqs=engine.max_num_seqs or DEFAULT_MAX_NUM_SEQS,
     )
-    return need.total + _adapter_bytes(spec, itemsize)
+    draft = _draft_bytes(spec, shape, itemsize)
+    if draft is None:
+        return None
+    return need.total + _adapter_bytes(spec, itemsize) + draft
+
+
+def _draft_bytes(spec: InferenceServiceSpec, target: ModelShape, itemsize: int) -> int | None:
+    """What a draft model in extraArgs' --speculative-config holds (the engine's rule,
+    contract/sizing.py): 0 without one (or with n-gram speculation), None where its shape is
+    not known here."""
+    flags = engine_config(read_flags(spec.engine.extra_args))
+    speculative = flags.speculative
+    if speculative is None or speculative.method != "draft_model":
+        return 0
+    assert speculative.model is not None
+    try:
+        source = parse_model_uri(speculative.model)
+    except ValueError:  # a path in the pod, as the engine takes it
+        return None
+    if not isinstance(source, BuiltinModel):
+        return None
+    draft = BUILTIN_MODELS[source.name]
+    engine = spec.engine
+    block_size = engine.block_size or flags.cache.block_size
+    kv_itemsize = 1 if (engine.kv_cache_dtype or "auto") != "auto" else itemsize
+    target_tokens = sizing.kv_cache_tokens(
+        kv_cache_bytes=spec.kv_cache_bytes or DEFAULT_KV_CACHE_BYTES,
+        kv_bytes_per_token=sizing.kv_bytes_per_token(
+            num_layers=target.num_layers,
+            num_kv_heads=target.num_kv_heads,
+            head_dim=target.head_dim,
+            itemsize=kv_itemsize,
+        ),
+        block_size=block_size,
+    )
+    max_model_len = engine.max_model_len or target.max_position_embeddings
+    return sizing.draft_model_bytes(
+        num_params=draft.num_params,
+        num_layers=draft.num_layers,
+        num_kv_heads=draft.num_kv_heads,
+        head_dim=draft.head_dim,
+        itemsize=itemsize,
+        kv_tokens=sizing.draft_kv_tokens(
+            target_kv_tokens=target_tokens,
+            max_seq_len=min(max_model_len, target_tokens),
+            max_speculating_seqs=speculative.disable_by_batch_size,
+            block_size=block_size,
+        ),
+    )
 
 
 def _adapter_bytes(spec: InferenceServiceSpec, itemsize: int) -> int:

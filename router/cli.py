@@ -121,7 +121,9 @@ def build_parser() -> argparse.ArgumentParser:
     )  # fmt: skip
     parser.add_argument(
         "--engine-api-key-file",
-        help="file holding the engines' API key (a mounted Secret; default: none)",
+        help="file holding the API key of engines whose InferenceService names no "
+        "engine.apiKeySecret (--static backends; the others' keys are read from their Secrets; "
+        "default: none)",
     )
     parser.add_argument(
         "--log-level", default="info", choices=("debug", "info", "warning", "error"),

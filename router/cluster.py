@@ -22,6 +22,18 @@ ENGINE_POD_SELECTOR = f"{LABEL_NAME}={ENGINE_APP_NAME}"
 # Per InferenceService: how long the router holds its requests while it has no ready replica
 # (a big model loads for minutes, a small one for seconds).
 HOLD_TIMEOUT_ANNOTATION = f"{GROUP}/hold-timeout-seconds"
+# spec.engine.apiKeySecret's key when it names none (kvpilot.operator.spec.ApiKeySecret's
+# default; a test holds them equal: importing the operator's spec costs the router seconds).
+DEFAULT_API_KEY_SECRET_KEY = "api-key"
+
+
+@dataclass(frozen=True)
+class SecretKeyRef:
+    """One key of one Secret: where an InferenceService's engines read their API key."""
+
+    namespace: str
+    name: str
+    key: str
 
 
 @dataclass(frozen=True)
@@ -45,6 +57,8 @@ class ServiceInfo:
     adapters: tuple[Adapter, ...] = ()
     # spec.sharedPrefixes: texts whose KV every tenant shares (kvpilot.router.shared_prefix).
     shared_prefixes: tuple[str, ...] = ()
+    # spec.engine.apiKeySecret: the key its engines require on every path but the probes.
+    api_key_secret: SecretKeyRef | None = None
 
 
 @dataclass(frozen=True)
@@ -72,6 +86,18 @@ def service_info(obj: dict[str, Any]) -> ServiceInfo:
         str((spec.get("model") or {}).get("uri") or ""),
         adapters(spec.get("adapters"), model),
         shared_prefixes(spec.get("sharedPrefixes")),
+        api_key_secret(meta.get("namespace", ""), (spec.get("engine") or {}).get("apiKeySecret")),
+    )
+
+
+def api_key_secret(namespace: str, ref: Any) -> SecretKeyRef | None:
+    """spec.engine.apiKeySecret as a reference into the service's namespace; None when unset or
+    without a name."""
+    if not isinstance(ref, dict) or not isinstance(ref.get("name"), str) or not ref["name"]:
+        return None
+    key = ref.get("key")
+    return SecretKeyRef(
+        namespace, ref["name"], key if isinstance(key, str) and key else DEFAULT_API_KEY_SECRET_KEY
     )
 
 

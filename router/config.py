@@ -125,7 +125,11 @@ class RouterConfig:
     # Requests a failed upstream may be retried on another replica (only before any byte left).
     max_attempts: int = 3
     max_body_bytes: int = 32 << 20
+    # The engines' key where an InferenceService names no Secret for it (static backends).
     engine_api_key: str | None = None
+    # How often the Secrets named by spec.engine.apiKeySecret are read again (a rotated key is
+    # also read at once after a replica answers 401).
+    engine_key_refresh_s: float = 5.0
     # Who asks the operator to wake a model (recorded on the InferenceService).
     router_name: str = "kvpilot-router"
     # Without Kubernetes (development, benchmarks): model -> replica URLs, fixed.
@@ -144,6 +148,8 @@ class RouterConfig:
             raise ValueError("dead_after_s must be > 0")
         if self.max_attempts < 1:
             raise ValueError("max_attempts must be >= 1")
+        if self.engine_key_refresh_s <= 0:
+            raise ValueError("engine_key_refresh_s must be > 0")
         static = {model for model, _ in self.static_models}
         for model, names in self.static_adapters:
             if model not in static:

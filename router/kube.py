@@ -79,6 +79,11 @@ def pods_path(namespace: str) -> str:
     return f"/api/v1{scope}/pods"
 
 
+def secrets_path(namespace: str) -> str:
+    scope = f"/namespaces/{namespace}" if namespace else ""
+    return f"/api/v1{scope}/secrets"
+
+
 async def list_and_watch(
     client: httpx.AsyncClient,
     path: str,

@@ -54,6 +54,22 @@ UPSTREAM_ERRORS = Family(
     "Failures talking to replicas (connect, status, broken stream)",
     ("model", "kind"),
 )
+# A replica refusing the router's key (401): its event stream (prefix awareness lost), a proxied
+# request or its tokenizer. path: kv-events, proxy or tokenizer.
+ENGINE_UNAUTHORIZED = Family(
+    Counter,
+    "kvpilot_router_engine_unauthorized",
+    "Answers 401 from replicas to the router, by the path refused (kv-events, proxy, tokenizer)",
+    ("model", "path"),
+)
+# Reading an InferenceService's engine API key (spec.engine.apiKeySecret) failed: result is
+# forbidden, missing (no such Secret or key) or error.
+ENGINE_KEY_READ_ERRORS = Family(
+    Counter,
+    "kvpilot_router_engine_key_read_errors",
+    "Failed reads of the Secrets holding the engines' API keys, by why",
+    ("namespace", "secret", "why"),
+)
 WAKE_REQUESTS = Family(
     Counter,
     "kvpilot_router_wake_requests",
@@ -121,6 +137,8 @@ class RouterMetrics:
         self.in_flight = IN_FLIGHT_REQUESTS.declare(registry)
         self.upstream_errors = UPSTREAM_ERRORS.declare(registry)
         self.wake_requests = WAKE_REQUESTS.declare(registry)
+        self.engine_unauthorized = ENGINE_UNAUTHORIZED.declare(registry)
+        self.engine_key_read_errors = ENGINE_KEY_READ_ERRORS.declare(registry)
         self.replicas = REPLICAS.declare(registry)
         self.tenant_requests = TENANT_REQUESTS.declare(registry)
         self.tenant_tokens = TENANT_TOKENS.declare(registry)

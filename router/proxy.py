@@ -300,8 +300,8 @@ class Proxy:
         model = pool.service.model
         headers, admitted = request.headers, request.admitted
         outgoing = {"content-type": headers.get("content-type", "application/json")}
-        if self.config.engine_api_key:
-            outgoing["authorization"] = f"Bearer {self.config.engine_api_key}"
+        if replica.engine_key:  # the key its engine accepted for its event stream
+            outgoing["authorization"] = f"Bearer {replica.engine_key}"
         elif admitted is None and headers.get("authorization"):
             # Without tenants the client's key is the engines' own; a tenant's key never leaves.
             outgoing["authorization"] = headers["authorization"]
@@ -319,6 +319,8 @@ class Proxy:
         except BaseException:  # the client went away before the replica answered, or a bug
             self._released(pool, replica, admitted)
             raise
+        if upstream.status == 401 and replica.engine_key:  # the router's key, not a client's
+            self.registry.keys.refused(pool.service, "proxy")  # passed on; the key read again
         if upstream.status in (502, 503, 504):  # draining or overloaded: nothing was sent
             self._released(pool, replica, admitted)
             upstream.release()

@@ -18,6 +18,7 @@ import httpx
 
 from kvpilot.router.cluster import Adapter, Endpoint, ServiceInfo, endpoint, service_info
 from kvpilot.router.config import DEFAULT_REPLICA_CONCURRENCY, RouterConfig
+from kvpilot.router.engine_keys import EngineKeys, bearer
 from kvpilot.router.fair_queue import FairQueue
 from kvpilot.router.hold import HoldQueue
 from kvpilot.router.index import BlockIndex
@@ -81,11 +82,19 @@ class Route:
 
 class Registry:
     def __init__(
-        self, config: RouterConfig, engines: httpx.AsyncClient, metrics: RouterMetrics
+        self,
+        config: RouterConfig,
+        engines: httpx.AsyncClient,
+        metrics: RouterMetrics,
+        keys: EngineKeys | None = None,
     ) -> None:
         self.config = config
         self.engines = engines
         self.metrics = metrics
+        # The key each service's replicas require (on every path the router calls).
+        self.keys = keys or EngineKeys(
+            None, metrics, fallback=config.engine_api_key, refresh_s=config.engine_key_refresh_s
+        )
         # The replicas' block-event streams (made by RouterRuntime.start, in the serving loop).
         self.streams: aiohttp.ClientSession | None = None
         self.services: dict[tuple[str, str], ServiceInfo] = {}
@@ -138,6 +147,7 @@ class Registry:
 
     # ---- derived state ----
     def sync(self) -> None:
+        self.keys.want(s.api_key_secret for s in self.services.values() if s.api_key_secret)
         claims = claim_model_ids(self.services.values())
         for model_id, winner, loser in sorted(claims.conflicts - self._conflicts):
             log.warning(
@@ -208,6 +218,8 @@ class Registry:
                 self.streams,
                 dead_after_s=self.config.dead_after_s,
                 on_synced=lambda: self._replica_synced(pool, replica),
+                candidate_keys=lambda: self.keys.candidates(pool.service),
+                on_unauthorized=lambda: self.keys.refused(pool.service, "kv-events"),
             ),
             name=f"follow-{found.pod}",
         )
@@ -253,8 +265,10 @@ class Registry:
     async def _load_tokenizer(self, pool: ModelPool, replica: Replica) -> None:
         uri = pool.service.model_uri
         try:
-            tokenizer = await fetch_tokenizer(self.engines, replica.url)
-        except Exception:
+            tokenizer = await fetch_tokenizer(self.engines, replica.url, bearer(replica.engine_key))
+        except Exception as exc:
+            if isinstance(exc, httpx.HTTPStatusError) and exc.response.status_code == 401:
+                self.keys.refused(pool.service, "tokenizer")
             pool.tokenizer_failed_at = time.monotonic()
             log.warning("could not fetch %s's tokenizer", pool.service.model, exc_info=True)
         else:

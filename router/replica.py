@@ -21,6 +21,7 @@ import msgspec
 from kvpilot.contract.block_hash import HASH_SCHEME
 from kvpilot.contract.kv_events import KV_EVENTS_PATH, KvMessage, KvSnapshot, KvUpdate, Load
 from kvpilot.contract.tenancy import PRIORITY_CLASSES
+from kvpilot.router.engine_keys import bearer
 from kvpilot.router.index import BlockIndex
 
 log = logging.getLogger("kvpilot.router")
@@ -30,6 +31,10 @@ _RETRY_S = (0.1, 0.25, 0.5, 1.0)
 
 class StreamGap(RuntimeError):
     """The stream skipped a delta: the index can no longer be trusted."""
+
+
+class Unauthorized(RuntimeError):
+    """The replica refused the router's key (or its lack of one) for its event stream."""
 
 
 @dataclass
@@ -47,6 +52,9 @@ class Replica:
     # When a request last could not reach it (set by the proxy; cleared by the next snapshot):
     # out of rotation for dead_after_s, by when its stream has told whether it is gone.
     failed_at: float = float("-inf")
+    # The API key its engine accepted for the event stream (None: it asked for none); the proxy
+    # sends the same. Out of repr: a replica may be logged, its key never.
+    engine_key: str | None = field(default=None, repr=False)
 
     def is_routable(self, now: float, dead_after_s: float) -> bool:
         return (
@@ -99,18 +107,33 @@ async def follow(
     *,
     dead_after_s: float,
     on_synced: Callable[[], None] | None = None,
+    candidate_keys: Callable[[], tuple[str | None, ...]] | None = None,
+    on_unauthorized: Callable[[], None] | None = None,
 ) -> None:
     """Keep the replica's index current until cancelled; reconnect (with a fresh snapshot) after
-    any failure."""
+    any failure. candidate_keys: asked at each connection (a rotated key is tried at the next
+    one); after a 401 the next connection tries the next candidate, and the key accepted is kept
+    in replica.engine_key. on_unauthorized: called at each 401, the first of a run also logged."""
     decoder = msgspec.json.Decoder(KvMessage)
     attempt = 0
+    refusals = 0  # consecutive 401s
     while True:
         try:
+            candidates = candidate_keys() if candidate_keys is not None else (None,)
+            key = key_to_try(candidates, replica.engine_key, refusals)
             async with session.get(
                 replica.url + KV_EVENTS_PATH,
+                headers=bearer(key),
                 timeout=aiohttp.ClientTimeout(total=None, sock_connect=5.0, sock_read=dead_after_s),
             ) as response:
+                if response.status == 401:
+                    raise Unauthorized(
+                        f"replica {replica.name} refused the router's API key for its block "
+                        "events (401): it is out of rotation until the key is right"
+                    )
                 response.raise_for_status()
+                replica.engine_key = key
+                refusals = 0
                 # Lines as each read brings them: a heartbeat costs one read and one decode.
                 pending = bytearray()
                 async for chunk in response.content.iter_any():
@@ -132,12 +155,29 @@ async def follow(
         except asyncio.CancelledError:
             raise
         except Exception as exc:
-            if replica.seq is not None:
+            if isinstance(exc, Unauthorized):
+                if not refusals:  # once per run of refusals; each one is counted
+                    log.warning("%s", exc)
+                refusals += 1
+                if on_unauthorized is not None:
+                    on_unauthorized()
+            elif replica.seq is not None:
                 log.info("replica %s out of rotation: %s", replica.name, exc)
             replica.desync()
             delay = _RETRY_S[min(attempt, len(_RETRY_S) - 1)]
             attempt += 1
             await asyncio.sleep(delay)
+
+
+def key_to_try(
+    candidates: tuple[str | None, ...], accepted: str | None, refusals: int
+) -> str | None:
+    """The key for the next connection: the one the engine accepted last while it is still a
+    candidate, then the others in turn, one more for each consecutive 401."""
+    order = candidates
+    if accepted in candidates:
+        order = (accepted, *(k for k in candidates if k != accepted))
+    return order[refusals % len(order)]
 
 
 def stop(task: asyncio.Task[None] | None) -> None:

@@ -25,12 +25,19 @@ from kvpilot.contract.kube import (
 from kvpilot.router.admission import Admission
 from kvpilot.router.cluster import ENGINE_POD_SELECTOR
 from kvpilot.router.config import RouterConfig
-from kvpilot.router.kube import KubeAccess, list_and_watch, pods_path, services_path
+from kvpilot.router.engine_keys import EngineKeys
+from kvpilot.router.kube import (
+    KubeAccess,
+    list_and_watch,
+    pods_path,
+    secrets_path,
+    services_path,
+)
 from kvpilot.router.metrics import RouterMetrics
 from kvpilot.router.proxy import Proxy
 from kvpilot.router.quota import QuotaKeeper
 from kvpilot.router.registry import Registry
-from kvpilot.router.tenant_sources import follow_file, secrets_path, tenants_path
+from kvpilot.router.tenant_sources import follow_file, tenants_path
 from kvpilot.router.tenant_status import write_usage
 from kvpilot.router.tenants import TenantDirectory
 
@@ -49,7 +56,13 @@ class RouterRuntime:
             limits=httpx.Limits(max_connections=None, max_keepalive_connections=256),
         )
         self.kube = kube.client() if kube is not None else None
-        self.registry = Registry(config, self.engines, self.metrics)
+        self.engine_keys = EngineKeys(
+            self.kube,
+            self.metrics,
+            fallback=config.engine_api_key,
+            refresh_s=config.engine_key_refresh_s,
+        )
+        self.registry = Registry(config, self.engines, self.metrics, self.engine_keys)
         # With tenants: who they are (from the watches or a file) and their shared quotas.
         self.tenants: TenantDirectory | None = None
         self.quotas: QuotaKeeper | None = None
@@ -92,6 +105,7 @@ class RouterRuntime:
             self.registry.pods_listed(STATIC_NAMESPACE, pods)
             return
         assert self.kube is not None, "watching namespaces needs Kubernetes access"
+        self._watches.append(asyncio.create_task(self.engine_keys.run(), name="engine-keys"))
         for namespace in self.config.namespaces:
             self._watches.append(
                 asyncio.create_task(

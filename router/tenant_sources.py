@@ -29,11 +29,6 @@ def tenants_path(namespace: str) -> str:
     return f"/apis/{GROUP}/{VERSION}{scope}/{TENANT_PLURAL}"
 
 
-def secrets_path(namespace: str) -> str:
-    scope = f"/namespaces/{namespace}" if namespace else ""
-    return f"/api/v1{scope}/secrets"
-
-
 def read_manifests(text: str) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """The Tenants and Secrets of a multi-document YAML (other kinds are ignored); ValueError for
     text that is not YAML objects. A Tenant or Secret without a namespace is in `default`, as

@@ -22,11 +22,15 @@ import httpx
 from kvpilot.contract.kv_events import TOKENIZER_FILE_PATH, TOKENIZER_FILES
 
 
-async def fetch_tokenizer(client: httpx.AsyncClient, replica_url: str) -> Any:
+async def fetch_tokenizer(
+    client: httpx.AsyncClient, replica_url: str, headers: dict[str, str] | None = None
+) -> Any:
     directory = Path(tempfile.mkdtemp(prefix="kvpilot-router-tokenizer-"))
     found = 0
     for name in TOKENIZER_FILES:
-        response = await client.get(replica_url + TOKENIZER_FILE_PATH.format(name=name), timeout=30)
+        response = await client.get(
+            replica_url + TOKENIZER_FILE_PATH.format(name=name), headers=headers, timeout=30
+        )
         if response.status_code == 404:
             continue
         response.raise_for_status()

@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 
 from kvpilot.contract import sizing
+from kvpilot.engine.attention.kv_quant import kv_storage_dtype
 from kvpilot.engine.config import EngineConfig, LoRAConfig, ModelConfig
 from kvpilot.engine.core.fit import check_prompt_fits
 from kvpilot.engine.core.load_threads import loading_threads
@@ -45,7 +46,7 @@ from kvpilot.engine.model_runner import LaunchedStep, ModelRunner
 from kvpilot.engine.sampling_params import SamplingParams
 from kvpilot.engine.scheduler import ScheduledSequence, Scheduler
 from kvpilot.engine.sequence import PENDING_TOKEN, Sequence, SequenceStatus
-from kvpilot.engine.spec_decode.draft_model import draft_model_config
+from kvpilot.engine.spec_decode.draft_model import draft_bytes, draft_model_config
 from kvpilot.engine.spec_decode.grammar import cut_to_grammar
 from kvpilot.engine.spec_decode.policy import SpecDecodeCounters, SpeculationPolicy
 from kvpilot.engine.spec_decode.proposer import build_proposer
@@ -86,12 +87,18 @@ def cpu_memory_need(config: EngineConfig, model: ModelConfig) -> sizing.MemoryNe
     """What a CPU engine with this config holds in RAM at its peak, both processes together."""
     itemsize = torch.empty((), dtype=config.resolved_dtype).element_size()
     cache = config.cache
+    kv_dtype = kv_storage_dtype(cache.kv_cache_dtype, config.resolved_dtype)
+    kv_per_token = model.kv_bytes_per_token * torch.empty((), dtype=kv_dtype).element_size()
     if cache.num_blocks is not None:
-        kv = cache.num_blocks * cache.block_size * model.kv_bytes_per_token * itemsize
-    elif cache.kv_cache_bytes is not None:
-        kv = cache.kv_cache_bytes
+        kv = cache.num_blocks * cache.block_size * kv_per_token
+        kv_tokens = cache.num_blocks * cache.block_size
     else:
-        kv = int(cache.kv_cache_gib * 2**30)
+        kv = cache.kv_cache_bytes
+        if kv is None:
+            kv = int(cache.kv_cache_gib * 2**30)
+        kv_tokens = sizing.kv_cache_tokens(
+            kv_cache_bytes=kv, kv_bytes_per_token=kv_per_token, block_size=cache.block_size
+        )
     need = sizing.cpu_memory_need(
         num_params=model.num_params,
         hidden_size=model.hidden_size,
@@ -102,6 +109,10 @@ def cpu_memory_need(config: EngineConfig, model: ModelConfig) -> sizing.MemoryNe
         max_num_batched_tokens=config.scheduler.max_num_batched_tokens,
         max_num_seqs=config.scheduler.max_num_seqs,
     )
+    if config.speculative is not None and config.speculative.method == "draft_model":
+        need = dataclasses.replace(
+            need, draft=draft_bytes(config, model, target_kv_tokens=kv_tokens)
+        )
     if config.lora is None:
         return need
     return dataclasses.replace(need, adapters=adapter_bytes(config.lora, model, itemsize))

@@ -3,6 +3,7 @@ bytes of one block from the model's shape, and the rule that turns them into a c
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from kvpilot.contract.sizing import kv_bytes_per_token
@@ -49,18 +50,53 @@ def num_blocks_in_budget(budget: int, bytes_per_block: int, *, on_gpu: bool, num
     return max(0, budget // (num_ranks * bytes_per_block))
 
 
+@dataclass(frozen=True)
+class DraftReserve:
+    """What a speculative draft model takes of the target's GPU once the target's pool is
+    allocated (spec_decode/draft_model.py): its weights, and a KV pool of as many tokens as the
+    target's pool holds, up to max_kv_tokens."""
+
+    weight_bytes: int
+    kv_bytes_per_token: int
+    max_kv_tokens: int
+
+
+def num_blocks_beside_draft(
+    budget: int, bytes_per_block: int, block_size: int, draft: DraftReserve
+) -> int:
+    """The most target blocks that fit in budget together with the draft: its weights and its
+    pool of min(the target's tokens, max_kv_tokens) tokens."""
+    left = budget - draft.weight_bytes
+    # While the draft's pool grows with the target's, each target block brings a draft block.
+    num_blocks = left // (bytes_per_block + block_size * draft.kv_bytes_per_token)
+    if num_blocks * block_size > draft.max_kv_tokens:
+        # Past max_kv_tokens the draft's pool is fixed: the rest is the target's alone.
+        left -= draft.max_kv_tokens * draft.kv_bytes_per_token
+        num_blocks = left // bytes_per_block
+    return max(0, num_blocks)
+
+
 def decide_num_blocks(
-    cache: CacheConfig, device: torch.device, bytes_per_block: int, tp: TPGroup | None
+    cache: CacheConfig,
+    device: torch.device,
+    bytes_per_block: int,
+    tp: TPGroup | None,
+    draft: DraftReserve | None = None,
 ) -> int:
     """The pool's block count: the configured override, else what the budget holds (on GPUs the
-    smallest rank's). ValueError when not one block fits."""
+    smallest rank's). On a GPU whose budget is what gpu_memory_utilization leaves, a draft
+    model's share comes out of it first (on CPU the start-up memory check counts the draft
+    beside the KV budget). ValueError when not one block fits."""
     if cache.num_blocks is not None:
         return cache.num_blocks
     budget = kv_budget_bytes(cache, device)
     on_gpu = device.type == "cuda"
-    num_blocks = num_blocks_in_budget(
-        budget, bytes_per_block, on_gpu=on_gpu, num_ranks=1 if tp is None else tp.size
-    )
+    if on_gpu and draft is not None and cache.kv_cache_bytes is None:
+        num_blocks = num_blocks_beside_draft(budget, bytes_per_block, cache.block_size, draft)
+    else:
+        num_blocks = num_blocks_in_budget(
+            budget, bytes_per_block, on_gpu=on_gpu, num_ranks=1 if tp is None else tp.size
+        )
     if on_gpu and tp is not None:
         num_blocks = tp.min_over_ranks(num_blocks, device)
     if num_blocks < 1:

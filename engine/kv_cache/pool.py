@@ -13,7 +13,7 @@ import torch
 from kvpilot.engine.attention.base import fp8_refusal
 from kvpilot.engine.attention.kv_quant import is_fp8, kv_storage_dtype
 from kvpilot.engine.kv_cache.base import KVCachePool
-from kvpilot.engine.kv_cache.budget import decide_num_blocks, kv_bytes_per_block
+from kvpilot.engine.kv_cache.budget import DraftReserve, decide_num_blocks, kv_bytes_per_block
 from kvpilot.engine.kv_cache.kv_scales import calibrate_scales, read_checkpoint_scales
 
 if TYPE_CHECKING:
@@ -138,11 +138,13 @@ def build_kv_pool(
     tp: TPGroup | None,
     *,
     with_null_block: bool,
+    draft: DraftReserve | None = None,
 ) -> PagedKVPool:
-    """The pool config.cache asks for, sized by its budget: K and V in the model's dtype, or FP8
-    with the checkpoint's scales, else calibrated ones (kv_scales.py)."""
+    """The pool config.cache asks for, sized by its budget (less a draft model's share, see
+    decide_num_blocks): K and V in the model's dtype, or FP8 with the checkpoint's scales, else
+    calibrated ones (kv_scales.py)."""
     dtype = kv_storage_dtype(config.cache.kv_cache_dtype, model_dtype)
-    num_blocks = decide_num_blocks(config.cache, device, bytes_per_block(layout, dtype), tp)
+    num_blocks = decide_num_blocks(config.cache, device, bytes_per_block(layout, dtype), tp, draft)
     if not is_fp8(dtype):
         return PagedKVPool(layout, num_blocks, dtype, device, with_null_block=with_null_block)
     backend = model.model.layers[0].self_attn.backend

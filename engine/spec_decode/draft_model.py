@@ -4,8 +4,10 @@ for every speculating sequence at once.
 Each step the draft runs one forward over every speculating sequence's tokens it has not seen yet
 (the prompt the first time, else the tokens the target took last step), whose last rows give the
 first proposals, then k - 1 one-token forwards, the whole batch each, feeding its own proposals
-back. Its KV cache is its own (draft_cache.py). A catch-up never takes more tokens in a step than
-a target step may (max_num_batched_tokens): a longer one continues in the next step, with no
+back. Its KV cache is its own (draft_cache.py), sized by contract/sizing.draft_kv_tokens; its
+weights and that cache are counted by the start-up memory check (draft_bytes) and, on a GPU,
+left free beside the target's pool (draft_reserve). A catch-up never takes more tokens in a step
+than a target step may (max_num_batched_tokens): a longer one continues in the next step, with no
 proposals meanwhile.
 
 The proposals are one token each (no distribution): verify.py treats them as n-gram ones, so
@@ -21,9 +23,11 @@ from dataclasses import dataclass
 
 import torch
 
+from kvpilot.contract import sizing
 from kvpilot.engine.attention import AttentionMetadata
 from kvpilot.engine.config import EngineConfig, ModelConfig, SpeculativeConfig
 from kvpilot.engine.host_copy import to_device
+from kvpilot.engine.kv_cache.budget import DraftReserve
 from kvpilot.engine.kv_cache.pool import KVLayout, PagedKVPool
 from kvpilot.engine.model.llama import ForwardContext, LlamaForCausalLM
 from kvpilot.engine.model.loader import (
@@ -67,6 +71,52 @@ def draft_model_config(spec: SpeculativeConfig, target: ModelConfig) -> ModelCon
             f"target's has {target.vocab_size}: a draft model must share the target's tokenizer"
         )
     return draft
+
+
+def draft_bytes(config: EngineConfig, target: ModelConfig, *, target_kv_tokens: int) -> int:
+    """What config's draft model holds (contract/sizing.py): its weights and the KV pool
+    DraftModelProposer sizes, for an engine whose target pool holds target_kv_tokens. Reads the
+    draft's config only; ValueError as draft_model_config."""
+    spec = config.speculative
+    assert spec is not None and spec.method == "draft_model"
+    draft = draft_model_config(spec, target)
+    max_model_len = config.max_model_len or target.max_position_embeddings
+    kv_tokens = sizing.draft_kv_tokens(
+        target_kv_tokens=target_kv_tokens,
+        # The engine's longest sequence (EngineCore.max_seq_len).
+        max_seq_len=min(max_model_len, target_kv_tokens),
+        max_speculating_seqs=spec.disable_by_batch_size,
+        block_size=config.cache.block_size,
+    )
+    return sizing.draft_model_bytes(
+        num_params=draft.num_params,
+        num_layers=draft.num_hidden_layers,
+        num_kv_heads=draft.num_key_value_heads,
+        head_dim=draft.head_dim,
+        itemsize=torch.empty((), dtype=config.resolved_dtype).element_size(),
+        kv_tokens=kv_tokens,
+    )
+
+
+def draft_reserve(config: EngineConfig, target: ModelConfig, max_model_len: int) -> DraftReserve:
+    """The draft's share of the target's device, for sizing the target's pool beside it: its
+    weights, and its pool's bytes per token and largest size (disable_by_batch_size sequences of
+    max_model_len)."""
+    spec = config.speculative
+    assert spec is not None and spec.method == "draft_model"
+    draft = draft_model_config(spec, target)
+    itemsize = torch.empty((), dtype=config.resolved_dtype).element_size()
+    most = spec.disable_by_batch_size * max_model_len
+    return DraftReserve(
+        weight_bytes=draft.num_params * itemsize,
+        kv_bytes_per_token=draft.kv_bytes_per_token * itemsize,
+        max_kv_tokens=sizing.draft_kv_tokens(
+            target_kv_tokens=most,
+            max_seq_len=max_model_len,
+            max_speculating_seqs=spec.disable_by_batch_size,
+            block_size=config.cache.block_size,
+        ),
+    )
 
 
 @dataclass
@@ -113,8 +163,13 @@ class DraftModelProposer:
             draft_config, draft, source, self.max_len, device, None
         ).model
         block_size = config.cache.block_size
-        tokens = min(target_pool_tokens, spec.disable_by_batch_size * max_seq_len)
-        num_blocks = max(1, -(-tokens // block_size))
+        tokens = sizing.draft_kv_tokens(
+            target_kv_tokens=target_pool_tokens,
+            max_seq_len=max_seq_len,
+            max_speculating_seqs=spec.disable_by_batch_size,
+            block_size=block_size,
+        )
+        num_blocks = tokens // block_size
         layout = KVLayout(
             draft.num_hidden_layers, self.model.shard.num_kv_heads, draft.head_dim, block_size
         )

@@ -7,8 +7,10 @@ import torch
 
 from kvpilot.engine.config import CacheConfig, ModelConfig
 from kvpilot.engine.kv_cache.budget import (
+    DraftReserve,
     decide_num_blocks,
     kv_bytes_per_block,
+    num_blocks_beside_draft,
     num_blocks_in_budget,
 )
 from kvpilot.engine.kv_cache.pool import KVLayout, PagedKVPool
@@ -55,3 +57,31 @@ def test_the_pool_holds_k_and_v_per_layer_and_the_null_block_past_the_managers(
         assert k.shape == v.shape == (rows, 8, 3, 4) and k.dtype == torch.bfloat16
     assert pool.null_block == (5 if with_null_block else None)
     assert pool.bytes_per_block == 2 * 2 * 3 * 4 * 2 * 8
+
+
+def test_the_targets_blocks_beside_a_draft_are_the_most_that_fit_with_it() -> None:
+    """On a GPU the draft (weights, and a pool as large as the target's up to max_kv_tokens)
+    loads after the target's pool: the target takes the most blocks that leave it room."""
+    bytes_per_block, block_size = 1000, 16
+    draft = DraftReserve(weight_bytes=5000, kv_bytes_per_token=10, max_kv_tokens=20 * 16)
+
+    def used(num_blocks: int) -> int:
+        draft_tokens = min(num_blocks * block_size, draft.max_kv_tokens)
+        return num_blocks * bytes_per_block + draft.weight_bytes + draft_tokens * 10
+
+    for budget in [0, 4999, 5000, 6160, 6161, 30_000, 5000 + 20 * 1160, 60_000, 10**6]:
+        n = num_blocks_beside_draft(budget, bytes_per_block, block_size, draft)
+        assert n == 0 or used(n) <= budget, budget
+        assert used(n + 1) > budget, budget
+    # Past max_kv_tokens the draft's pool no longer grows: the rest is the target's alone.
+    assert (
+        num_blocks_beside_draft(10**6, bytes_per_block, block_size, draft)
+        == (10**6 - 5000 - 320 * 10) // 1000
+    )
+
+
+def test_a_cpu_budget_ignores_the_draft() -> None:
+    """On CPU the KV budget is the target's; the memory check counts the draft beside it."""
+    draft = DraftReserve(weight_bytes=10**9, kv_bytes_per_token=10, max_kv_tokens=16)
+    cache = CacheConfig(kv_cache_bytes=10 * 4096)
+    assert decide_num_blocks(cache, CPU, 4096, None, draft) == 10

@@ -3,6 +3,7 @@ and a real `kvpilot serve` that refuses to start, with the figures, instead of b
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import subprocess
 import sys
@@ -15,7 +16,13 @@ import torch
 from kvpilot.contract.engine_choices import DTYPE_NAMES
 from kvpilot.contract.engine_defaults import DTYPE_ITEMSIZE
 from kvpilot.contract.sizing import MemoryNeed
-from kvpilot.engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from kvpilot.engine.config import (
+    CacheConfig,
+    EngineConfig,
+    ModelConfig,
+    SchedulerConfig,
+    SpeculativeConfig,
+)
 from kvpilot.engine.core.engine_core import cpu_memory_need
 from kvpilot.engine.memory_fit import (
     MemoryFitError,
@@ -87,6 +94,51 @@ def test_the_need_follows_dtype_and_kv_budget() -> None:
     assert bf16.working < fp32.working  # fewer, smaller activations
     blocks = cpu_memory_need(EngineConfig(cache=CacheConfig(num_blocks=10)), SMOLLM2)
     assert blocks.kv_cache == 10 * 16 * SMOLLM2.kv_bytes_per_token * 4
+
+
+def test_an_fp8_cache_of_num_blocks_counts_one_byte_an_element() -> None:
+    config = EngineConfig(cache=CacheConfig(num_blocks=10, kv_cache_dtype="fp8"))
+    assert cpu_memory_need(config, SMOLLM2).kv_cache == 10 * 16 * SMOLLM2.kv_bytes_per_token
+
+
+DRAFT = "builtin://smollm2-135m-instruct"  # the bundled model as its own draft
+
+
+@pytest.mark.parametrize(
+    ("budget_tokens", "max_model_len", "max_speculating", "draft_tokens"),
+    [
+        # The target's pool is the bound: the draft's pool holds as many tokens.
+        (1000 * 16, None, 8, 1000 * 16),
+        # disable_by_batch_size sequences of max_model_len are fewer: 2 x 300 in whole blocks.
+        (1000 * 16, 300, 2, 38 * 16),
+        # The longest sequence is the target's pool itself (below max_model_len): 40 blocks.
+        (40 * 16 + 5, None, 8, 40 * 16),
+    ],
+)
+def test_a_draft_models_weights_and_kv_cache_are_in_the_need(
+    budget_tokens: int, max_model_len: int | None, max_speculating: int, draft_tokens: int
+) -> None:
+    per_token = SMOLLM2.kv_bytes_per_token * 4  # float32
+    spec = SpeculativeConfig(model=DRAFT, disable_by_batch_size=max_speculating)
+    config = EngineConfig(
+        dtype="float32",
+        max_model_len=max_model_len,
+        cache=CacheConfig(kv_cache_bytes=budget_tokens * per_token),
+        speculative=spec,
+    )
+    need = cpu_memory_need(config, SMOLLM2)
+    without = cpu_memory_need(dataclasses.replace(config, speculative=None), SMOLLM2)
+    assert need.draft == SMOLLM2.num_params * 4 + draft_tokens * per_token
+    assert need.total == without.total + need.draft and without.draft == 0
+    # n-gram speculation holds no model.
+    ngram = dataclasses.replace(config, speculative=SpeculativeConfig(method="ngram"))
+    assert cpu_memory_need(ngram, SMOLLM2).total == without.total
+
+
+def test_the_refusal_names_the_draft_model() -> None:
+    need = MemoryNeed(weights=2**30, kv_cache=2**30, working=2**29, draft=2**29)
+    with pytest.raises(MemoryFitError, match=r"needs about 3\.00 GiB.*draft model .* 0\.50 GiB"):
+        check_memory_fit(need, need.total - 1)
 
 
 def test_the_contracts_itemsizes_are_torchs() -> None:

@@ -15,7 +15,7 @@ from kvpilot.engine.config import SpeculativeConfig
 from kvpilot.engine.sequence import Sequence
 from kvpilot.engine.server.from_flags import engine_config, parse_flags
 from kvpilot.engine.server.metrics import EngineCounters, ServerMetrics
-from kvpilot.engine.spec_decode.ngram import propose_ngram
+from kvpilot.engine.spec_decode.ngram import NgramProposer, propose_ngram
 from kvpilot.engine.spec_decode.policy import PROBE_EVERY, SpeculationPolicy
 from kvpilot.engine.spec_decode.verify import greedy_accept, rejection_sample
 
@@ -277,6 +277,38 @@ def test_speculation_backs_off_in_large_batches_and_at_low_acceptance() -> None:
     seq.params = SamplingParams(max_tokens=3)  # 1 generated, 2 left: 1 proposal at most
     SpeculationPolicy(SpeculativeConfig(), max_seq_len=4096).propose([seq])
     assert seq.spec_token_ids == [1]
+
+
+class CountingNgram(NgramProposer):
+    """The n-gram proposer, counting the sequences it is asked about (a draft model's cost)."""
+
+    def __init__(self) -> None:
+        super().__init__(min_n=2, max_n=4)
+        self.num_asked = 0
+
+    def propose(self, seqs: list[Sequence], num_tokens: list[int]) -> list[list[int]]:
+        self.num_asked += len(seqs)
+        return super().propose(seqs, num_tokens)
+
+
+def test_at_batch_64_the_default_config_never_speculates_nor_pays_for_proposals() -> None:
+    """The issue's 'never slower at 64': with vLLM's default shape of the config, 64 running
+    sequences get no proposals in any step (probe steps included), so each decodes one token a
+    step as without speculation, and the proposer is not even asked; once the batch is back
+    within disable_by_batch_size, speculation resumes by itself."""
+    config = SpeculativeConfig()
+    assert config.disable_by_batch_size < 64
+    proposer = CountingNgram()
+    policy = SpeculationPolicy(config, max_seq_len=4096, proposer=proposer)
+    batch = [decoding_seq() for _ in range(64)]
+    for _ in range(PROBE_EVERY * 2):
+        policy.propose(batch)
+        assert all(seq.spec_token_ids == [] for seq in batch)
+    assert proposer.num_asked == 0
+    small = batch[: config.disable_by_batch_size]
+    policy.propose(small)
+    assert [seq.spec_token_ids for seq in small] == [[1, 2, 3, 4]] * len(small)
+    assert proposer.num_asked == len(small)
 
 
 def test_the_counters_reach_vllms_metric_names() -> None:

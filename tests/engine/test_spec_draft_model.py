@@ -18,7 +18,13 @@ from kvpilot.engine.model.layer_cut import cut_layers
 from kvpilot.engine.sequence import Sequence
 from kvpilot.engine.server.from_flags import engine_config, parse_flags
 from kvpilot.engine.spec_decode.draft_cache import DraftBlocks, DraftState
-from kvpilot.engine.spec_decode.draft_model import BUILTIN_NAME, DraftModelProposer, draft_source
+from kvpilot.engine.spec_decode.draft_model import (
+    BUILTIN_NAME,
+    DraftModelProposer,
+    draft_bytes,
+    draft_reserve,
+    draft_source,
+)
 from kvpilot.operator.builtin_models import BUILTIN_MODELS
 
 from .reference import save_tiny_hf_model
@@ -158,6 +164,20 @@ def test_the_target_as_its_own_draft_accepts_every_proposal(
     assert counters.num_draft_tokens > 50
     assert counters.num_accepted_tokens / counters.num_draft_tokens == 1.0
     assert counters.accepted_per_pos[0] == counters.num_drafts
+    # What the memory check counts for the draft is what it holds: its weights (the model's
+    # parameter count, as the target's) and the pool it allocated.
+    core = llm.engine.core
+    proposer = core.speculation.proposer
+    pool = proposer.pool.num_blocks * proposer.pool.bytes_per_block
+    target_tokens = core.num_blocks * core.block_size
+    counted = draft_bytes(core.config, core.model_config, target_kv_tokens=target_tokens)
+    assert counted == core.model_config.num_params * 4 + pool
+    # On a GPU the target's pool leaves the draft this share: as much per token, and at least
+    # the pool it takes.
+    reserve = draft_reserve(core.config, core.model_config, core.max_model_len)
+    assert reserve.weight_bytes == core.model_config.num_params * 4
+    assert reserve.kv_bytes_per_token * core.block_size == proposer.pool.bytes_per_block
+    assert reserve.max_kv_tokens >= proposer.pool.num_blocks * core.block_size
 
 
 def test_a_draft_of_another_vocabulary_is_refused_at_start(models: dict[str, Path]) -> None:

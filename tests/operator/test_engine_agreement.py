@@ -259,6 +259,9 @@ def test_block_sizes_come_from_the_engine() -> None:
     assert set(node["dtype"]["enum"]) == {"auto", *DTYPE_NAMES}
 
 
+DRAFT_SPEC = '{"model": "builtin://smollm2-135m-instruct", "num_speculative_tokens": 3}'
+
+
 @pytest.mark.parametrize(
     "engine",
     [
@@ -267,6 +270,20 @@ def test_block_sizes_come_from_the_engine() -> None:
         {"dtype": "float32", "maxNumBatchedTokens": 512, "blockSize": 32},
         {"lora": {}},
         {"dtype": "bfloat16", "lora": {"maxLoras": 4, "maxLoraRank": 64, "maxCpuLoras": 16}},
+        # A builtin draft model: its weights and its own KV pool, by the target's pool...
+        {"extraArgs": ["--speculative-config", DRAFT_SPEC]},
+        # ...or by disable_by_batch_size sequences of maxModelLen, under an FP8 target cache.
+        {
+            "kvCacheDtype": "fp8",
+            "maxModelLen": 1000,
+            "blockSize": 32,
+            "extraArgs": [
+                "--speculative-config",
+                '{"model": "builtin://smollm2-135m-instruct", "disable_by_batch_size": 3}',
+            ],
+        },
+        # n-gram speculation holds no model.
+        {"extraArgs": ["--speculative-config", '{"method": "ngram"}']},
     ],
 )
 def test_the_operator_predicts_the_memory_the_engine_checks(engine: dict[str, Any]) -> None:
@@ -298,5 +315,6 @@ def test_the_builtin_models_shapes_are_the_bundled_models() -> None:
             hidden_size=model.hidden_size,
             intermediate_size=model.intermediate_size,
             vocab_size=model.vocab_size,
+            max_position_embeddings=model.max_position_embeddings,
         )
     } == BUILTIN_MODELS

@@ -5,6 +5,7 @@ objects that make the emulator look like a cluster running them."""
 from __future__ import annotations
 
 import asyncio
+import base64
 import contextlib
 import json
 import os
@@ -27,6 +28,7 @@ from ..operator.emulated import api
 from ..operator.kube_emulator import KubeEmulator
 from ..server.serve_process import ServeProcess
 
+SECRETS_PATH = f"/api/v1/namespaces/{NAMESPACE}/secrets"
 # Small pools (48 blocks of 16 tokens: about 35 MiB of KV each) so that eviction happens.
 ENGINE_ARGS = (
     "--num-gpu-blocks-override", "48", "--block-size", "16", "--max-model-len", "768",
@@ -111,8 +113,12 @@ async def create_isvc(
     min_replicas: int | None = None,
     annotations: dict[str, str] | None = None,
     adapters: dict[str, Path] | None = None,
+    api_key_secret: str | None = None,
 ) -> None:
+    """api_key_secret: the Secret whose `api-key` its engines require (spec.engine.apiKeySecret)."""
     spec: dict[str, Any] = {"model": {"uri": "builtin://smollm2-135m-instruct"}}
+    if api_key_secret is not None:
+        spec["engine"] = {"apiKeySecret": {"name": api_key_secret}}
     spec["model"]["servedName"] = served_name
     if adapters:
         spec["adapters"] = [{"name": n, "uri": f"file://{p}"} for n, p in adapters.items()]
@@ -154,16 +160,27 @@ async def create_pod(kmock: KubeEmulator, name: str, isvc: str, port: int) -> No
     await api(kmock, "PATCH", f"{PODS_PATH}/{name}/status", status)
 
 
+def key_secret(name: str, key: str) -> dict[str, Any]:
+    """A Secret holding an engine API key under `api-key` (spec.engine.apiKeySecret's default)."""
+    return {
+        "apiVersion": "v1",
+        "kind": "Secret",
+        "metadata": {"name": name, "namespace": NAMESPACE},
+        "data": {"api-key": base64.b64encode(key.encode()).decode()},
+    }
+
+
 def isvc_annotations(kmock: KubeEmulator, name: str) -> dict[str, str]:
     key = (kmock.resource("kvpilot.dev/v1alpha1/inferenceservices"), NAMESPACE, name)
     return dict(kmock.objects[key].raw.get("metadata", {}).get("annotations") or {})
 
 
-async def engine_digest(url: str) -> str:
+async def engine_digest(url: str, api_key: str | None = None) -> str:
     """The digest of the block hashes the engine holds now (its kv-events snapshot)."""
+    headers = {"authorization": f"Bearer {api_key}"} if api_key else {}
     async with (
         httpx.AsyncClient(timeout=10) as client,
-        client.stream("GET", f"{url}/kvpilot/v1/kv-events") as response,
+        client.stream("GET", f"{url}/kvpilot/v1/kv-events", headers=headers) as response,
     ):
         async for line in response.aiter_lines():
             snapshot = json.loads(line)

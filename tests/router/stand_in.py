@@ -41,6 +41,18 @@ class StandIn:
     load: Load
     bodies: list[dict[str, Any]] = field(default_factory=list)
     tokenizer_requests: int = 0  # it serves none: each is answered 404
+    # Required as `Authorization: Bearer KEY` on every path, as `kvpilot serve --api-key` does.
+    api_key: str | None = None
+    # The Authorization header of every request that reached it (refused ones too).
+    authorizations: list[str | None] = field(default_factory=list)
+
+    @web.middleware
+    async def check_key(self, request: web.Request, handler: Any) -> web.StreamResponse:
+        given = request.headers.get("authorization")
+        self.authorizations.append(given)
+        if self.api_key is not None and given != f"Bearer {self.api_key}":
+            return web.json_response({"error": {"code": "invalid_api_key"}}, status=401)
+        return await handler(request)
 
     async def tokenizer_file(self, request: web.Request) -> web.Response:
         self.tokenizer_requests += 1
@@ -72,7 +84,7 @@ class StandIn:
 
 @contextlib.asynccontextmanager
 async def serve_stand_in(engine: StandIn) -> AsyncIterator[str]:
-    app = web.Application()
+    app = web.Application(middlewares=[engine.check_key])
     app.router.add_get(KV_EVENTS_PATH, engine.kv_events)
     app.router.add_post("/v1/completions", engine.completions)
     app.router.add_get(TOKENIZER_FILE_PATH.format(name="{name}"), engine.tokenizer_file)

@@ -111,7 +111,7 @@ def test_the_priority_case_pools_a_phases_rounds() -> None:
         }
 
     first = [float(v) for v in range(1, 51)]
-    pooled = tenancy.pool_rounds([round_of(first, 5), round_of([500.0] + first[1:], 7)])
+    pooled = tenancy.pool_rounds([round_of(first, 5), round_of([500.0, *first[1:]], 7)])
     assert pooled["premium_requests"] == 100 and pooled["burst_chunks_in_window"] == 12
     # The p99 of the hundred together: the slowest request of round 2 alone sets it.
     assert pooled["premium_ttft_p99_ms"] == round(50 + 0.01 * 450, 1)

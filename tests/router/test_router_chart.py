@@ -68,3 +68,19 @@ def test_the_operator_shows_the_routers_url_as_every_services_endpoint() -> None
         == router["spec"]["selector"]["matchLabels"]
     )
     assert config_from(operator_args({"router": {"enabled": False}}), {}).router_namespace is None
+
+
+def test_the_router_reads_engine_keys_with_get_alone_and_only_when_asked() -> None:
+    def rules(values: dict[str, object] | None) -> list[dict[str, object]]:
+        (role,) = of_kind(render(values, component="router"), "ClusterRole")
+        return role["rules"]
+
+    assert not rbac_allows(rules(None), "", "secrets", "get")
+    asked = rules({"rbac": {"readApiKeySecrets": True}})
+    assert rbac_allows(asked, "", "secrets", "get")
+    # One named Secret at a time: never every Secret of a namespace.
+    assert not rbac_allows(asked, "", "secrets", "list")
+    assert not rbac_allows(asked, "", "secrets", "watch")
+    # With tenancy the router already watches Secrets: one rule, no duplicate.
+    both = rules({"rbac": {"readApiKeySecrets": True}, "tenancy": {"enabled": True}})
+    assert sum("secrets" in r["resources"] for r in both) == 1

@@ -41,12 +41,14 @@ from ..operator.emulated import api
 from ..operator.kube_emulator import KubeEmulator
 from ..server.serve_process import ServeProcess
 from .loopback import (
+    SECRETS_PATH,
     RouterProcess,
     create_isvc,
     create_pod,
     engine_digest,
     eventually_async,
     isvc_annotations,
+    key_secret,
     router_index,
     start_router,
     start_serve,
@@ -58,6 +60,8 @@ from .loopback import (
 pytestmark = [pytest.mark.slow, pytest.mark.kmock(cls=KubeEmulator), pytest.mark.timeout(300)]
 
 MODEL = "smollm"
+SLEEPY_SECRET = "sleepy-engine-key"
+SLEEPY_KEY = "sk-sleepy-0123456789"
 ADAPTERS = ("team-a", "team-b")
 PODS = ("engine-a", "engine-b", "engine-c")
 TENANT = (
@@ -359,13 +363,18 @@ async def test_a_dead_replica_is_skipped(
 
 
 async def test_scale_from_zero_holds_wakes_and_serves_and_a_hold_times_out(
-    kmock: KubeEmulator, kubeconfig: Path, replicas: dict[str, ServeProcess]
+    kmock: KubeEmulator, kubeconfig: Path, replicas: dict[str, ServeProcess], tmp_path: Path
 ) -> None:
     # The replica that will "wake" starts loading now; the router must hold requests until its
-    # Pod is Ready.
-    waking = start_serve("sleepy")
+    # Pod is Ready. Its engine requires an API key on every path but the probes: the router
+    # reads it from the Secret the InferenceService names, for the block events, the tokenizer
+    # and the requests.
+    key_file = tmp_path / "engine-key"
+    key_file.write_text(SLEEPY_KEY)
+    waking = start_serve("sleepy", "--api-key-file", str(key_file))
     try:
-        await create_isvc(kmock, "sleepy", "sleepy", min_replicas=0)
+        await api(kmock, "POST", SECRETS_PATH, key_secret(SLEEPY_SECRET, SLEEPY_KEY))
+        await create_isvc(kmock, "sleepy", "sleepy", min_replicas=0, api_key_secret=SLEEPY_SECRET)
         await create_isvc(
             kmock, "never", "never", min_replicas=0,
             annotations={"kvpilot.dev/hold-timeout-seconds": "1.5"},
@@ -411,6 +420,8 @@ async def test_scale_from_zero_holds_wakes_and_serves_and_a_hold_times_out(
 
                 await wait_ready(waking)
                 assert waking.port is not None
+                refused = await http.get(f"{waking.url}/v1/models")
+                assert refused.status_code == 401  # the engine does require its key
                 await create_pod(kmock, "sleepy-0", "sleepy", waking.port)
                 responses = await asyncio.wait_for(asyncio.gather(*held), 60)
                 assert [r.status_code for r in responses] == [200, 200, 200]
@@ -418,6 +429,28 @@ async def test_scale_from_zero_holds_wakes_and_serves_and_a_hold_times_out(
                 metrics = (await http.get(f"{router.url}/metrics")).text
                 assert 'kvpilot_router_hold_seconds_count{model="sleepy"} 3.0' in metrics
                 assert metric(metrics, held_sample) == 0.0
+                assert "kvpilot_router_engine_unauthorized_total{" not in metrics
+
+                # Its block events reached the router: the blocks a long prompt left in the
+                # engine's cache are in the router's index, and its tokenizer files came too.
+                long = {"model": "sleepy", "prompt": TENANT, "max_tokens": 1}
+                answer = await http.post(f"{router.url}/v1/completions", json=long)
+                assert answer.status_code == 200, answer.text
+
+                async def indexed() -> bool:
+                    index = (await router_index(router)).get("sleepy", {})
+                    replica = index.get("sleepy-0") or {}
+                    return replica.get("num_blocks", 0) > 0 and replica.get(
+                        "digest"
+                    ) == await engine_digest(waking.url, SLEEPY_KEY)
+
+                await eventually_async(indexed, timeout=10)
+
+                async def tokenizer_loaded() -> bool:
+                    card = (await http.get(f"{router.url}/v1/models/sleepy")).json()
+                    return bool(card["kvpilot"]["tokenizerLoaded"])
+
+                await eventually_async(tokenizer_loaded, timeout=30)
         finally:
             stop(router.proc)
     finally:

@@ -66,6 +66,19 @@ ROUTER_FAMILIES: dict[str, tuple[str, str, str, tuple[str, ...]]] = {
         "Times this router asked the operator to scale a model up from zero",
         ("model",),
     ),
+    "engine_unauthorized": (
+        "kvpilot_router_engine_unauthorized",
+        "counter",
+        "Answers 401 from replicas to the router, by the path refused (kv-events, proxy, "
+        "tokenizer)",
+        ("model", "path"),
+    ),
+    "engine_key_read_errors": (
+        "kvpilot_router_engine_key_read_errors",
+        "counter",
+        "Failed reads of the Secrets holding the engines' API keys, by why",
+        ("namespace", "secret", "why"),
+    ),
     "replicas": (
         "kvpilot_router_replicas",
         "gauge",

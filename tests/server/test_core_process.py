@@ -13,9 +13,12 @@ import statistics
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
+import openai
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from kvpilot.contract.cpus import format_cpu_list
 from kvpilot.engine.config import CacheConfig, EngineConfig
@@ -81,8 +84,71 @@ def test_a_crashed_engine_core_fails_health_and_ends_the_server_non_zero() -> No
         assert any("engine core" in line for line in serve.log)
 
 
-def test_a_killed_server_takes_its_engine_core_along() -> None:
-    with launch_serve(*SERVE_ARGS) as serve:
+# N-gram speculation (no draft model): proposals looked up in the sequence's own tokens.
+NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3,
+         "prompt_lookup_min": 1}  # fmt: skip
+# A chat whose greedy answer copies the prompt, so that the n-gram lookup has proposals to make.
+COPY_CHATS = [
+    "Repeat this sentence exactly: the quick brown fox jumps over the lazy dog near the river "
+    "bank.",
+    "Copy this list: apples, pears, plums, apples, pears, plums, apples, pears, plums.",
+]
+
+
+def spec_counters(url: str) -> dict[str, float]:
+    """The server's vllm:spec_decode_num_* counters (without the per-position ones)."""
+    text = httpx.get(f"{url}/metrics", timeout=30).text
+    return {
+        sample.name: sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+        if sample.name.startswith("vllm:spec_decode_num_") and "position" not in sample.labels
+    }
+
+
+def streamed_chat(url: str, model: str, question: str) -> tuple[str, Any]:
+    """A greedy chat streamed through the openai client: (its text, the usage of its last
+    chunk)."""
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=300)
+    stream = client.chat.completions.create(
+        model=model,
+        messages=[{"role": "user", "content": question}],
+        temperature=0.0,
+        max_tokens=32,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    text, usage = [], None
+    for chunk in stream:
+        text += [choice.delta.content or "" for choice in chunk.choices]
+        usage = chunk.usage or usage
+    return "".join(text), usage
+
+
+def test_ngram_speculation_serves_then_a_killed_server_takes_its_engine_core_along(
+    server: InProcessServer, model_name: str
+) -> None:
+    """One real `kvpilot serve` for both checks (each start costs CI the model's load). With n-gram
+    speculation: streamed greedy chats give the text of the server without it, and their usage's
+    accepted/rejected prediction tokens add up to the /metrics counters' deltas. Then a killed
+    server takes its engine core along."""
+    with launch_serve(*SERVE_ARGS, "--speculative-config", json.dumps(NGRAM)) as serve:
+        model = httpx.get(f"{serve.url}/v1/models", timeout=30).json()["data"][0]["id"]
+        before = spec_counters(serve.url)
+        accepted = rejected = 0
+        for question in COPY_CHATS:
+            text, usage = streamed_chat(serve.url, model, question)
+            assert text and text == streamed_chat(server.url, model_name, question)[0]
+            details = usage.completion_tokens_details
+            accepted += details.accepted_prediction_tokens
+            rejected += details.rejected_prediction_tokens
+        after = spec_counters(serve.url)
+        delta = {name: after[name] - before.get(name, 0.0) for name in after}
+        assert accepted > 0, (accepted, rejected)
+        assert delta["vllm:spec_decode_num_accepted_tokens_total"] == accepted
+        assert delta["vllm:spec_decode_num_draft_tokens_total"] == accepted + rejected
+        assert delta["vllm:spec_decode_num_drafts_total"] > 0
+
         core = serve.core_pid()
         serve.proc.kill()
         serve.proc.wait(10)
