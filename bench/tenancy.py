@@ -62,6 +62,7 @@ import random
 import signal
 import statistics
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -239,6 +240,45 @@ def write_json(path: Path, data: dict[str, Any]) -> None:
 # ---- priority ----
 
 
+def send_premium(
+    url: str,
+    key: str | None,
+    args: argparse.Namespace,
+    rng: random.Random,
+    burst_now: threading.Event,
+) -> tuple[list[Reply], float, float]:
+    """The premium tenant's steady traffic, in this thread's own event loop: from
+    --premium-lead-s before the burst (not counted; burst_now is set when the burst is due), or
+    from --burst-lead-s after it. Its counted replies, when the burst started and when they
+    ended (perf_counter)."""
+
+    async def run() -> tuple[list[Reply], float, float]:
+        client = StreamClient(url)
+        premium: list[asyncio.Task[Reply]] = []
+
+        def send() -> None:
+            body = chat_body(question(rng, 8), 16)
+            premium.append(asyncio.create_task(stream_chat(client, body, key)))
+
+        lead_started = time.perf_counter()
+        while time.perf_counter() - lead_started < args.premium_lead_s:
+            send()
+            await asyncio.sleep(args.premium_interval)
+        started = time.perf_counter()
+        lead_in = len(premium)
+        burst_now.set()
+        if not args.premium_lead_s:
+            await asyncio.sleep(args.burst_lead_s)  # the burst reaches the router first
+        while time.perf_counter() - started < args.phase_s:
+            send()
+            await asyncio.sleep(args.premium_interval)
+        replies = (await asyncio.gather(*premium))[lead_in:]
+        client.close()
+        return replies, started, time.perf_counter()
+
+    return asyncio.run(run())
+
+
 async def priority_phase(
     name: str,
     url: str,
@@ -257,30 +297,21 @@ async def priority_phase(
     client = StreamClient(url)
     burst_replies: list[Reply] = []
     burst_tasks: list[asyncio.Task[Reply]] = []
-    premium: list[asyncio.Task[Reply]] = []
-    lead_started = time.perf_counter()
-    # The premium tenant's steady traffic is on before the burst (--premium-lead-s; 0: it
-    # starts --burst-lead-s after the burst): only the requests sent from the burst on count.
-    while time.perf_counter() - lead_started < args.premium_lead_s:
-        body = chat_body(question(rng, 8), 16)
-        premium.append(asyncio.create_task(stream_chat(client, body, premium_key)))
-        await asyncio.sleep(args.premium_interval)
-    started = time.perf_counter()
-    lead_in = len(premium)
+    # The premium tenant is another client than the bursting one: its requests go out from a
+    # thread and event loop of their own, never queued behind the burst's sends in this one.
+    burst_now = threading.Event()
+    premium_rng = random.Random(f"{args.seed}/{name}/{round_index}/premium")
+    premium_traffic = asyncio.get_running_loop().run_in_executor(
+        None, send_premium, url, premium_key, args, premium_rng, burst_now
+    )
+    await asyncio.to_thread(burst_now.wait)
     if burst:
         for _ in range(args.burst):
             reply = Reply()
             burst_replies.append(reply)
             body = chat_body(question(rng), args.burst_max_tokens, ignore_eos=True)
             burst_tasks.append(asyncio.create_task(stream_chat(client, body, burst_key, reply)))
-    if not args.premium_lead_s:
-        await asyncio.sleep(args.burst_lead_s)  # the burst reaches the router first
-    while time.perf_counter() - started < args.phase_s:
-        body = chat_body(question(rng, 8), 16)
-        premium.append(asyncio.create_task(stream_chat(client, body, premium_key)))
-        await asyncio.sleep(args.premium_interval)
-    replies = (await asyncio.gather(*premium))[lead_in:]
-    premium_end = time.perf_counter()
+    replies, started, premium_end = await premium_traffic
     for task in burst_tasks:
         task.cancel()
     await asyncio.gather(*burst_tasks, return_exceptions=True)
