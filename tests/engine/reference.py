@@ -11,6 +11,7 @@ from pathlib import Path
 
 import torch
 
+from kvpilot.engine.model.gguf_convert import gguf_to_hf_dir
 from kvpilot.engine.model.loader import bundled_gguf_path
 
 CHAT_QUESTIONS = [
@@ -38,12 +39,15 @@ class ReferenceOutput:
 
 @cache
 def smollm2_tokenizer() -> object:
-    """transformers' tokenizer of the bundled GGUF, built once a process (it takes seconds)."""
+    """transformers' tokenizer of the bundled GGUF, as the engine's GGUF cache holds it (saved by
+    transformers from the same GGUF conversion). Converting the GGUF's vocabulary takes a minute
+    on a loaded 2-core machine, and the cache is filled by the first engine that loads the model,
+    so this reads it rather than convert again. The tokenizer only makes the prompts' ids, which
+    both sides of a parity test are given."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from transformers import AutoTokenizer
 
-    path = bundled_gguf_path()
-    return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    return AutoTokenizer.from_pretrained(str(gguf_to_hf_dir(bundled_gguf_path())))
 
 
 @cache
