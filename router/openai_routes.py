@@ -57,6 +57,7 @@ class OpenAIRoutes:
             # With tenants the key is checked first: a stranger learns nothing, not even
             # whether its body would parse.
             tenant = self.proxy.authenticate(headers)
+            await self.proxy.arrival_turn(tenant)
             body = await read_body(receive, headers.get("content-length"), self.max_body_bytes)
             parsed = parse(kind, body)
             response = await unless_gone(

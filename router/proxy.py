@@ -25,6 +25,7 @@ from kvpilot.contract.http_errors import error_response
 from kvpilot.contract.openai import PATHS, RequestKind
 from kvpilot.contract.tenancy import unsalted_blocks
 from kvpilot.router.admission import Admission, Admitted
+from kvpilot.router.arrival_gate import ArrivalGate
 from kvpilot.router.config import DEFAULT_REPLICA_CONCURRENCY, RouterConfig
 from kvpilot.router.forwarded_body import with_fields
 from kvpilot.router.hold import HoldFull, HoldTimeout
@@ -81,6 +82,8 @@ class Proxy:
         # connect on the next one. No Accept-Encoding is sent: the bytes go to the client as the
         # engine sent them, uncompressed.
         self.engines = UpstreamPool()
+        # With tenants: arrivals do their work one at a time, the best class first.
+        self.arrivals = ArrivalGate()
 
     async def stop(self) -> None:
         self.engines.close()
@@ -88,6 +91,12 @@ class Proxy:
     def authenticate(self, headers: Mapping[str, str]) -> Tenant | None:
         """With tenants: the request's tenant (401 otherwise), before its body is read."""
         return self.admission.authenticate(headers) if self.admission is not None else None
+
+    async def arrival_turn(self, tenant: Tenant | None) -> None:
+        """Returns when the request may read, parse, tokenize and admit (arrival_gate.py);
+        at once without tenants, whose requests are all of one class."""
+        if tenant is not None:
+            await self.arrivals.turn(tenant.rank)
 
     async def handle(
         self,
