@@ -150,7 +150,14 @@ class ServerState:
     def close(self) -> None:
         self._tokenizer_pool.shutdown(wait=False, cancel_futures=True)
         if self._big_body_pool is not None:
-            self._big_body_pool.shutdown(wait=False, cancel_futures=True)
+            pool = self._big_body_pool
+            pool.shutdown(wait=False, cancel_futures=True)
+            # A worker still loading its tokenizer (niced: tens of seconds on a busy CPU) would
+            # hold the server's exit, which joins the pool's threads: nothing it would do is
+            # wanted any more. ProcessPoolExecutor has no public way to end its workers (3.14's
+            # terminate_workers).
+            for process in list((pool._processes or {}).values()):
+                process.terminate()
 
     @property
     def num_in_flight(self) -> int:
