@@ -425,15 +425,18 @@ async def run_priority(args: argparse.Namespace, plat: Platform) -> dict[str, An
     # The phases run in turn, --rounds times (alone, tenancy, alone, tenancy, ...): what the VM's
     # load does over the run falls on every phase alike, and each phase's p99 is taken over
     # all its rounds' requests together.
-    for round_index in range(args.rounds):
+    # A phase named twice in --phases runs twice a round; each run of a phase is a round of it.
+    runs: dict[str, int] = {}
+    for _ in range(args.rounds):
         for key in args.phases.split(","):
             name, url, burst, premium_key, burst_key = phases[key]
+            runs[key] = runs.get(key, 0) + 1
             waited = wait_until_idle([plat.engine_pgid()], quiet_cpu_s=0.1, timeout_s=60)
-            log(f"phase {name}, round {round_index + 1} (engine idle after {waited} s)")
+            log(f"phase {name}, round {runs[key]} (engine idle after {waited} s)")
             result = await priority_phase(
-                name, url, burst, premium_key, burst_key, args, round_index
+                name, url, burst, premium_key, burst_key, args, runs[key] - 1
             )
-            results.append({**result, "round": round_index + 1})
+            results.append({**result, "round": runs[key]})
     pooled = [pool_rounds([r for r in results if r["phase"] == name]) for name in _names(results)]
     alone = (pooled[0]["premium_ttft_p99_ms"] or 0.0) if pooled[0]["phase"] == "alone" else 0.0
     for result in (*pooled, *results):
