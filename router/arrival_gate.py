@@ -21,7 +21,8 @@ class ArrivalGate:
     def __init__(self) -> None:
         self._waiting: list[tuple[int, int, asyncio.Future[None]]] = []
         self._order = itertools.count()
-        self._giving = False
+        self._giving = False  # a _give_next is scheduled
+        self._given_this_pass = False
 
     @property
     def num_waiting(self) -> int:
@@ -29,8 +30,12 @@ class ArrivalGate:
 
     async def turn(self, rank: int) -> None:
         """Returns when this arrival may do its work (lower rank first, then arrival order).
-        A cancelled waiter gives its turn to the next."""
+        Without contention at once, with no pass of the loop lost; a cancelled waiter gives
+        its turn to the next."""
         loop = asyncio.get_running_loop()
+        if not self._waiting and not self._given_this_pass:
+            self._given(loop)
+            return
         turn: asyncio.Future[None] = loop.create_future()
         heapq.heappush(self._waiting, (rank, next(self._order), turn))
         if not self._giving:
@@ -38,13 +43,25 @@ class ArrivalGate:
             loop.call_soon(self._give_next)
         await turn
 
+    def _given(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._given_this_pass = True
+        loop.call_soon(self._next_pass)
+
+    def _next_pass(self) -> None:
+        self._given_this_pass = False
+
     def _give_next(self) -> None:
+        loop = asyncio.get_running_loop()
+        if self._given_this_pass:  # one turn a pass: try again on the next
+            loop.call_soon(self._give_next)
+            return
         while self._waiting:
             _, _, turn = heapq.heappop(self._waiting)
             if turn.done():  # cancelled while waiting
                 continue
             turn.set_result(None)
-            # The next turn on the next pass: this one's work runs first, then the loop polls.
-            asyncio.get_running_loop().call_soon(self._give_next)
+            self._given(loop)
+            # The next turn on a later pass: this one's work runs first, then the loop polls.
+            loop.call_soon(self._give_next)
             return
         self._giving = False

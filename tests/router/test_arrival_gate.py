@@ -6,6 +6,8 @@ from __future__ import annotations
 import asyncio
 import itertools
 
+import pytest
+
 from kvpilot.router.arrival_gate import ArrivalGate
 
 
@@ -67,3 +69,14 @@ async def test_a_cancelled_waiter_gives_its_turn_to_the_next() -> None:
     assert served == [0, 2, 3]
     # The gate is idle again and gives a new arrival its turn at once.
     await asyncio.wait_for(gate.turn(5), timeout=1)
+
+
+async def test_an_arrival_without_contention_loses_no_pass_of_the_loop() -> None:
+    gate = ArrivalGate()
+    first = gate.turn(1)
+    with pytest.raises(StopIteration):  # done without suspending: no pass of the loop lost
+        first.send(None)
+    # A second arrival in the same pass waits for a later one.
+    second = gate.turn(0)
+    second.send(None)  # suspended on its turn
+    second.close()
