@@ -11,34 +11,21 @@ import pytest
 
 from .kmock_membership import fast_request_membership
 
-# The files that take a minute or more on a 2-core CI machine, longest first: per-file totals
-# (setup + call + teardown) of a full run with --durations=0. With --dist loadfile a long file
-# left for the end keeps one worker busy alone while the other has nothing to do.
+# The files that take a minute or more on a 2-core CI machine, longest first (pytest --durations).
 LONGEST_FILES = (
-    "tests/engine/test_sampling_and_api.py",
-    "tests/kernels/test_attention.py",
-    "tests/engine/test_parity_smollm2.py",
-    "tests/server/test_structured_outputs.py",
-    "tests/router/test_tenancy_loopback.py",
-    "tests/router/test_router_loopback.py",
-    "tests/operator/test_engine_agreement.py",
-    "tests/operator/test_drift_emulated.py",
-    "tests/engine/test_structured.py",
-    "tests/engine/test_async_scheduling.py",
-    "tests/engine/test_import_structure.py",
-    "tests/engine/test_fp8_kv_engine.py",
     "tests/server/test_load_faults.py",
-    "tests/server/test_drain.py",
-    "tests/engine/test_spec_decode.py",
-    "tests/server/test_openapi_fuzz.py",
+    "tests/engine/test_parity_smollm2.py",
+    "tests/router/test_router_loopback.py",
     "tests/server/test_core_process.py",
-    "tests/kernels/test_eager_passes.py",
-    "tests/engine/test_lora_parity.py",
-    "tests/server/test_errors.py",
-    "tests/engine/test_sampler_batched.py",
-    "tests/observability/test_dashboards.py",
+    "tests/router/test_tenancy_loopback.py",
+    "tests/engine/test_async_scheduling.py",
+    "tests/server/test_openapi_fuzz.py",
+    "tests/kernels/test_attention.py",
+    "tests/server/test_structured_outputs.py",
+    "tests/operator/test_drift_emulated.py",
     "tests/server/test_async_scheduling_serve.py",
     "tests/operator/test_invalid_specs_emulated.py",
+    "tests/engine/test_spec_decode.py",
 )
 
 
