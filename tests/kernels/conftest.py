@@ -10,15 +10,18 @@ from __future__ import annotations
 
 import importlib.util
 import sys
+from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
+from typing import Any
 
 import pytest
 import torch
 
 from kvpilot.engine.attention.base import AttentionMetadata
+from kvpilot.engine.kernels.runtime import TritonKernel
 
 # vLLM's allclose defaults (tests/kernels/allclose_default.py): atol, rtol per dtype.
 TOLERANCES: dict[torch.dtype, tuple[float, float]] = {
@@ -35,6 +38,21 @@ def triton_interpreter(request: pytest.FixtureRequest, monkeypatch: pytest.Monke
         monkeypatch.setenv("TRITON_INTERPRET", "1")
     else:
         monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+
+
+@pytest.fixture
+def triton_launches(monkeypatch: pytest.MonkeyPatch) -> Counter[str]:
+    """Launches of each Triton kernel (by name) from here on in the test: which kernels an
+    engine really ran."""
+    launches: Counter[str] = Counter()
+    original_on = TritonKernel.on
+
+    def counting_on(self: TritonKernel, device: torch.device) -> Any:
+        launches[self.__name__] += 1
+        return original_on(self, device)
+
+    monkeypatch.setattr(TritonKernel, "on", counting_on)
+    return launches
 
 
 BENCH = Path(__file__).resolve().parents[2] / "bench"

@@ -12,13 +12,11 @@ from __future__ import annotations
 
 from collections import Counter
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
 
 from kvpilot.engine import LLM, SamplingParams
-from kvpilot.engine.kernels.runtime import TritonKernel
 
 VOCAB_SIZE = 96
 MAX_NEW_TOKENS = 10
@@ -86,20 +84,14 @@ def reference_greedy(model_dir: Path, prompts: list[list[int]]) -> list[list[int
 
 
 def test_triton_engine_matches_transformers_greedy(
-    tiny_llama_dir: Path, monkeypatch: pytest.MonkeyPatch
+    tiny_llama_dir: Path, triton_launches: Counter[str]
 ) -> None:
     gen = torch.Generator().manual_seed(1)
     prompts = [torch.randint(0, VOCAB_SIZE, (n,), generator=gen).tolist() for n in PROMPT_LENS]
     expected = reference_greedy(tiny_llama_dir, prompts)
+    triton_launches.clear()  # what the engine under test launches, from here on
+    launches = triton_launches
 
-    launches: Counter[str] = Counter()
-    original_on = TritonKernel.on
-
-    def counting_on(self: TritonKernel, device: torch.device) -> Any:
-        launches[self.__name__] += 1
-        return original_on(self, device)
-
-    monkeypatch.setattr(TritonKernel, "on", counting_on)
     llm = LLM(
         model=str(tiny_llama_dir),
         attention_backend="triton",

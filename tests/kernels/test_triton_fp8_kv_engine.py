@@ -19,7 +19,6 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from kvpilot.engine import LLM, SamplingParams
-from kvpilot.engine.kernels.runtime import TritonKernel
 from tests.engine.reference import save_tiny_hf_model
 from tests.engine.test_parity_tiny_models import llama_config
 
@@ -61,20 +60,14 @@ def greedy_on(model_dir: Path, backend: str, prompts: list[list[int]]) -> tuple[
 
 
 def test_triton_fp8_engine_gives_the_torch_reference_fp8_greedy_tokens(
-    fp8_llama_dir: Path, monkeypatch: pytest.MonkeyPatch
+    fp8_llama_dir: Path, triton_launches: Counter[str]
 ) -> None:
     gen = torch.Generator().manual_seed(3)
     prompts = [torch.randint(0, 512, (n,), generator=gen).tolist() for n in PROMPT_LENS]
     reference, ref_cache, ref_scales = greedy_on(fp8_llama_dir, "torch", prompts)
+    triton_launches.clear()  # what the engine under test launches, from here on
+    launches = triton_launches
 
-    launches: Counter[str] = Counter()
-    original_on = TritonKernel.on
-
-    def counting_on(self: TritonKernel, device: torch.device) -> Any:
-        launches[self.__name__] += 1
-        return original_on(self, device)
-
-    monkeypatch.setattr(TritonKernel, "on", counting_on)
     got, cache, scales = greedy_on(fp8_llama_dir, "triton", prompts)
 
     assert got == reference
