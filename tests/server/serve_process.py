@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
+from prometheus_client.parser import text_string_to_metric_families
 
 
 @dataclass
@@ -138,3 +139,14 @@ def can_make_root_read_only(tmp_path: Path) -> bool:
         capture_output=True,
     )
     return probe.returncode == 0
+
+
+def spec_counters(url: str) -> dict[str, float]:
+    """The server's vllm:spec_decode_num_* counters (without the per-position ones)."""
+    text = httpx.get(f"{url}/metrics", timeout=30).text
+    return {
+        sample.name: sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+        if sample.name.startswith("vllm:spec_decode_num_") and "position" not in sample.labels
+    }

@@ -18,7 +18,6 @@ from typing import Any
 import httpx
 import openai
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 from kvpilot.contract.cpus import format_cpu_list
 from kvpilot.engine.config import CacheConfig, EngineConfig
@@ -30,7 +29,7 @@ from kvpilot.engine.server.async_engine import AsyncEngine
 from kvpilot.engine.server.inprocess import InProcessServer
 from kvpilot.engine.server.preprocess import max_chars_per_token
 
-from .serve_process import health_until_exit, is_running, launch_serve
+from .serve_process import health_until_exit, is_running, launch_serve, spec_counters
 
 MAX_MODEL_LEN = 1024
 SERVE_ARGS = ("--max-model-len", str(MAX_MODEL_LEN), "--kv-cache-gib", "0.1")
@@ -93,17 +92,6 @@ COPY_CHATS = [
     "bank.",
     "Copy this list: apples, pears, plums, apples, pears, plums, apples, pears, plums.",
 ]
-
-
-def spec_counters(url: str) -> dict[str, float]:
-    """The server's vllm:spec_decode_num_* counters (without the per-position ones)."""
-    text = httpx.get(f"{url}/metrics", timeout=30).text
-    return {
-        sample.name: sample.value
-        for family in text_string_to_metric_families(text)
-        for sample in family.samples
-        if sample.name.startswith("vllm:spec_decode_num_") and "position" not in sample.labels
-    }
 
 
 def streamed_chat(url: str, model: str, question: str) -> tuple[str, Any]:

@@ -6,16 +6,15 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-import httpx
 import openai
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 from kvpilot.engine.config import SpeculativeConfig
 from kvpilot.engine.server.inprocess import InProcessServer, serve_in_thread
 from kvpilot.engine.server.state import ServerState
 
 from .conftest import start_engine
+from .serve_process import spec_counters
 
 QUESTIONS = ["Name three colors.", "What is the capital of France?"]
 SPEC = SpeculativeConfig(model="builtin://smollm2-135m-instruct", num_speculative_tokens=3)
@@ -46,23 +45,13 @@ def answers(live: InProcessServer, model: str) -> list[str]:
     ]
 
 
-def counters(live: InProcessServer) -> dict[str, float]:
-    text = httpx.get(f"{live.url}/metrics", timeout=30).text
-    return {
-        sample.name: sample.value
-        for family in text_string_to_metric_families(text)
-        for sample in family.samples
-        if sample.name.startswith("vllm:spec_decode_num_") and "position" not in sample.labels
-    }
-
-
 def test_greedy_answers_with_the_model_as_its_own_draft(
     draft_server: InProcessServer, server: InProcessServer, model_name: str
 ) -> None:
     expected = answers(server, model_name)
     assert all(expected)
     assert answers(draft_server, model_name) == expected
-    seen = counters(draft_server)
+    seen = spec_counters(draft_server.url)
     drafted = seen["vllm:spec_decode_num_draft_tokens_total"]
     assert seen["vllm:spec_decode_num_drafts_total"] > 0 and drafted > 0
     # The same weights propose what the target then picks: (nearly) every proposal is taken
