@@ -521,27 +521,42 @@ def machine() -> dict[str, Any]:
     return {"cpus": os.cpu_count(), "loadavg_start": os.getloadavg()}
 
 
-def plot_kv(summary: dict[str, dict[str, Any]], path: Path) -> None:
+def plot_kv(
+    summary: dict[str, dict[str, Any]], path: Path, throughput_budget_bytes: int | None
+) -> None:
+    """One panel per measure the run has: throughput and ITL, and capacity when it ran."""
     plt = pyplot()
-    fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
     tp = summary.get("throughput", {})
     cap = summary.get("capacity", {})
+    panels = (["throughput", "itl"] if tp else []) + (["capacity"] if cap else [])
+    fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 4.2), squeeze=False)
+    ax_of = dict(zip(panels, axes[0], strict=True))
     names = list(tp)
-    axes[0].bar(names, [tp[n]["out_tok_s"] or 0 for n in names], color="tab:blue")
-    axes[0].set_ylabel("output tok/s (median of rounds)")
-    axes[0].set_title("throughput, default budget")
-    x = range(len(names))
-    axes[1].bar([i - 0.2 for i in x], [tp[n]["itl_p50_ms"] or 0 for n in names], 0.4, label="p50")
-    axes[1].bar([i + 0.2 for i in x], [tp[n]["itl_p99_ms"] or 0 for n in names], 0.4, label="p99")
-    axes[1].set_xticks(list(x), names)
-    axes[1].set_ylabel("ITL (ms)")
-    axes[1].set_title("inter-token latency")
-    axes[1].legend()
-    cnames = list(cap)
-    axes[2].bar(cnames, [cap[n]["max_running"] for n in cnames], color="tab:green")
-    axes[2].set_ylabel("max vllm:num_requests_running")
-    axes[2].set_title("sequences running at once, fixed KV budget")
-    for ax in axes:
+    if tp:
+        budget = (
+            f"{throughput_budget_bytes / 2**20:.0f} MiB of KV each"
+            if throughput_budget_bytes
+            else "each system's default KV budget"
+        )
+        ax = ax_of["throughput"]
+        ax.bar(names, [tp[n]["out_tok_s"] or 0 for n in names], color="tab:blue")
+        ax.set_ylabel("output tok/s (median of rounds)")
+        ax.set_title(f"throughput, {budget}")
+        x = range(len(names))
+        ax = ax_of["itl"]
+        ax.bar([i - 0.2 for i in x], [tp[n]["itl_p50_ms"] or 0 for n in names], 0.4, label="p50")
+        ax.bar([i + 0.2 for i in x], [tp[n]["itl_p99_ms"] or 0 for n in names], 0.4, label="p99")
+        ax.set_xticks(list(x), names)
+        ax.set_ylabel("ITL (ms)")
+        ax.set_title("inter-token latency")
+        ax.legend()
+    if cap:
+        cnames = list(cap)
+        ax = ax_of["capacity"]
+        ax.bar(cnames, [cap[n]["max_running"] for n in cnames], color="tab:green")
+        ax.set_ylabel("max vllm:num_requests_running")
+        ax.set_title("sequences running at once, fixed KV budget")
+    for ax in axes[0]:
         ax.tick_params(axis="x", labelrotation=30, labelsize="small")
         ax.grid(alpha=0.3, axis="y")
     fig.tight_layout()
@@ -607,7 +622,7 @@ def cmd_kv(args: argparse.Namespace) -> int:
     reference = Variant("vllm", "float32", "auto").name
     report["summary"] = summarize_kv(report["records"], reference)
     Path(args.out).with_suffix(".json").write_text(json.dumps(report, indent=1) + "\n")
-    plot_kv(report["summary"], Path(args.out).with_suffix(".png"))
+    plot_kv(report["summary"], Path(args.out).with_suffix(".png"), args.throughput_budget_bytes)
     print(json.dumps(report["summary"], indent=1))
     return 0 if all(r["failed"] == 0 for r in report["records"]) else 1
 
