@@ -186,11 +186,11 @@ class Proc:
                 self.proc.wait(10)
 
 
-def serve(blocks: int, log_path: Path) -> Proc:
+def serve(blocks: int, log_path: Path, env: dict[str, str] | None = None) -> Proc:
     cmd = [sys.executable, "-m", "kvpilot.cli", "serve", "--port", "0", "--served-model-name"]
     cmd += [MODEL, "--num-gpu-blocks-override", str(blocks), "--block-size", "16"]
     cmd += ["--max-model-len", "2048", "--max-num-seqs", "16"]
-    return Proc(cmd, log_path)
+    return Proc(cmd, log_path, env)
 
 
 # ---- the workload ----

@@ -13,6 +13,12 @@ reaches the client (router pick-up: event stream, routing, prefill; the tokenize
 meanwhile in the background: t4 - t3).
 
     python bench/router_wake.py --rounds 3
+    python bench/router_wake.py --rounds 3 --fresh-node --engine-threads 2
+
+--fresh-node starts each woken engine as a new pod on a node that never saw the model would: a new
+HOME and an empty KVPILOT_CACHE_DIR holding only the converted model (`kvpilot prepare` into a
+shared volume) and the kernels the image ships (bench/serve_startup.py's "fresh node"); without it
+the engine uses this user's cache. --engine-threads: the engine's OMP_NUM_THREADS (a pod's CPUs).
 """
 
 from __future__ import annotations
@@ -20,6 +26,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import statistics
 import sys
 import tempfile
@@ -34,6 +41,7 @@ from starlette.responses import JSONResponse, StreamingResponse
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from router_chat import Proc, serve
+from serve_startup import VARIANTS, Prepared, prepare, start_env
 
 NAMESPACE = "bench"
 MODEL = "bench"
@@ -116,7 +124,9 @@ class FakeApi:
             queue.put_nowait({"type": "ADDED", "object": pod})
 
 
-async def one_wake(router_url: str, api: FakeApi, logs: Path, index: int) -> dict[str, float]:
+async def one_wake(
+    router_url: str, api: FakeApi, logs: Path, index: int, engine_env: dict[str, str]
+) -> dict[str, float]:
     body = {
         "model": MODEL,
         "messages": [{"role": "user", "content": "Hello, who are you?"}],
@@ -140,7 +150,7 @@ async def one_wake(router_url: str, api: FakeApi, logs: Path, index: int) -> dic
     request = asyncio.create_task(client())
     await asyncio.wait_for(api.patched.wait(), 60)
     t1 = api.patched_at
-    engine = await asyncio.to_thread(serve, 48, logs / f"wake-{index}.log")
+    engine = await asyncio.to_thread(serve, 48, logs / f"wake-{index}.log", engine_env)
     try:
         await asyncio.to_thread(engine.wait_ready)
         t2 = time.perf_counter()
@@ -163,6 +173,7 @@ async def run(args: argparse.Namespace) -> list[dict[str, float]]:
     logs = args.out.with_suffix("").with_name(args.out.stem + "-logs")
     logs.mkdir(parents=True, exist_ok=True)
     results = []
+    prepared = prepare(Path(tempfile.mkdtemp(prefix="router-wake-"))) if args.fresh_node else None
     for index in range(args.rounds):
         api = FakeApi()
         server = uvicorn.Server(
@@ -193,7 +204,7 @@ async def run(args: argparse.Namespace) -> list[dict[str, float]]:
         )  # fmt: skip
         try:
             await asyncio.to_thread(router.wait_ready)
-            result = await one_wake(router.url, api, logs, index)
+            result = await one_wake(router.url, api, logs, index, engine_env(args, prepared, index))
             print(result, flush=True)
             results.append(result)
         finally:
@@ -203,15 +214,31 @@ async def run(args: argparse.Namespace) -> list[dict[str, float]]:
     return results
 
 
+def engine_env(args: argparse.Namespace, prepared: Prepared | None, index: int) -> dict[str, str]:
+    """The woken engine's environment: a fresh node's caches (--fresh-node), its threads."""
+    env: dict[str, str] = {}
+    if prepared is not None:
+        (prepared.work / "no-kernels").mkdir(exist_ok=True)
+        env = start_env(VARIANTS["fresh node"], prepared, index)
+    return env | {"OMP_NUM_THREADS": str(args.engine_threads)}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--out", type=Path, default=Path("bench/router_wake.json"))
+    parser.add_argument("--fresh-node", action="store_true", help="a new pod's caches per wake")
+    parser.add_argument(
+        "--engine-threads", type=int, default=1, help="the engine's OMP_NUM_THREADS"
+    )
     args = parser.parse_args()
     results = asyncio.run(run(args))
     summary = {key: statistics.median(r[key] for r in results) for key in results[0]}
     print("median", summary)
-    args.out.write_text(json.dumps({"rounds": results, "median": summary}, indent=1))
+    setup = {"fresh_node": args.fresh_node, "engine_threads": args.engine_threads}
+    report = {"command": " ".join(sys.argv), "setup": setup, "loadavg_end": os.getloadavg()}
+    report |= {"rounds": results, "median": summary}
+    args.out.write_text(json.dumps(report, indent=1))
 
 
 if __name__ == "__main__":
