@@ -33,6 +33,7 @@ NUM_REQUESTS = 600
 BATCH = 20
 CLIENTS = 16
 ENDLESS_STREAMS = {"/kvpilot/v1/kv-events"}
+CLIENT_KEEPALIVE_S = 4.0
 LIMITS = RequestLimits(max_tokens=2, max_sequences=4, max_body_bytes=256 * 1024)
 
 
@@ -70,9 +71,11 @@ def test_no_generated_request_gets_a_5xx(fuzzed: InProcessServer, model_name: st
     statuses: Counter[int] = Counter()
     reached: Counter[tuple[str, str]] = Counter()
     bad: list[str] = []
-    session = httpx.Client(
-        base_url=fuzzed.url, timeout=120, limits=httpx.Limits(max_connections=CLIENTS)
-    )
+    # Idle connections dropped before uvicorn closes them (5 s): with httpx's default of 5 s too,
+    # a connection reused as the server closes it was reset mid-request when a slow (loaded)
+    # batch left it idle that long.
+    limits = httpx.Limits(max_connections=CLIENTS, keepalive_expiry=CLIENT_KEEPALIVE_S)
+    session = httpx.Client(base_url=fuzzed.url, timeout=120, limits=limits)
 
     @settings(
         max_examples=NUM_REQUESTS // BATCH,
