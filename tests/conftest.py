@@ -11,21 +11,25 @@ import pytest
 
 from .kmock_membership import fast_request_membership
 
-# The files that take a minute or more on a 2-core CI machine, longest first (pytest --durations).
+# The longest files first, so that CI's two workers end together: by their totals (pytest
+# --durations=0 summed per file) on a quiet 2-core machine (drift 74 s ... async 16 s) and on a
+# loaded one, where the compute-bound files grow most (sampling 1064 s, attention 826 s).
 LONGEST_FILES = (
-    "tests/server/test_load_faults.py",
+    "tests/engine/test_sampling_and_api.py",
+    "tests/kernels/test_attention.py",
     "tests/engine/test_parity_smollm2.py",
+    "tests/operator/test_drift_emulated.py",
     "tests/router/test_router_loopback.py",
     "tests/server/test_core_process.py",
-    "tests/router/test_tenancy_loopback.py",
-    "tests/engine/test_async_scheduling.py",
-    "tests/server/test_openapi_fuzz.py",
-    "tests/kernels/test_attention.py",
     "tests/server/test_structured_outputs.py",
-    "tests/operator/test_drift_emulated.py",
-    "tests/server/test_async_scheduling_serve.py",
-    "tests/operator/test_invalid_specs_emulated.py",
-    "tests/engine/test_spec_decode.py",
+    "tests/router/test_tenancy_loopback.py",
+    "tests/server/test_lora_serve.py",
+    "tests/engine/test_cpu_attention.py",
+    "tests/engine/test_import_structure.py",
+    "tests/operator/test_operator_emulated.py",
+    "tests/engine/test_lora_parity.py",
+    "tests/operator/test_restart_emulated.py",
+    "tests/engine/test_async_scheduling.py",
 )
 
 
