@@ -5,6 +5,7 @@ tokenizers, and none of them needs torch)."""
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +35,19 @@ def eos_token_ids(model_eos: tuple[int, ...], tokenizer: Any) -> tuple[int, ...]
     if tokenizer is not None and tokenizer.eos_token_id is not None:
         ids.add(tokenizer.eos_token_id)
     return tuple(sorted(ids))
+
+
+def keep_torch_out() -> bool:
+    """Make `import torch` fail in this process from here on, unless torch is already imported;
+    whether it is kept out. For the processes that only tokenize (the API process, its big-body
+    worker, the router): transformers then takes torch as absent and loads the same tokenizer
+    class without importing it, about 2 s less of a start on 2 cores (bench/serve_startup.py)
+    and torch's memory saved. A None entry in sys.modules is Python's documented way to make an
+    import fail; spawned children (the engine core) start with their own modules."""
+    if "torch" in sys.modules:
+        return sys.modules["torch"] is None
+    sys.modules["torch"] = None  # type: ignore[assignment]
+    return True
 
 
 def set_offline_defaults() -> None:
