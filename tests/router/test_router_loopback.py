@@ -186,9 +186,6 @@ async def test_prefix_routing_eviction_restart_and_streaming(
 ) -> None:
     models = await client(router).models.list()
     assert [m.id for m in models.data] == [MODEL, *ADAPTERS]
-    # Its tokenizer loaded (the fixture waits for it), the router's process holds no torch
-    # (kvpilot.engine.model.files.keep_torch_out).
-    assert "libtorch" not in Path(f"/proc/{router.proc.pid}/maps").read_text()
     with pytest.raises(openai.NotFoundError) as missing:
         await client(router).chat.completions.create(
             model="no-such-model", messages=[{"role": "user", "content": "hi"}], max_tokens=1
