@@ -11,7 +11,6 @@ import sys
 import uvicorn
 
 from kvpilot.contract.help_format import DefaultsOnceFormatter
-from kvpilot.engine.model.files import keep_torch_out
 from kvpilot.router.config import HoldConfig, RouterConfig, RoutingConfig, TenancyConfig
 
 
@@ -210,8 +209,6 @@ def main(argv: list[str]) -> int:
     except ValueError as exc:
         print(f"kvpilot router: {exc}", file=sys.stderr)
         return 2
-    # The router tokenizes and forwards; it never runs a model.
-    keep_torch_out()
     from kvpilot.router.app import create_app
     from kvpilot.router.kube import kube_access
     from kvpilot.router.runtime import RouterRuntime

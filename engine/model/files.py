@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import os
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -37,17 +39,25 @@ def eos_token_ids(model_eos: tuple[int, ...], tokenizer: Any) -> tuple[int, ...]
     return tuple(sorted(ids))
 
 
-def keep_torch_out() -> bool:
-    """Make `import torch` fail in this process from here on, unless torch is already imported;
-    whether it is kept out. For the processes that only tokenize (the API process, its big-body
-    worker, the router): transformers then takes torch as absent and loads the same tokenizer
-    class without importing it, about 2 s less of a start on 2 cores (bench/serve_startup.py)
-    and torch's memory saved. A None entry in sys.modules is Python's documented way to make an
-    import fail; spawned children (the engine core) start with their own modules."""
+@contextmanager
+def torch_kept_out() -> Iterator[None]:
+    """`import torch` fails in this process while this lasts, unless torch is imported already.
+    Around the tokenizer's load in the processes that only tokenize (the API process before it is
+    ready, its big-body worker): transformers then takes torch as absent and loads the same
+    tokenizer class without importing it, about 2 s less of a start on 2 cores
+    (bench/serve_startup.py). Lifted after: the first structured-output or tool request imports
+    xgrammar, and torch with it. Only where transformers is first imported here and never asked
+    for a model later (it decides at import what torch makes available). A None entry in
+    sys.modules is Python's documented way to make an import fail."""
     if "torch" in sys.modules:
-        return sys.modules["torch"] is None
+        yield
+        return
     sys.modules["torch"] = None  # type: ignore[assignment]
-    return True
+    try:
+        yield
+    finally:
+        if "torch" in sys.modules and sys.modules["torch"] is None:
+            del sys.modules["torch"]
 
 
 def set_offline_defaults() -> None:

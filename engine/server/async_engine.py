@@ -50,7 +50,12 @@ from kvpilot.engine.core.messages import (
     UnloadLoRA,
 )
 from kvpilot.engine.gc_freeze import freeze_startup_objects
-from kvpilot.engine.model.files import eos_token_ids, has_tokenizer, load_tokenizer
+from kvpilot.engine.model.files import (
+    eos_token_ids,
+    has_tokenizer,
+    load_tokenizer,
+    torch_kept_out,
+)
 from kvpilot.engine.output_processor import OutputProcessor
 from kvpilot.engine.outputs import OutputKind, RequestOutput, merge_deltas
 from kvpilot.engine.sampling_params import SamplingParams
@@ -231,7 +236,8 @@ class Tokenizers:
         spares: queue.SimpleQueue[Any] = queue.SimpleQueue()
         if not has_tokenizer(hf_dir):
             return cls(hf_dir, None, None, spares, None)
-        tokenizer = load_tokenizer(hf_dir)
+        with torch_kept_out():  # in `kvpilot serve`'s API process; a no-op where torch runs
+            tokenizer = load_tokenizer(hf_dir)
         http = tokenizer
         try:
             # Separate copies keep the Rust tokenizer's interior borrows out of each other's way.

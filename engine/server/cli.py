@@ -19,7 +19,6 @@ from kvpilot.contract.engine_flags import API_KEY_ENV, build_parser
 from kvpilot.engine.config import LOG_FORMAT, EngineConfig
 from kvpilot.engine.cpu.affinity import place
 from kvpilot.engine.cpu.threads import read_cpu_limit
-from kvpilot.engine.model.files import keep_torch_out
 from kvpilot.engine.server.from_flags import (
     engine_config,
     server_settings,
@@ -153,9 +152,6 @@ def main(argv: list[str]) -> int:
         print(f"kvpilot serve: {exc}", file=sys.stderr)
         return 1
 
-    # This process serves HTTP and tokenizes; the model runs in the engine core's process. (On a
-    # GPU machine check_placement has imported torch already: it stays, and nothing changes.)
-    keep_torch_out()
     # Imported only now: `kvpilot serve --help` and a refused flag answer without the server's
     # libraries (seconds); the engine core starts no later for it.
     from kvpilot.engine.server.run import serve

@@ -266,11 +266,11 @@ def init_worker(hf_dir: str | None, limits: PromptLimits, parent_pid: int) -> No
     # process waiting forever: the kernel ends it with its parent instead.
     die_with_parent(parent_pid)
     lower_priority()
-    from kvpilot.engine.model.files import keep_torch_out, load_tokenizer, set_offline_defaults
+    from kvpilot.engine.model.files import load_tokenizer, set_offline_defaults, torch_kept_out
 
     set_offline_defaults()
-    keep_torch_out()  # a tokenizer is all this process loads
-    _worker["tokenizer"] = None if hf_dir is None else load_tokenizer(Path(hf_dir))
+    with torch_kept_out():
+        _worker["tokenizer"] = None if hf_dir is None else load_tokenizer(Path(hf_dir))
     _worker["limits"] = limits
 
 

@@ -1,5 +1,7 @@
-"""The processes that only tokenize keep torch out (kvpilot.engine.model.files.keep_torch_out): a
-real `kvpilot serve`'s API process maps no torch library and serves, and the tokenizer
+"""The API process loads its tokenizer with torch kept out
+(kvpilot.engine.model.files.torch_kept_out): a real `kvpilot serve`'s API process maps no torch
+library once ready and after a plain request, and still serves structured outputs and tools (whose
+xgrammar brings torch in afterwards), in the process and in its big-body worker; the tokenizer
 transformers loads without torch gives the same outputs as the one it loads with torch, on
 SmolLM2's tokenizer and on a SentencePiece-style one that adds a BOS and normalizes."""
 
@@ -24,18 +26,20 @@ from .serve_process import launch_serve
 TOKENIZE = r"""
 import json, sys
 from pathlib import Path
-from kvpilot.engine.model.files import keep_torch_out, load_tokenizer, set_offline_defaults
+from contextlib import nullcontext
+from kvpilot.engine.model.files import load_tokenizer, set_offline_defaults, torch_kept_out
 
-if sys.argv[2] == "without torch":
-    assert keep_torch_out()
 set_offline_defaults()
-tok = load_tokenizer(Path(sys.argv[1]))
+with torch_kept_out() if sys.argv[2] == "without torch" else nullcontext():
+    tok = load_tokenizer(Path(sys.argv[1]))
+    torch_loaded = sys.modules.get("torch") is not None
+assert sys.modules.get("torch", "absent") is not None  # lifted after the load
 texts = ["Hello, world!", "  two  spaces\nand a tab\t", "héllo wörld ✓ 日本語", "<s> in text </s>"]
 ids = [tok.encode(t) for t in texts]
 chat = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi there"}]
 tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
 print(json.dumps({
-    "torch": sys.modules.get("torch") is not None,
+    "torch": torch_loaded,
     "class": type(tok).__name__,
     "len": len(tok),
     "eos": tok.eos_token_id,
@@ -112,15 +116,37 @@ def test_the_tokenizer_without_torch_gives_what_it_gives_with_torch(
         assert all(ids[0] == 1 for ids in without["encoded"])  # the BOS the post-processor adds
 
 
-def test_the_served_api_process_maps_no_torch() -> None:
+SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+TOOL = {"type": "function", "function": {"name": "f", "parameters": SCHEMA}}
+
+
+def chat(url: str, **body: object) -> httpx.Response:
+    messages = body.pop("messages", [{"role": "user", "content": "Hi"}])
+    return httpx.post(
+        f"{url}/v1/chat/completions",
+        json={"messages": messages, "max_tokens": 8, **body},
+        timeout=120,
+    )
+
+
+def test_the_served_api_process_loads_no_torch_and_still_serves_grammars() -> None:
     with launch_serve() as served:
-        answer = httpx.post(
-            f"{served.url}/v1/chat/completions",
-            json={"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2},
-            timeout=60,
-        )
+        answer = chat(served.url)
         assert answer.status_code == 200, answer.text
         api_maps = Path(f"/proc/{served.proc.pid}/maps").read_text()
         core_maps = Path(f"/proc/{served.core_pid()}/maps").read_text()
+        # What needs torch in the API process still works once the load is over: xgrammar
+        # checks a schema and a forced tool call's grammar...
+        schema = {"type": "json_schema", "json_schema": {"name": "s", "schema": SCHEMA}}
+        answer = chat(served.url, response_format=schema)
+        assert answer.status_code == 200, answer.text
+        answer = chat(served.url, tools=[TOOL], tool_choice="required")
+        assert answer.status_code == 200, answer.text
+        # ... and in the big-body worker (over 1 MiB): the schema is checked there, then the
+        # prompt is refused by its length, a 400, not a 500.
+        big = [{"role": "user", "content": "word " * 300_000}]
+        answer = chat(served.url, messages=big, response_format=schema)
+        assert answer.status_code == 400, answer.text
+        assert answer.json()["error"]["code"] == "context_length_exceeded"
     assert "libtorch" not in api_maps
     assert "libtorch" in core_maps  # what the check looks for is what torch's import maps
