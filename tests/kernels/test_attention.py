@@ -55,9 +55,39 @@ def run_both(
     return out, reference(batch, scale)
 
 
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("heads", HEAD_LAYOUTS, ids=lambda h: f"h{h[0]}kv{h[1]}")
-@pytest.mark.parametrize("block_size", (16, 32, 64))
+BLOCK_SIZES = (16, 32, 64)
+
+
+def pairwise(
+    rows: tuple[object, ...], first: tuple[object, ...], second: tuple[object, ...]
+) -> list[tuple[object, object, object]]:
+    """Every (row, a, b) such that each row value meets every value of `first` and of `second`,
+    and every value of `first` meets every value of `second`: a covering array of strength 2
+    (each pair of parameter values tested at least once) in len(rows) * max(len) cases rather than
+    the full product's. Row r takes first[i] with second[(i + r) % len(second)]."""
+    size = max(len(first), len(second))
+    return [
+        (row, first[i % len(first)], second[(i + r) % len(second)])
+        for r, row in enumerate(rows)
+        for i in range(size)
+    ]
+
+
+def test_pairwise_covers_every_pair() -> None:
+    cases = pairwise(HEAD_LAYOUTS, DTYPES, BLOCK_SIZES)
+    assert {(h, d) for h, d, _ in cases} == {(h, d) for h in HEAD_LAYOUTS for d in DTYPES}
+    assert {(h, b) for h, _, b in cases} == {(h, b) for h in HEAD_LAYOUTS for b in BLOCK_SIZES}
+    assert {(d, b) for _, d, b in cases} == {(d, b) for d in DTYPES for b in BLOCK_SIZES}
+    assert len(cases) == 15  # of the product's 45
+
+
+# Each head layout with every dtype and every block size, and each dtype with every block size
+# (pairwise): the kernel's dtype, GQA grouping and paging are independent code paths.
+@pytest.mark.parametrize(
+    ("heads", "dtype", "block_size"),
+    pairwise(HEAD_LAYOUTS, DTYPES, BLOCK_SIZES),
+    ids=lambda v: f"h{v[0]}kv{v[1]}" if isinstance(v, tuple) else str(v),
+)
 def test_mixed_batch_over_block_sizes_and_head_layouts(
     block_size: int,
     heads: tuple[int, int],
@@ -77,9 +107,12 @@ def test_mixed_batch_over_block_sizes_and_head_layouts(
     assert_close(out, ref)
 
 
-@pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16), ids=str)
-@pytest.mark.parametrize("head_dim", (64, 128))
-@pytest.mark.parametrize("name", sorted(BATCHES))
+# Every batch shape with both head dims and both dtypes, and each head dim with each dtype.
+@pytest.mark.parametrize(
+    ("name", "head_dim", "dtype"),
+    pairwise(tuple(sorted(BATCHES)), (64, 128), (torch.float32, torch.bfloat16)),
+    ids=str,
+)
 def test_batch_shapes(
     name: str,
     head_dim: int,
