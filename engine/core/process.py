@@ -98,6 +98,8 @@ def run_engine_core(
     try:
         from kvpilot.engine.core.engine_core import EngineCore
 
+        # The API process counted the GPUs by their device nodes; torch's count is the truth.
+        config.check_placement(torch.cuda.device_count())
         core = EngineCore(
             config,
             log_level,

@@ -25,10 +25,9 @@ from kvpilot.engine.server.from_flags import (
     with_runtime_lora_env,
 )
 from kvpilot.engine.server.settings import ChatOptions, ServerSettings
+from kvpilot.engine.visible_gpus import visible_gpu_count
 
 logger = logging.getLogger("kvpilot.server")
-# Every CUDA process opens it: absent, the machine has no NVIDIA GPU this process may use.
-NVIDIA_CONTROL_DEVICE = "/dev/nvidiactl"
 LISTEN_BACKLOG = 2048  # uvicorn's default
 
 
@@ -94,18 +93,9 @@ def startup_settings(args: argparse.Namespace) -> tuple[EngineConfig, ServerSett
 
 
 def check_placement(config: EngineConfig) -> None:
-    """ValueError for a device or dtype the GPUs of this machine cannot serve."""
+    """ValueError for a device or dtype the GPUs of this machine cannot serve (counted without
+    torch: engine/visible_gpus.py)."""
     config.check_placement(visible_gpu_count())
-
-
-def visible_gpu_count() -> int:
-    """The GPUs torch sees. Without an NVIDIA device node no CUDA device can be visible, so a CPU
-    machine answers 0 without importing torch (seconds, before the engine core may start)."""
-    if not Path(NVIDIA_CONTROL_DEVICE).exists():
-        return 0
-    import torch
-
-    return torch.cuda.device_count()
 
 
 def open_listener(host: str, port: int) -> socket.socket:
