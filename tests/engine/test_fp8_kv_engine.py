@@ -5,6 +5,8 @@ shape: greedy token agreement on a few prompts and perplexity on a fixed text wi
 
 from __future__ import annotations
 
+import logging
+import os
 from pathlib import Path
 
 import pytest
@@ -14,7 +16,9 @@ from safetensors.torch import load_file, save_file
 from kvpilot.contract.engine_flags import FlagError
 from kvpilot.engine import LLM, SamplingParams
 from kvpilot.engine.config import CacheConfig
+from kvpilot.engine.kv_cache import pool as pool_module
 from kvpilot.engine.kv_cache.budget import decide_num_blocks
+from kvpilot.engine.kv_cache.kv_scales import calibrate_scales
 from kvpilot.engine.kv_cache.pool import Fp8KVPool, KVLayout, bytes_per_block
 from kvpilot.engine.perplexity import perplexity, text_logprobs
 from kvpilot.engine.server.from_flags import engine_config, parse_flags
@@ -152,11 +156,70 @@ def test_scales_come_from_the_checkpoint_where_it_has_them(tmp_path: Path) -> No
         assert len(greedy(llm, [[1, 2, 3]], 4)[0]) == 4
 
 
-def test_calibrated_scales_are_deterministic_and_per_head(tmp_path: Path) -> None:
+def test_calibrated_scales_are_deterministic_and_per_head(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     path = save_tiny_hf_model(llama_config(4, 2), tmp_path / "llama")
     runs = []
-    for _ in range(2):
+    for run in range(2):  # each with a cache of its own: both calibrate
+        monkeypatch.setenv("KVPILOT_CACHE_DIR", str(tmp_path / f"cache{run}"))
         with LLM(model=str(path), dtype="float32", kv_cache_dtype="fp8", num_blocks=8) as llm:
             runs.append([s.clone() for pair in llm.engine.runner.kv_pool.scales for s in pair])
     assert all(torch.equal(a, b) for a, b in zip(*runs, strict=True))
     assert all(s.shape == (2,) and bool((s > 0).all()) for s in runs[0])
+
+
+def test_calibrated_scales_are_kept_for_the_next_start(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The second start reads the first one's scales from the model cache instead of calibrating
+    (same scales, same greedy tokens); rewritten weights, another FP8 format or a damaged cache
+    file calibrate again; a cache that cannot be written only costs the calibration."""
+    path = save_tiny_hf_model(llama_config(4, 2), tmp_path / "llama")
+    cache = tmp_path / "cache"
+    monkeypatch.setenv("KVPILOT_CACHE_DIR", str(cache))
+    calibrations = []
+
+    def counted(*args: object, **kwargs: object) -> object:
+        calibrations.append(args[1])  # the FP8 dtype
+        return calibrate_scales(*args, **kwargs)
+
+    monkeypatch.setattr(pool_module, "calibrate_scales", counted)
+
+    def start(kv_cache_dtype: str = "fp8") -> tuple[list[torch.Tensor], list[list[int]]]:
+        with LLM(model=str(path), dtype="float32", kv_cache_dtype=kv_cache_dtype,
+                 num_blocks=8) as llm:  # fmt: skip
+            scales = [s.clone() for pair in llm.engine.runner.kv_pool.scales for s in pair]
+            return scales, greedy(llm, [[1, 2, 3], [7, 5]], 6)
+
+    first, first_tokens = start()
+    kept = list((cache / "kv_scales").glob("*.safetensors"))
+    assert len(calibrations) == 1 and len(kept) == 1, (calibrations, kept)
+    second, second_tokens = start()
+    assert len(calibrations) == 1, "the second start calibrated again"
+    assert all(torch.equal(a, b) for a, b in zip(first, second, strict=True))
+    assert second_tokens == first_tokens
+
+    start("fp8_e5m2")  # another format: its own scales
+    assert calibrations[1:] == [torch.float8_e5m2]
+    weights = path / "model.safetensors"
+    os.utime(weights, ns=(weights.stat().st_atime_ns, weights.stat().st_mtime_ns + 10**9))
+    start()  # the weights rewritten (a new mtime): calibrated again
+    assert len(calibrations) == 3
+
+    for file in (cache / "kv_scales").glob("*.safetensors"):
+        file.write_bytes(b"not safetensors")
+    with caplog.at_level(logging.WARNING, logger="kvpilot"):
+        again, _ = start()
+    assert len(calibrations) == 4 and "unreadable" in caplog.text, caplog.text
+    assert all(torch.equal(a, b) for a, b in zip(first, again, strict=True))
+    start()
+    assert len(calibrations) == 4, "the damaged file was not written again"
+
+    monkeypatch.setenv("KVPILOT_CACHE_DIR", str(tmp_path / "unwritable"))
+    (tmp_path / "unwritable").mkdir()
+    (tmp_path / "unwritable" / "kv_scales").write_text("a file where the folder would be")
+    for _ in range(2):
+        unkept, _ = start()
+        assert all(torch.equal(a, b) for a, b in zip(first, unkept, strict=True))
+    assert len(calibrations) == 6

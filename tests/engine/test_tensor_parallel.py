@@ -229,3 +229,37 @@ def test_prefix_caching_preemption_and_a_dead_rank_under_tp(tmp_path: Path) -> N
         assert str(died) == f"tensor-parallel rank 1 (pid {worker}) was killed by signal 9"
         with pytest.raises(WorkerDied, match=rf"rank 1 \(pid {worker}\) was killed"):
             llm.generate(batch[:1], params)
+
+
+def test_fp8_scales_under_tp_are_kept_per_rank_and_calibrated_together(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """FP8 KV under tensor parallelism: each rank keeps the calibrated scales of its own KV heads;
+    the next start reads them on every rank. Where one rank's are gone, every rank calibrates
+    (they run the calibration's forward together, collectives inside), and the greedy tokens are
+    those of the first start each time."""
+    path = save_tiny_hf_model(llama(4, 2), tmp_path / "m")
+    monkeypatch.setenv("KVPILOT_CACHE_DIR", str(tmp_path / "cache"))
+    kept = tmp_path / "cache" / "kv_scales"
+    batch = prompts(5, (6, 17), 512)
+
+    def start() -> list[list[int]]:
+        outs, _ = generate(path, 2, batch, num_blocks=32, kv_cache_dtype="fp8")
+        return [out.token_ids for out in outs]
+
+    def written() -> dict[str, int]:
+        return {file.name: file.stat().st_mtime_ns for file in kept.glob("*.safetensors")}
+
+    first = start()
+    after_first = written()
+    assert len(after_first) == 2, after_first  # one file per rank's KV head
+    assert start() == first
+    assert written() == after_first, "a rank calibrated again although both had scales kept"
+    gone = sorted(after_first)[0]
+    (kept / gone).unlink()
+    assert start() == first
+    after_third = written()
+    assert sorted(after_third) == sorted(after_first)
+    assert all(after_third[name] != after_first[name] for name in after_first), (
+        "the rank that still had its scales did not calibrate with the other"
+    )

@@ -358,6 +358,7 @@ def test_serve_startup_splits_a_start_by_the_servers_log_lines(bench: ModuleType
         line("kvpilot", "using the converted GGUF in /cache/x", t0 + 3.0),
         line("kvpilot", "using the CPU kernels of /k/avx2/cpu_ops.so", t0 + 3.125),
         line("kvpilot", "model weights: 0.5 GiB", t0 + 4.0),
+        line("kvpilot", "FP8 KV scales calibrated on 512 tokens: K 0.1..0.2", t0 + 4.5),
         line("kvpilot", "engine core ready in 2.0 s: SmolLM2-135M-Instruct", t0 + 4.75),
     ]
     got = startup.phases(t0, t0 + 5.25, lines)
@@ -370,7 +371,8 @@ def test_serve_startup_splits_a_start_by_the_servers_log_lines(bench: ModuleType
         "kernels": 0.125,
         "weights": 0.875,
         "pack": 0.0,
-        "core rest": 0.75,
+        "kv scales": 0.5,
+        "core rest": 0.25,
         "after core": 0.5,
     }
     assert {k: round(v, 3) for k, v in got.items()} == {**expected, "total": 5.25}
