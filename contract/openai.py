@@ -58,6 +58,24 @@ class StructuredOutputs(_Strict):
     json_object: bool | None = None
 
 
+class TextPart(_Strict):
+    type: Literal["text"]
+    text: str
+
+
+class Prediction(_Strict):
+    """OpenAI's Predicted Outputs: text the answer is expected to repeat for the most part (a file
+    being edited). The engine proposes from it where the server speculates by n-gram lookup."""
+
+    type: Literal["content"]
+    content: str | list[TextPart]
+
+    def text(self) -> str:
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(part.text for part in self.content)
+
+
 class SamplingRequest(_Strict):
     """Fields shared by /v1/completions and /v1/chat/completions."""
 
@@ -104,6 +122,8 @@ class SamplingRequest(_Strict):
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
     guided_decoding_backend: str | None = None
+    # OpenAI's Predicted Outputs (chat; completions too, as an extension).
+    prediction: Prediction | None = None
     # OpenAI fields we do not implement: accepted only at their neutral value.
     repetition_penalty: float | None = None
 
@@ -153,11 +173,6 @@ class ToolCall(_Strict):
     id: str
     type: Literal["function"] = "function"
     function: FunctionCall
-
-
-class TextPart(_Strict):
-    type: Literal["text"]
-    text: str
 
 
 class ChatMessage(_Strict):

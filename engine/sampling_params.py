@@ -30,6 +30,9 @@ class SamplingParams:
     logit_bias: tuple[tuple[int, float], ...] = ()
     # Grammar-constrained decoding (JSON schema, regex, choice, EBNF); None: free text.
     structured: StructuredSpec | None = None
+    # What the output is expected to repeat for the most part (OpenAI's Predicted Outputs, as
+    # tokens): n-gram speculation proposes from it first (spec_decode/ngram.py).
+    prediction_token_ids: tuple[int, ...] = ()
     extra: dict[str, object] = field(default_factory=dict, compare=False, hash=False)
 
     def __post_init__(self) -> None:
@@ -40,6 +43,7 @@ class SamplingParams:
         else:
             object.__setattr__(self, "stop", tuple(self.stop))
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        object.__setattr__(self, "prediction_token_ids", tuple(self.prediction_token_ids))
         bias = self.logit_bias.items() if isinstance(self.logit_bias, dict) else self.logit_bias
         object.__setattr__(self, "logit_bias", tuple((t, b) for t, b in bias))
         if self.top_k == -1:
@@ -78,6 +82,8 @@ class SamplingParams:
             fail("stop", "must be non-empty strings")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
             fail("stop_token_ids", "must be non-negative integers")
+        if any(not isinstance(t, int) or t < 0 for t in self.prediction_token_ids):
+            fail("prediction_token_ids", "must be non-negative integers")
         if any(
             not isinstance(t, int) or t < 0 or not -100.0 <= b <= 100.0 for t, b in self.logit_bias
         ):

@@ -80,6 +80,8 @@ class Preprocessed:
     # The output's grammar (response_format, structured_outputs, guided_*, or a forced tool call).
     constraint: StructuredSpec | None = None
     tools: ToolPlan | None = None  # chat requests
+    # The prediction's tokens (OpenAI's Predicted Outputs).
+    prediction: tuple[int, ...] = ()
 
 
 def max_chars_per_token(tokenizer: Any) -> int:
@@ -111,12 +113,40 @@ def preprocess(
         bias = _check_request(chat, 1, limits)
         constraint = request_constraint(chat, limits.grammar_backend)
         prompt, tools = chat_request_prompt(chat, tokenizer, limits)
-        return Preprocessed(chat, [prompt], bias, tools.constraint or constraint, tools)
+        prediction = prediction_tokens(chat, tokenizer, limits)
+        return Preprocessed(chat, [prompt], bias, tools.constraint or constraint, tools, prediction)
     request = parse_request(CompletionRequest, body, depth)
     bias = _check_request(request, len(prompt_items(request)), limits)
     constraint = request_constraint(request, limits.grammar_backend)
     prompts = completion_prompts(request, tokenizer, limits)
-    return Preprocessed(request, prompts, bias, constraint)
+    prediction = prediction_tokens(request, tokenizer, limits)
+    return Preprocessed(request, prompts, bias, constraint, prediction=prediction)
+
+
+def prediction_tokens(
+    request: CompletionRequest | ChatCompletionRequest, tokenizer: Any, limits: PromptLimits
+) -> tuple[int, ...]:
+    """The tokens of the request's prediction, without special tokens (empty: none given)."""
+    if request.prediction is None:
+        return ()
+    text = request.prediction.text()
+    if not text:
+        return ()
+    if tokenizer is None:
+        raise errors.bad_request(
+            "This model has no tokenizer: a prediction needs one.", param="prediction"
+        )
+    _check_not_surely_too_long(text, limits, what="prediction", param="prediction")
+    token_ids = tokenizer.encode(text, add_special_tokens=False)
+    if len(token_ids) > limits.max_model_len:  # longer than any output can be
+        raise errors.bad_request(
+            f"This model's maximum context length is {limits.max_model_len} tokens. However, "
+            f"your prediction has {len(token_ids)} tokens. Please reduce the length of the "
+            "prediction.",
+            param="prediction",
+            code="context_length_exceeded",
+        )
+    return tuple(token_ids)
 
 
 def prompt_items(request: CompletionRequest) -> list[str | list[int]]:

@@ -13,6 +13,7 @@ def to_sampling_params(
     max_tokens: int,
     logit_bias: tuple[tuple[int, float], ...] = (),
     structured: StructuredSpec | None = None,
+    prediction: tuple[int, ...] = (),
 ) -> SamplingParams:
     """Map validated request fields onto SamplingParams (OpenAI defaults for absent fields)."""
     stop = [request.stop] if isinstance(request.stop, str) else (request.stop or [])
@@ -34,6 +35,7 @@ def to_sampling_params(
             include_stop_str_in_output=request.include_stop_str_in_output,
             logit_bias=logit_bias,
             structured=structured,
+            prediction_token_ids=prediction,
         )
     except ValueError as exc:
         # SamplingParams names the field first in its message.

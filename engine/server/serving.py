@@ -154,6 +154,7 @@ async def start_generation(
     arrival_time: float,
     logit_bias: tuple[tuple[int, float], ...] = (),
     constraint: StructuredSpec | None = None,
+    prediction: tuple[int, ...] = (),
 ) -> Generation:
     """The request's prompts added to the engine, with the LoRA adapter its `model` names."""
     info = state.engine.info
@@ -178,6 +179,7 @@ async def start_generation(
             ),
             logit_bias,
             constraint,
+            prediction,
         )
         for p in prompts
     ]
@@ -241,7 +243,7 @@ async def create_completion(state: ServerState, http: Request) -> Response:
         f"cmpl-{uuid.uuid4().hex}", int(time.time()), answered_model(state, request.model)
     )
     generation = await start_generation(
-        state, request, prompts, header.id, arrival, pre.logit_bias, pre.constraint
+        state, request, prompts, header.id, arrival, pre.logit_bias, pre.constraint, pre.prediction
     )
     if request.stream:
         return SSEResponse(
@@ -326,7 +328,7 @@ async def create_chat_completion(state: ServerState, http: Request) -> Response:
         f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), answered_model(state, request.model)
     )
     generation = await start_generation(
-        state, request, prompts, header.id, arrival, pre.logit_bias, pre.constraint
+        state, request, prompts, header.id, arrival, pre.logit_bias, pre.constraint, pre.prediction
     )
     tools = _tool_reading(pre)
     if request.stream:

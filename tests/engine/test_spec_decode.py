@@ -5,6 +5,8 @@ hits, preemption), stops and max_tokens inside an accepted run, the back-off and
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from prometheus_client import CollectorRegistry
@@ -15,7 +17,11 @@ from kvpilot.engine.config import SpeculativeConfig
 from kvpilot.engine.sequence import Sequence
 from kvpilot.engine.server.from_flags import engine_config, parse_flags
 from kvpilot.engine.server.metrics import EngineCounters, ServerMetrics
-from kvpilot.engine.spec_decode.ngram import NgramProposer, propose_ngram
+from kvpilot.engine.spec_decode.ngram import (
+    NgramProposer,
+    propose_from_prediction,
+    propose_ngram,
+)
 from kvpilot.engine.spec_decode.policy import PROBE_EVERY, SpeculationPolicy
 from kvpilot.engine.spec_decode.verify import greedy_accept, rejection_sample
 
@@ -81,6 +87,41 @@ def test_ngram_proposes_what_followed_the_latest_earlier_occurrence_of_the_suffi
     assert propose_ngram([2, 3, 8, 2], min_n=1, max_n=2, num_tokens=2) == [3, 8]
     assert propose_ngram([2, 3, 8, 2], min_n=2, max_n=2, num_tokens=2) == []
     assert propose_ngram([7], min_n=1, max_n=3, num_tokens=2) == []
+
+
+def test_a_prediction_is_proposed_from_where_the_output_stands_in_it() -> None:
+    """OpenAI's Predicted Outputs: the output's suffix looked up in the prediction, the occurrence
+    ending nearest the output's length taken (the later one on a tie), what follows proposed."""
+    prediction = [10, 11, 12, 13, 14, 15]
+    sizes = {"min_n": 1, "max_n": 3, "num_tokens": 3}
+    assert propose_from_prediction([10, 11], prediction, **sizes) == [12, 13, 14]
+    assert propose_from_prediction([10, 11, 12, 13, 14], prediction, **sizes) == [15]
+    # The output inserted a token (99): its suffix still finds its place.
+    assert propose_from_prediction([10, 99, 11], prediction, **sizes) == [12, 13, 14]
+    # A repeated token (5 at 0, 2, 4): the occurrence ending nearest the output's 4 tokens; of
+    # ends 3 and 5, both 1 away, the later one.
+    assert propose_from_prediction([7, 7, 7, 5], [5, 1, 5, 2, 5, 3], **sizes) == [3]
+    assert propose_from_prediction([5], [5, 1, 5, 2, 5, 3], **sizes) == [1, 5, 2]
+    # The longest suffix that occurs wins over a nearer shorter one.
+    assert propose_from_prediction([1, 2], [2, 9, 1, 2, 8], **sizes) == [8]
+    assert propose_from_prediction([42], prediction, **sizes) == []
+    assert propose_from_prediction([10], [], **sizes) == []
+    assert propose_from_prediction([10, 11], prediction, min_n=3, max_n=3, num_tokens=3) == []
+
+
+def test_the_proposer_looks_in_the_prediction_first_then_the_sequence() -> None:
+    proposer = NgramProposer(min_n=1, max_n=2)
+    prompt = [1, 2, 3, 1]  # its own lookup proposes [2, 3] after the last 1
+    own = Sequence("r", 0, [*prompt, 2], num_prompt_tokens=4, params=SamplingParams())
+    predicted = Sequence(
+        "p", 0, [*prompt, 2], num_prompt_tokens=4,
+        params=SamplingParams(prediction_token_ids=(2, 7, 8)),
+    )  # fmt: skip
+    unmatched = Sequence(
+        "u", 0, [*prompt, 2], num_prompt_tokens=4,
+        params=SamplingParams(prediction_token_ids=(5, 6)),
+    )  # fmt: skip
+    assert proposer.propose([own, predicted, unmatched], [2, 2, 2]) == [[3, 1], [7, 8], [3, 1]]
 
 
 def test_greedy_accepts_the_proposals_the_target_argmax_agrees_with() -> None:
@@ -243,6 +284,33 @@ def test_sampled_requests_speculate_and_keep_their_seeds(engines: dict[bool, LLM
     assert counters.num_drafts > before
     assert run(llm, params, TASKS[:2]) == first  # a seeded request gives the same tokens again
     assert all(len(t) > 0 for t, _, _ in first)
+
+
+def test_a_prediction_is_accepted_where_the_prompt_has_no_answer_and_changes_no_token(
+    engines: dict[bool, LLM],
+) -> None:
+    """A chat whose answer its prompt does not hold. With that answer (the engine's without
+    speculation) as the prediction, most of it is accepted, far more than the sequence's own
+    lookup finds; with another answer as the prediction, or none, the greedy tokens are the
+    same."""
+    tasks = ["Write two sentences about a lighthouse keeper.", "Name three kinds of apples."]
+    params = SamplingParams(temperature=0.0, max_tokens=40)
+    (answer, _, _), (other, _, _) = run(engines[False], params, tasks)
+    llm = engines[True]
+    counters = llm.engine.core.speculation.counters
+
+    def generate(prediction: list[int]) -> tuple[list[int], int]:
+        before = counters.num_accepted_tokens
+        with_prediction = dataclasses.replace(params, prediction_token_ids=tuple(prediction))
+        ((tokens, _, _),) = run(llm, with_prediction, tasks[:1])
+        return tokens, counters.num_accepted_tokens - before
+
+    predicted, accepted_predicted = generate(answer)
+    wrong, _ = generate(other)
+    unpredicted, accepted_own = generate([])
+    assert predicted == wrong == unpredicted == answer
+    assert accepted_predicted >= 0.7 * len(answer), (accepted_predicted, len(answer))
+    assert accepted_predicted > accepted_own + 10, (accepted_predicted, accepted_own)
 
 
 def decoding_seq() -> Sequence:

@@ -93,11 +93,16 @@ COPY_CHATS = [
     "Copy this list: apples, pears, plums, apples, pears, plums, apples, pears, plums.",
 ]
 
+ANSWER_NOT_IN_PROMPT = "Write two sentences about a lighthouse keeper."
 
-def streamed_chat(url: str, model: str, question: str) -> tuple[str, Any]:
-    """A greedy chat streamed through the openai client: (its text, the usage of its last
-    chunk)."""
+
+def streamed_chat(
+    url: str, model: str, question: str, prediction: str | None = None
+) -> tuple[str, Any]:
+    """A greedy chat streamed through the openai client (with OpenAI's Predicted Outputs where
+    `prediction` is given): (its text, the usage of its last chunk)."""
     client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=300)
+    predicted = {} if prediction is None else {"type": "content", "content": prediction}
     stream = client.chat.completions.create(
         model=model,
         messages=[{"role": "user", "content": question}],
@@ -105,6 +110,7 @@ def streamed_chat(url: str, model: str, question: str) -> tuple[str, Any]:
         max_tokens=32,
         stream=True,
         stream_options={"include_usage": True},
+        **({"prediction": predicted} if predicted else {}),
     )
     text, usage = [], None
     for chunk in stream:
@@ -136,6 +142,14 @@ def test_ngram_speculation_serves_then_a_killed_server_takes_its_engine_core_alo
         assert delta["vllm:spec_decode_num_accepted_tokens_total"] == accepted
         assert delta["vllm:spec_decode_num_draft_tokens_total"] == accepted + rejected
         assert delta["vllm:spec_decode_num_drafts_total"] > 0
+
+        # A question whose answer its prompt does not hold, with that answer (the server's
+        # without speculation) as the prediction: the same text, most of it accepted.
+        answer = streamed_chat(server.url, model_name, ANSWER_NOT_IN_PROMPT)[0]
+        text, usage = streamed_chat(serve.url, model, ANSWER_NOT_IN_PROMPT, prediction=answer)
+        assert text == answer
+        details = usage.completion_tokens_details
+        assert details.accepted_prediction_tokens >= 0.6 * usage.completion_tokens, usage
 
         core = serve.core_pid()
         serve.proc.kill()
