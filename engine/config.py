@@ -269,8 +269,8 @@ class SpeculativeConfig:
     # No proposals while more sequences than this run (verifying k extra tokens per sequence
     # costs compute a large batch no longer has spare). vLLM's key.
     disable_by_batch_size: int = 8
-    # No proposals while the measured share of accepted proposals is below this (probed now and
-    # then to measure it again).
+    # No proposals for a sequence while its measured share of accepted proposals is below this
+    # (probed now and then to measure it again; engine/spec_decode/policy.py).
     min_acceptance: float = 0.2
 
     def __post_init__(self) -> None:

@@ -583,7 +583,7 @@ class EngineCore:
         ):
             seq = item.seq
             num_accepted = len(tokens) - 1
-            results.append((item.num_spec_tokens, num_accepted))
+            results.append((seq, item.num_spec_tokens, num_accepted))
             if seq.is_finished:  # aborted meanwhile
                 continue
             max_tokens = seq.params.max_tokens

@@ -332,7 +332,7 @@ def test_speculation_backs_off_in_large_batches_and_at_low_acceptance() -> None:
     assert all(s.spec_token_ids == [] for s in seqs)
     # Acceptance measured near zero: only every PROBE_EVERY-th step proposes.
     for _ in range(40):
-        policy.record([(4, 0)])
+        policy.record([(decoding_seq(), 4, 0)])
     assert policy.acceptance < policy.config.min_acceptance
     proposing_steps = 0
     for _ in range(PROBE_EVERY * 2):
@@ -345,6 +345,41 @@ def test_speculation_backs_off_in_large_batches_and_at_low_acceptance() -> None:
     seq.params = SamplingParams(max_tokens=3)  # 1 generated, 2 left: 1 proposal at most
     SpeculationPolicy(SpeculativeConfig(), max_seq_len=4096).propose([seq])
     assert seq.spec_token_ids == [1]
+
+
+def test_each_sequence_backs_off_on_its_own_acceptance() -> None:
+    """One sequence's rejected proposals back it off alone: another keeps proposing. A new
+    sequence starts from the engine's acceptance over all of them, one with a prediction from
+    full confidence."""
+    policy = SpeculationPolicy(SpeculativeConfig(), max_seq_len=4096)
+    missing, copying = decoding_seq(), decoding_seq()
+    for _ in range(30):
+        policy.propose([missing, copying])
+        policy.record([(missing, 4, 0), (copying, 4, 4)])
+    assert policy.acceptance_of(missing) < policy.config.min_acceptance
+    assert policy.acceptance_of(copying) > 0.9
+    proposed = {"missing": 0, "copying": 0}
+    for _ in range(PROBE_EVERY * 2):
+        policy.propose([missing, copying])
+        proposed["missing"] += bool(missing.spec_token_ids)
+        proposed["copying"] += bool(copying.spec_token_ids)
+    assert proposed == {"missing": 2, "copying": PROBE_EVERY * 2}  # the first: its probes alone
+    # The engine's acceptance (half of all proposals accepted) is where a new sequence starts.
+    assert policy.acceptance_of(decoding_seq()) == pytest.approx(0.5, abs=0.05)
+    # Every proposal missing for a while: a new sequence is backed off from its first step, one
+    # with a prediction is not.
+    for _ in range(40):
+        policy.record([(decoding_seq(), 4, 0)])
+    plain, predicted = decoding_seq(), decoding_seq()
+    predicted.params = SamplingParams(prediction_token_ids=(9, 9))
+    policy.propose([plain, predicted])
+    if policy.num_steps % PROBE_EVERY == 0:  # a probe step proposes for all: take the next
+        policy.propose([plain, predicted])
+    # (The prediction has no match: its proposals come from its own tokens.)
+    assert plain.spec_token_ids == [] and predicted.spec_token_ids == [1, 2, 3, 4]
+    # Sequences no longer running are forgotten.
+    policy.propose([plain])
+    assert set(policy.seq_acceptance) <= {plain.seq_id}
 
 
 class CountingNgram(NgramProposer):
