@@ -21,6 +21,7 @@ import argparse
 import asyncio
 import itertools
 import json
+import os
 import statistics
 import sys
 import tempfile
@@ -31,7 +32,7 @@ from typing import Any
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from serve_startup import serving
+from serve_startup import serving, with_source
 
 SCHEMA = {
     "type": "object",
@@ -114,7 +115,7 @@ async def one_round(url: str, args: argparse.Namespace) -> dict[str, Any]:
 
 
 def run_variant(extra_path: str | None, log_path: Path, args: argparse.Namespace) -> dict:
-    with serving(extra_path, log_path, timeout_s=300) as server:
+    with serving(with_source(dict(os.environ), extra_path), log_path, timeout_s=300) as server:
         return asyncio.run(one_round(server.url, args))
 
 

@@ -183,11 +183,14 @@ def start_env(variant: Variant, prepared: Prepared, start: int) -> dict[str, str
     # An empty directory, not the variable unset: the package's own prebuilt/ is not measured.
     kernels = prepared.kernels if variant.prebuilt else prepared.work / "no-kernels"
     env["KVPILOT_PREBUILT_KERNELS"] = str(kernels)
-    if variant.baseline_src is not None:
-        env["PYTHONPATH"] = os.pathsep.join(
-            p for p in (variant.baseline_src, env.get("PYTHONPATH")) if p
-        )
-    return env
+    return with_source(env, variant.baseline_src)
+
+
+def with_source(env: dict[str, str], src: str | None) -> dict[str, str]:
+    """env with src (a directory holding a `kvpilot` package) first on PYTHONPATH, if given."""
+    if src is None:
+        return env
+    return {**env, "PYTHONPATH": os.pathsep.join(p for p in (src, env.get("PYTHONPATH")) if p)}
 
 
 @dataclass(frozen=True)
