@@ -22,12 +22,10 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import platform
 import statistics
-import time
 from pathlib import Path
 
-from spec_decode import NGRAM_CONFIG, PARAGRAPHS, TASKS
+from spec_decode import NGRAM_CONFIG, chat_prompts, edit_tasks, itl_s, run_facts
 
 from kvpilot.engine import LLM, SamplingParams
 from kvpilot.engine.config import SpeculativeConfig
@@ -48,9 +46,7 @@ class Workload:
 
 
 def workloads(num: int) -> list[Workload]:
-    edits = [
-        (TASKS[i % len(TASKS)], PARAGRAPHS[(i // len(TASKS)) % len(PARAGRAPHS)]) for i in range(num)
-    ]
+    edits = edit_tasks(num)
     return [
         Workload("edit", [task.format(p=p) for task, p in edits], [p for _, p in edits]),
         Workload(
@@ -59,22 +55,8 @@ def workloads(num: int) -> list[Workload]:
     ]
 
 
-def chat_prompts(llm: LLM, tasks: list[str]) -> list[str]:
-    return [
-        llm.tokenizer.apply_chat_template(
-            [{"role": "user", "content": task}], add_generation_prompt=True, tokenize=False
-        )
-        for task in tasks
-    ]
-
-
 def itls(outs: list[RequestOutput]) -> list[float]:
-    found = []
-    for out in outs:
-        m, n = out.metrics, len(out.outputs[0].token_ids)
-        if n > 1 and m.first_token_time is not None and m.last_token_time is not None:
-            found.append((m.last_token_time - m.first_token_time) / (n - 1))
-    return found
+    return [itl for out in outs if (itl := itl_s(out)) is not None]
 
 
 def measure(
@@ -153,10 +135,9 @@ def main() -> None:
     report = {
         "command": f"python bench/predicted_outputs.py --concurrency {args.concurrency} "
         f"--rounds {args.rounds} --max-tokens {args.max_tokens}",
-        "machine": f"{platform.machine()} {platform.node()}",
+        **run_facts(),
         "dtype": args.dtype,
         "speculative_config": NGRAM_CONFIG,
-        "when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         "results": results,
     }
     if args.out is not None:

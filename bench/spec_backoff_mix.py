@@ -19,14 +19,12 @@ import argparse
 import dataclasses
 import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
-import time
 from pathlib import Path
 
-from spec_decode import NGRAM_CONFIG, PARAGRAPHS
+from spec_decode import NGRAM_CONFIG, PARAGRAPHS, chat_prompts, itl_s, run_facts
 
 FREE = [f"Write a short story about {t}." for t in
         ("a dragon", "a robot", "the sea", "a market", "a cat", "a train", "a forest")]  # fmt: skip
@@ -48,14 +46,12 @@ def measure() -> dict[str, float]:
     )
 
     def chat(task: str) -> str:
-        return llm.tokenizer.apply_chat_template(
-            [{"role": "user", "content": task}], add_generation_prompt=True, tokenize=False
-        )
+        return chat_prompts(llm, [task])[0]
 
     def itl_ms(out: RequestOutput) -> float:
-        m, n = out.metrics, len(out.outputs[0].token_ids)
-        assert m.first_token_time is not None and m.last_token_time is not None and n > 1
-        return (m.last_token_time - m.first_token_time) / (n - 1) * 1000
+        itl = itl_s(out)
+        assert itl is not None, "a request of under two tokens"
+        return itl * 1000
 
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
     answer = llm.generate([chat(PREDICTED)], params)[0].outputs[0].text  # also the warm-up
@@ -124,9 +120,8 @@ def main() -> None:
         report = {
             "command": f"python bench/spec_backoff_mix.py --rounds {args.rounds}"
             + (f" --baseline-src {args.baseline_src}" if args.baseline_src else ""),
-            "machine": f"{platform.machine()} {platform.node()}",
+            **run_facts(),
             "speculative_config": NGRAM_CONFIG,
-            "when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
             "rounds": rounds,
             "medians": medians,
         }

@@ -32,6 +32,7 @@ from pathlib import Path
 from kvpilot.engine import LLM, SamplingParams
 from kvpilot.engine.config import SpeculativeConfig
 from kvpilot.engine.model.layer_cut import cut_layers
+from kvpilot.engine.outputs import RequestOutput
 from kvpilot.engine.spec_decode.draft_model import BUILTIN_NAME, BUILTIN_SCHEME, draft_source
 
 NGRAM_CONFIG = (
@@ -62,30 +63,49 @@ TASKS = [
 ]
 
 
+def chat_prompts(llm: LLM, tasks: list[str]) -> list[str]:
+    """Each task as one user message, rendered with the model's chat template."""
+    return [
+        llm.tokenizer.apply_chat_template(
+            [{"role": "user", "content": task}], add_generation_prompt=True, tokenize=False
+        )
+        for task in tasks
+    ]
+
+
+def edit_tasks(num: int) -> list[tuple[str, str]]:
+    """num (task, paragraph) pairs, cycling through the paragraphs and tasks."""
+    return [
+        (TASKS[i % len(TASKS)], PARAGRAPHS[(i // len(TASKS)) % len(PARAGRAPHS)]) for i in range(num)
+    ]
+
+
 def workload(llm: LLM, num: int) -> list[str]:
     """num chat prompts, cycling through the paragraphs and tasks."""
-    prompts = []
-    for i in range(num):
-        task = TASKS[i % len(TASKS)].format(p=PARAGRAPHS[(i // len(TASKS)) % len(PARAGRAPHS)])
-        prompts.append(
-            llm.tokenizer.apply_chat_template(
-                [{"role": "user", "content": task}], add_generation_prompt=True, tokenize=False
-            )
-        )
-    return prompts
+    return chat_prompts(llm, [task.format(p=p) for task, p in edit_tasks(num)])
+
+
+def itl_s(out: RequestOutput) -> float | None:
+    """A request's ITL: (last token - first token) / (tokens - 1); None under two tokens."""
+    m, n = out.metrics, len(out.outputs[0].token_ids)
+    if n < 2 or m.first_token_time is None or m.last_token_time is None:
+        return None
+    return (m.last_token_time - m.first_token_time) / (n - 1)
 
 
 def run_round(llm: LLM, prompts: list[str], max_tokens: int) -> tuple[list[float], list]:
     """Per-request ITL (s) and the token ids, all prompts at once."""
     outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=max_tokens))
-    itls, tokens = [], []
-    for out in outs:
-        m = out.metrics
-        n = len(out.outputs[0].token_ids)
-        tokens.append(out.outputs[0].token_ids)
-        if n > 1 and m.first_token_time is not None and m.last_token_time is not None:
-            itls.append((m.last_token_time - m.first_token_time) / (n - 1))
-    return itls, tokens
+    itls = [itl for out in outs if (itl := itl_s(out)) is not None]
+    return itls, [out.outputs[0].token_ids for out in outs]
+
+
+def run_facts() -> dict[str, str]:
+    """Where and when a report's figures were taken."""
+    return {
+        "machine": f"{platform.machine()} {platform.node()}",
+        "when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+    }
 
 
 def main() -> None:
@@ -184,10 +204,9 @@ def run(args: argparse.Namespace, spec: SpeculativeConfig) -> None:
         "command": "python bench/spec_decode.py "
         f"--concurrency {args.concurrency} --rounds {args.rounds} --max-tokens {args.max_tokens}"
         + draft,
-        "machine": f"{platform.machine()} {platform.node()}",
+        **run_facts(),
         "dtype": args.dtype,
         "speculative_config": args.speculative_config or repr(spec),
-        "when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         "results": results,
     }
     if args.out is not None:
