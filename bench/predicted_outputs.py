@@ -14,7 +14,9 @@ Greedy decoding: the three give the same tokens (checked: a mismatch fails the r
 concurrency C runs max(C, 4) requests, C at a time (max_num_seqs C); rounds alternate the order.
 
     .venv/bin/python bench/predicted_outputs.py --concurrency 1,8 --rounds 2 \
-        --out bench/predicted_outputs.json
+        --out bench/predicted_outputs.json --plot bench/predicted_outputs.png
+    .venv/bin/python bench/predicted_outputs.py --replot bench/predicted_outputs.json \
+        --plot bench/predicted_outputs.png
 """
 
 from __future__ import annotations
@@ -112,6 +114,27 @@ def measure(
     }
 
 
+def plot(results: list[dict[str, object]], path: Path) -> None:
+    """Mean ITL per variant, one group of bars per workload and concurrency."""
+    from common.plotting import pyplot
+
+    plt = pyplot()
+    fig, ax = plt.subplots(figsize=(8, 3.6))
+    width = 0.8 / len(VARIANTS)
+    labels = [f"{row['workload']}\nc={row['concurrency']}" for row in results]
+    for i, variant in enumerate(VARIANTS):
+        values = [float(row[f"itl_ms {variant}"]) for row in results]  # type: ignore[arg-type]
+        xs = [x + (i - 1) * width for x in range(len(results))]
+        bars = ax.bar(xs, values, width, label=variant)
+        ax.bar_label(bars, fmt="%.1f", fontsize=7)
+    ax.set_xticks(range(len(results)), labels)
+    ax.set_ylabel("mean ITL per request (ms), lower is better")
+    ax.set_title("OpenAI's prediction on n-gram speculation (SmolLM2-135M, CPU, greedy)")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--concurrency", default="1,8", help="comma-separated")
@@ -119,7 +142,12 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=96)
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--out", type=Path, default=None, help="write the figures as JSON")
+    parser.add_argument("--plot", type=Path, default=None, help="draw the ITLs here (png)")
+    parser.add_argument("--replot", type=Path, help="no run: the plot of an --out file")
     args = parser.parse_args()
+    if args.replot:
+        plot(json.loads(args.replot.read_text())["results"], args.plot or Path("itl.png"))
+        return
     spec = SpeculativeConfig.from_json(NGRAM_CONFIG)
     results = []
     for conc in (int(c) for c in args.concurrency.split(",")):
@@ -142,6 +170,8 @@ def main() -> None:
     }
     if args.out is not None:
         args.out.write_text(json.dumps(report, indent=2) + "\n")
+    if args.plot is not None:
+        plot(results, args.plot)
 
 
 if __name__ == "__main__":
