@@ -65,7 +65,7 @@ class TextPart(_Strict):
 
 class Prediction(_Strict):
     """OpenAI's Predicted Outputs: text the answer is expected to repeat for the most part (a file
-    being edited). The engine proposes from it where the server speculates by n-gram lookup."""
+    being edited). The engine proposes from it where the server speculates."""
 
     type: Literal["content"]
     content: str | list[TextPart]

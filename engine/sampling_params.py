@@ -31,7 +31,7 @@ class SamplingParams:
     # Grammar-constrained decoding (JSON schema, regex, choice, EBNF); None: free text.
     structured: StructuredSpec | None = None
     # What the output is expected to repeat for the most part (OpenAI's Predicted Outputs, as
-    # tokens): n-gram speculation proposes from it first (spec_decode/ngram.py).
+    # tokens): speculation proposes from it first (spec_decode/prediction.py).
     prediction_token_ids: tuple[int, ...] = ()
     extra: dict[str, object] = field(default_factory=dict, compare=False, hash=False)
 

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from kvpilot.engine.config import SpeculativeConfig
 from kvpilot.engine.sequence import Sequence
 from kvpilot.engine.spec_decode.ngram import NgramProposer
+from kvpilot.engine.spec_decode.prediction import propose_with_predictions
 from kvpilot.engine.spec_decode.proposer import Proposer
 
 # While acceptance is low, one step in this many still proposes, so that the average can recover.
@@ -89,7 +90,14 @@ class SpeculationPolicy:
                 seqs.append(seq)
                 nums.append(num)
         if seqs:
-            for seq, proposal in zip(seqs, self.proposer.propose(seqs, nums), strict=True):
+            proposals = propose_with_predictions(
+                self.proposer,
+                seqs,
+                nums,
+                min_n=self.config.prompt_lookup_min,
+                max_n=self.config.prompt_lookup_max,
+            )
+            for seq, proposal in zip(seqs, proposals, strict=True):
                 seq.spec_token_ids = proposal
 
     def acceptance_of(self, seq: Sequence) -> float:

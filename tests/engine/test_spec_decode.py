@@ -17,12 +17,12 @@ from kvpilot.engine.config import SpeculativeConfig
 from kvpilot.engine.sequence import Sequence
 from kvpilot.engine.server.from_flags import engine_config, parse_flags
 from kvpilot.engine.server.metrics import EngineCounters, ServerMetrics
-from kvpilot.engine.spec_decode.ngram import (
-    NgramProposer,
-    propose_from_prediction,
-    propose_ngram,
-)
+from kvpilot.engine.spec_decode.ngram import NgramProposer, propose_ngram
 from kvpilot.engine.spec_decode.policy import PROBE_EVERY, SpeculationPolicy
+from kvpilot.engine.spec_decode.prediction import (
+    propose_from_prediction,
+    propose_with_predictions,
+)
 from kvpilot.engine.spec_decode.verify import greedy_accept, rejection_sample
 
 # ---- the flag --------------------------------------------------------------------------------
@@ -109,8 +109,15 @@ def test_a_prediction_is_proposed_from_where_the_output_stands_in_it() -> None:
     assert propose_from_prediction([10, 11], prediction, min_n=3, max_n=3, num_tokens=3) == []
 
 
-def test_the_proposer_looks_in_the_prediction_first_then_the_sequence() -> None:
-    proposer = NgramProposer(min_n=1, max_n=2)
+def test_the_prediction_is_looked_in_first_then_the_method_asked_for_the_rest() -> None:
+    asked: list[list[str]] = []
+
+    class Recording(NgramProposer):
+        def propose(self, seqs: list[Sequence], num_tokens: list[int]) -> list[list[int]]:
+            asked.append([seq.request_id for seq in seqs])
+            return super().propose(seqs, num_tokens)
+
+    proposer = Recording(min_n=1, max_n=2)
     prompt = [1, 2, 3, 1]  # its own lookup proposes [2, 3] after the last 1
     own = Sequence("r", 0, [*prompt, 2], num_prompt_tokens=4, params=SamplingParams())
     predicted = Sequence(
@@ -121,7 +128,11 @@ def test_the_proposer_looks_in_the_prediction_first_then_the_sequence() -> None:
         "u", 0, [*prompt, 2], num_prompt_tokens=4,
         params=SamplingParams(prediction_token_ids=(5, 6)),
     )  # fmt: skip
-    assert proposer.propose([own, predicted, unmatched], [2, 2, 2]) == [[3, 1], [7, 8], [3, 1]]
+    got = propose_with_predictions(
+        proposer, [own, predicted, unmatched], [2, 2, 2], min_n=1, max_n=2
+    )
+    assert got == [[3, 1], [7, 8], [3, 1]]
+    assert asked == [["r", "u"]]  # once, for the sequences the prediction did not serve
 
 
 def test_greedy_accepts_the_proposals_the_target_argmax_agrees_with() -> None:

@@ -6,6 +6,7 @@ flag's JSON in vLLM's shapes."""
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -178,6 +179,32 @@ def test_the_target_as_its_own_draft_accepts_every_proposal(
     assert reserve.weight_bytes == core.model_config.num_params * 4
     assert reserve.kv_bytes_per_token * core.block_size == proposer.pool.bytes_per_block
     assert reserve.max_kv_tokens >= proposer.pool.num_blocks * core.block_size
+
+
+def test_predictions_come_first_and_the_draft_catches_up_on_what_it_sat_out(
+    models: dict[str, Path], plain: list[list[int]]
+) -> None:
+    """Two of four requests bring their answer as the prediction: every step of theirs proposes
+    from it (all accepted), the draft proposing for the other two; greedy outputs are those
+    without speculation, those of the predicted requests included (their draft state is caught
+    up whenever the prediction has no match)."""
+    llm = draft_engine(models["target"], models["first-layer"])
+    counters = llm.engine.core.speculation.counters
+    baseline = outputs(llm)
+    accepted_without = counters.num_accepted_tokens
+    params = [
+        dataclasses.replace(GREEDY, prediction_token_ids=tuple(plain[i])) if i < 2 else GREEDY
+        for i in range(len(PROMPT_LENGTHS))
+    ]
+    before = counters.num_accepted_tokens
+    got = [o.outputs[0].token_ids for o in llm.generate(prompts(), params)]
+    assert baseline == plain and got == plain
+    accepted_with = counters.num_accepted_tokens - before
+    # Two 24-token answers proposed from their predictions: most of their tokens come accepted.
+    assert accepted_with >= accepted_without + 20, (accepted_with, accepted_without)
+    # A prediction that is wrong from its first token on: the draft proposes instead.
+    wrong = [dataclasses.replace(GREEDY, prediction_token_ids=(1, 1, 1, 1)) for _ in prompts()]
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts(), wrong)] == plain
 
 
 def test_a_draft_of_another_vocabulary_is_refused_at_start(models: dict[str, Path]) -> None:
