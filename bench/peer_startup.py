@@ -18,14 +18,12 @@ from __future__ import annotations
 import contextlib
 import subprocess
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Iterator
 from datetime import datetime
 from pathlib import Path
 
 from common.peer import VLLM_SERVER_MODULE, vllm_env
-from common.processes import free_port, stop_group
+from common.processes import first_200, free_port, stop_group
 
 VLLM_PHASES: tuple[tuple[str, str], ...] = (
     ("api start", "(APIServer pid="),
@@ -87,7 +85,8 @@ def vllm_serving(
             cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
         )
         try:
-            yield started, wait_health(proc, port, log_path, started + timeout_s)
+            health = f"http://127.0.0.1:{port}/health"
+            yield started, first_200(health, proc, started + timeout_s, f"vLLM (see {log_path})")
         finally:
             proc.terminate()
             stop_group(proc, grace_s=60)
@@ -105,17 +104,3 @@ def vllm_start_once(
     with vllm_serving(python, model_dir, extra_args, env, log_path, timeout_s) as (started, ready):
         pass
     return vllm_phases(started, ready, log_path.read_text(errors="replace").splitlines())
-
-
-def wait_health(proc: subprocess.Popen[bytes], port: int, log_path: Path, deadline: float) -> float:
-    while time.time() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"vLLM exited {proc.returncode}: see {log_path}")
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=1) as answer:
-                if answer.status == 200:
-                    return time.time()
-        except (urllib.error.URLError, ConnectionError, TimeoutError):
-            pass
-        time.sleep(0.02)
-    raise RuntimeError(f"vLLM not healthy in time: see {log_path}")

@@ -60,14 +60,13 @@ import subprocess
 import sys
 import tempfile
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common.processes import first_200
 from peer_startup import vllm_start_once
 
 # The log lines that end each phase of the core's load (see the module docstring); each phase's
@@ -227,24 +226,14 @@ def start_once(
 
 
 def wait_ready(proc: subprocess.Popen[bytes], log_path: Path, deadline: float) -> tuple[str, float]:
-    """The server's URL and the time /ready first answered 200 (polled every 20 ms)."""
-    url = None
-    while time.time() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"kvpilot serve exited {proc.returncode}: see {log_path}")
-        if url is None:
-            text = log_path.read_text()
-            if PORT_LINE in text:
-                url = "http://127.0.0.1:" + text.split(PORT_LINE, 1)[1].split()[0]
-        if url is not None:
-            try:
-                with urllib.request.urlopen(f"{url}/ready", timeout=1) as answer:
-                    if answer.status == 200:
-                        return url, time.time()
-            except (urllib.error.URLError, ConnectionError, TimeoutError):
-                pass
+    """The server's URL (from its log) and the time /ready first answered 200 (polled every
+    20 ms)."""
+    while PORT_LINE not in log_path.read_text():
+        if proc.poll() is not None or time.time() >= deadline:
+            raise RuntimeError(f"kvpilot serve did not listen: see {log_path}")
         time.sleep(0.02)
-    raise RuntimeError(f"not ready in time: see {log_path}")
+    url = "http://127.0.0.1:" + log_path.read_text().split(PORT_LINE, 1)[1].split()[0]
+    return url, first_200(f"{url}/ready", proc, deadline, f"kvpilot serve (see {log_path})")
 
 
 def medians(rounds: dict[str, list[dict[str, float]]]) -> dict[str, dict[str, float]]:

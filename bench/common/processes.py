@@ -13,6 +13,8 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.error
+import urllib.request
 from collections.abc import Iterator
 from contextlib import contextmanager, suppress
 from pathlib import Path
@@ -119,6 +121,25 @@ def launched_server(serve_args: list[str], log: Path | None = None) -> Iterator[
         yield server.wait_ready()
     finally:
         server.stop()
+
+
+def first_200(
+    url: str, proc: subprocess.Popen[Any], deadline: float, what: str, interval_s: float = 0.02
+) -> float:
+    """time.time() when `url` first answers 200, polled every interval_s (a start-up's end, to
+    the poll's precision); RuntimeError naming `what` when proc exits or the time.time()
+    deadline passes first."""
+    while time.time() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{what} exited {proc.returncode}")
+        try:
+            with urllib.request.urlopen(url, timeout=1) as answer:
+                if answer.status == 200:
+                    return time.time()
+        except (urllib.error.URLError, ConnectionError, TimeoutError):
+            pass
+        time.sleep(interval_s)
+    raise RuntimeError(f"{what}: {url} not 200 in time")
 
 
 def free_port() -> int:
