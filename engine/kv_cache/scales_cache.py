@@ -17,6 +17,7 @@ import contextlib
 import hashlib
 import logging
 import os
+import tempfile
 from pathlib import Path
 
 import torch
@@ -103,17 +104,22 @@ def fits(value: torch.Tensor | None, num_kv_heads: int) -> bool:
 
 
 def write_cached_scales(path: Path, scales: KVScales) -> None:
-    """Keeps the scales at `path`, whole or not at all (written beside it, then renamed)."""
+    """Keeps the scales at `path`, whole or not at all: written to a file of its own beside it (a
+    name no other writer has, pods on a shared volume included), then renamed over it."""
     tensors = {}
     for layer, (k, v) in enumerate(scales):
         tensors[f"layers.{layer}.k"] = k.detach().to("cpu", torch.float32).contiguous()
         tensors[f"layers.{layer}.v"] = v.detach().to("cpu", torch.float32).contiguous()
-    tmp = path.with_name(f".{path.name}.{os.getpid()}")
+    tmp: Path | None = None
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        save_file(tensors, str(tmp))
+        handle, name = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+        os.close(handle)
+        tmp = Path(name)
+        save_file(tensors, name)
         tmp.replace(path)
     except OSError as exc:
         log.info("FP8 KV scales not kept (%s): the next start calibrates again", exc)
-        with contextlib.suppress(OSError):
-            tmp.unlink()
+        if tmp is not None:
+            with contextlib.suppress(OSError):
+                tmp.unlink()
