@@ -4,7 +4,9 @@ answer expected), looked up before the method's own (n-gram or a draft model).
 The output's suffix is found in the prediction, the occurrence whose end lies nearest the
 output's own length taken (an edit keeps the output near the prediction's positions, shifted by
 what it inserted or removed; of repeated n-grams, such as indentation, the nearest is the
-likeliest), and the prediction's tokens after it proposed. Where the prediction has no match,
+likeliest), and the prediction's tokens after it proposed; an output still shorter than the
+shortest n-gram looked up (its first decode steps) is proposed the prediction's continuation
+where it is how the prediction starts. Where the prediction has no match,
 the method proposes as without one: a draft model then catches up on the tokens it did not see
 (draft_model.py), as after any step it sat out.
 """
@@ -30,7 +32,11 @@ def propose_from_prediction(
     """Up to num_tokens proposals from the prediction for what follows output_ids (module
     docstring); empty when no suffix of length in [min_n, max_n] of the output occurs in it."""
     length = len(output_ids)
-    if num_tokens < 1 or length < min_n or not prediction:
+    if num_tokens < 1 or not prediction:
+        return []
+    if length < min_n:  # too short to look up: aligned by position, if the prediction starts so
+        if list(prediction[:length]) == list(output_ids):
+            return list(prediction[length : length + num_tokens])
         return []
     out = np.asarray(output_ids[-max_n:], dtype=np.int64)
     pred = np.asarray(prediction, dtype=np.int64)

@@ -106,7 +106,11 @@ def test_a_prediction_is_proposed_from_where_the_output_stands_in_it() -> None:
     assert propose_from_prediction([1, 2], [2, 9, 1, 2, 8], **sizes) == [8]
     assert propose_from_prediction([42], prediction, **sizes) == []
     assert propose_from_prediction([10], [], **sizes) == []
-    assert propose_from_prediction([10, 11], prediction, min_n=3, max_n=3, num_tokens=3) == []
+    # Shorter than the shortest n-gram: proposed what follows where the prediction starts so.
+    assert propose_from_prediction([10, 11], prediction, min_n=3, max_n=3, num_tokens=3) == [
+        12, 13, 14,
+    ]  # fmt: skip
+    assert propose_from_prediction([11], prediction, min_n=2, max_n=3, num_tokens=3) == []
 
 
 def test_the_prediction_is_looked_in_first_then_the_method_asked_for_the_rest() -> None:
