@@ -62,6 +62,16 @@ def bad_request(message: str, *, param: str | None = None, code: str | None = No
     return APIError(400, message, type="invalid_request_error", param=param, code=code)
 
 
+def context_length_exceeded(max_model_len: int, however: str, *, param: str) -> APIError:
+    """OpenAI's 400 for a request past the model's context: its sentence, then `however` (what
+    the request holds, and what to reduce)."""
+    return bad_request(
+        f"This model's maximum context length is {max_model_len} tokens. However, {however}",
+        param=param,
+        code="context_length_exceeded",
+    )
+
+
 def too_large(num_bytes: int | None, limit: int) -> APIError:
     what = "exceeds" if num_bytes is None else f"has {num_bytes} bytes, over"
     return APIError(

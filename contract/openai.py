@@ -63,6 +63,15 @@ class TextPart(_Strict):
     text: str
 
 
+def text_of(content: str | list[TextPart] | None) -> str:
+    """A message's or a prediction's content as one text (its text parts joined)."""
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    return "".join(part.text for part in content)
+
+
 class Prediction(_Strict):
     """OpenAI's Predicted Outputs: text the answer is expected to repeat for the most part (a file
     being edited). The engine proposes from it where the server speculates."""
@@ -71,9 +80,7 @@ class Prediction(_Strict):
     content: str | list[TextPart]
 
     def text(self) -> str:
-        if isinstance(self.content, str):
-            return self.content
-        return "".join(part.text for part in self.content)
+        return text_of(self.content)
 
 
 class SamplingRequest(_Strict):
@@ -183,11 +190,7 @@ class ChatMessage(_Strict):
     tool_call_id: str | None = None  # tool messages
 
     def text(self) -> str:
-        if self.content is None:
-            return ""
-        if isinstance(self.content, str):
-            return self.content
-        return "".join(part.text for part in self.content)
+        return text_of(self.content)
 
 
 class ChatCompletionRequest(SamplingRequest):

@@ -139,12 +139,11 @@ def prediction_tokens(
     _check_not_surely_too_long(text, limits, what="prediction", param="prediction")
     token_ids = tokenizer.encode(text, add_special_tokens=False)
     if len(token_ids) > limits.max_model_len:  # longer than any output can be
-        raise errors.bad_request(
-            f"This model's maximum context length is {limits.max_model_len} tokens. However, "
+        raise errors.context_length_exceeded(
+            limits.max_model_len,
             f"your prediction has {len(token_ids)} tokens. Please reduce the length of the "
             "prediction.",
             param="prediction",
-            code="context_length_exceeded",
         )
     return tuple(token_ids)
 
@@ -265,12 +264,11 @@ def _check_not_surely_too_long(text: str, limits: PromptLimits, *, what: str, pa
         return
     at_least = math.ceil(len(text) / limits.max_chars_per_token)
     if at_least >= limits.max_model_len:
-        raise errors.bad_request(
-            f"This model's maximum context length is {limits.max_model_len} tokens. However, "
+        raise errors.context_length_exceeded(
+            limits.max_model_len,
             f"your {what} has {len(text)} characters, which is at least {at_least} tokens. Please "
             f"reduce the length of the {what}.",
             param=param,
-            code="context_length_exceeded",
         )
 
 

@@ -53,23 +53,21 @@ def resolve_max_tokens(
     """max_tokens to use, or a 400 with OpenAI's context-length message and the numbers. Without
     a request's own max_tokens: what the context leaves, at most `limit` (the server's cap)."""
     if prompt_len >= max_model_len:
-        raise errors.bad_request(
-            f"This model's maximum context length is {max_model_len} tokens. However, your "
-            f"{what} has {prompt_len} tokens, which leaves no room for a completion. Please reduce "
-            f"the length of the {what}.",
+        raise errors.context_length_exceeded(
+            max_model_len,
+            f"your {what} has {prompt_len} tokens, which leaves no room for a completion. Please "
+            f"reduce the length of the {what}.",
             param=param,
-            code="context_length_exceeded",
         )
     if requested is None:
         return min(max_model_len - prompt_len, limit or max_model_len)
     if prompt_len + requested > max_model_len:
-        raise errors.bad_request(
-            f"This model's maximum context length is {max_model_len} tokens. However, you "
-            f"requested {prompt_len + requested} tokens ({prompt_len} in the {what}, "
+        raise errors.context_length_exceeded(
+            max_model_len,
+            f"you requested {prompt_len + requested} tokens ({prompt_len} in the {what}, "
             f"{requested} in the completion). Please reduce the length of the {what} or "
             "completion.",
             param="max_tokens",
-            code="context_length_exceeded",
         )
     return requested
 
