@@ -5,10 +5,10 @@ for an 8B model on a CPU.
 One file per model version, dtypes, device kind and rank's KV heads, under the model cache
 (KVPILOT_CACHE_DIR: a pod's model-cache volume, shared by its replicas):
 `kv_scales/<key>.safetensors`. The key hashes what the scales depend on: the model's files as they
-are (each weight file's and config.json's path, size and mtime: a new or rewritten file misses),
-the FP8 and model dtypes, the device kind, the KV heads and the calibration's constants. A file
-that cannot be read or does not fit the model is a miss, and is written again; a cache that
-cannot be written only costs the next start its calibration.
+are (each weight file's and config.json's path, size, mtime and inode: a new or rewritten file
+misses), the FP8 and model dtypes, the device kind, the KV heads and the calibration's constants.
+A file that cannot be read or does not fit the model is a miss, and is written again; a cache
+that cannot be written only costs the next start its calibration.
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ from kvpilot.engine.kv_cache.kv_scales import (
     CALIBRATION_TOKENS,
     KVScales,
 )
+from kvpilot.engine.model.files import file_identity
 
 log = logging.getLogger("kvpilot")
 
@@ -38,13 +39,11 @@ FORMAT_VERSION = 1
 
 
 def model_file_identity(hf_dir: Path) -> list[str]:
-    """Path, size and mtime of the files the model's numbers come from."""
-    files = sorted([*hf_dir.glob("*.safetensors"), hf_dir / "config.json"])
-    identity = []
-    for file in files:
-        st = file.stat()
-        identity.append(f"{file.resolve()}:{st.st_size}:{st.st_mtime_ns}")
-    return identity
+    """The identity (files.file_identity) of each file the model's numbers come from."""
+    return [
+        file_identity(file)
+        for file in sorted([*hf_dir.glob("*.safetensors"), hf_dir / "config.json"])
+    ]
 
 
 def scales_key(

@@ -31,6 +31,13 @@ def load_tokenizer(hf_dir: Path) -> Any:
         raise ModelFileError(f"{hf_dir}: no usable tokenizer ({exc})") from exc
 
 
+def file_identity(path: Path) -> str:
+    """What tells this version of a file from another without reading it: its resolved path,
+    size, mtime and inode (a new file at the same path, or a rewrite, changes one of them)."""
+    st = path.stat()
+    return f"{path.resolve()}:{st.st_size}:{st.st_mtime_ns}:{st.st_ino}"
+
+
 def eos_token_ids(model_eos: tuple[int, ...], tokenizer: Any) -> tuple[int, ...]:
     """The model config's EOS ids and the tokenizer's, if it names one."""
     ids = set(model_eos)

@@ -23,6 +23,7 @@ from safetensors.torch import save_file
 from tqdm import tqdm
 
 from kvpilot.engine.model.files import ModelFileError as ModelFileError
+from kvpilot.engine.model.files import file_identity
 from kvpilot.engine.model.publish import publish_once
 
 log = logging.getLogger("kvpilot")
@@ -61,9 +62,7 @@ def content_digest(path: Path, root: Path | None = None) -> str:
     under a key of what identifies this version of the file cheaply (a new file at the same path,
     or a rewrite, changes size, mtime or inode: that key then misses and the bytes are hashed
     again; the same bytes give the same digest whatever the path)."""
-    st = path.stat()
-    identity = f"{path.resolve()}:{st.st_size}:{st.st_mtime_ns}:{st.st_ino}"
-    memo_name = hashlib.sha256(identity.encode()).hexdigest()[:32]
+    memo_name = hashlib.sha256(file_identity(path).encode()).hexdigest()[:32]
     memo = (root or cache_root()) / "gguf" / "digests" / memo_name
     with contextlib.suppress(OSError):
         known = memo.read_text().strip()
