@@ -79,17 +79,16 @@ def read_cached_scales(path: Path, num_layers: int, num_kv_heads: int) -> KVScal
     except (OSError, SafetensorError) as exc:
         log.warning("FP8 KV scales cache %s unreadable (%s): calibrating again", path, exc)
         return None
-    scales: KVScales = []
-    for layer in range(num_layers):
-        pair = [tensors.get(f"layers.{layer}.{which}") for which in ("k", "v")]
-        if not all(fits(value, num_kv_heads) for value in pair):
-            log.warning("FP8 KV scales cache %s does not fit the model: calibrating again", path)
-            return None
-        scales.append((pair[0], pair[1]))  # type: ignore[arg-type]
-    if len(tensors) != 2 * num_layers:
+    scales = [
+        (tensors.get(f"layers.{layer}.k"), tensors.get(f"layers.{layer}.v"))
+        for layer in range(num_layers)
+    ]
+    if len(tensors) != 2 * num_layers or not all(
+        fits(value, num_kv_heads) for pair in scales for value in pair
+    ):
         log.warning("FP8 KV scales cache %s does not fit the model: calibrating again", path)
         return None
-    return scales
+    return scales  # type: ignore[return-value]
 
 
 def fits(value: torch.Tensor | None, num_kv_heads: int) -> bool:

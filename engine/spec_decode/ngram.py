@@ -11,6 +11,12 @@ import numpy as np
 from kvpilot.engine.sequence import Sequence as EngineSequence
 
 
+def occurrences(tokens: np.ndarray, ngram: np.ndarray) -> np.ndarray:
+    """The start of every occurrence of ngram in tokens, in order."""
+    windows = np.lib.stride_tricks.sliding_window_view(tokens, len(ngram))
+    return np.flatnonzero((windows == ngram).all(axis=1))
+
+
 def propose_ngram(
     token_ids: Sequence[int], *, min_n: int, max_n: int, num_tokens: int
 ) -> list[int]:
@@ -22,10 +28,8 @@ def propose_ngram(
         return []
     ids = np.asarray(token_ids, dtype=np.int64)
     for n in range(min(max_n, length - 1), min_n - 1, -1):
-        suffix = ids[length - n :]
-        # Windows starting at 0 .. length-n-1: every occurrence but the suffix itself.
-        windows = np.lib.stride_tricks.sliding_window_view(ids[: length - 1], n)
-        hits = np.flatnonzero((windows == suffix).all(axis=1))
+        # Searched in all but the last token: every occurrence but the suffix itself.
+        hits = occurrences(ids[: length - 1], ids[length - n :])
         if hits.size:
             start = int(hits[-1]) + n
             return ids[start : start + num_tokens].tolist()

@@ -46,6 +46,11 @@ class SpecDecodeCounters:
     accepted_per_pos: list[int] = field(default_factory=list)
 
 
+def moving_average(average: float, value: float, weight: float) -> float:
+    """The exponential moving average after one more value of the given weight."""
+    return (1 - weight) * average + weight * value
+
+
 def speculates(seq: Sequence) -> bool:
     """Whether this sequence may get proposals at all (see the module's docstring)."""
     return seq.num_pending_tokens == 0 and seq.is_decoding
@@ -118,14 +123,13 @@ class SpeculationPolicy:
         """One step's verifications: (the sequence, proposed tokens, accepted tokens) per
         speculating sequence."""
         c = self.counters
-        w = ACCEPTANCE_EMA_WEIGHT
         proposed = accepted = 0
         for seq, num_draft, num_accepted in results:
             if num_draft == 0:
                 continue
-            share = num_accepted / num_draft
-            own = SEQ_ACCEPTANCE_EMA_WEIGHT
-            self.seq_acceptance[seq.seq_id] = (1 - own) * self.acceptance_of(seq) + own * share
+            self.seq_acceptance[seq.seq_id] = moving_average(
+                self.acceptance_of(seq), num_accepted / num_draft, SEQ_ACCEPTANCE_EMA_WEIGHT
+            )
             c.num_drafts += 1
             c.num_draft_tokens += num_draft
             c.num_accepted_tokens += num_accepted
@@ -134,4 +138,6 @@ class SpeculationPolicy:
             proposed += num_draft
             accepted += num_accepted
         if proposed:
-            self.acceptance = (1 - w) * self.acceptance + w * accepted / proposed
+            self.acceptance = moving_average(
+                self.acceptance, accepted / proposed, ACCEPTANCE_EMA_WEIGHT
+            )

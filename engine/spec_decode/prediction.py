@@ -18,6 +18,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from kvpilot.engine.sequence import Sequence as EngineSequence
+from kvpilot.engine.spec_decode.ngram import occurrences
 from kvpilot.engine.spec_decode.proposer import Proposer
 
 
@@ -41,8 +42,7 @@ def propose_from_prediction(
     out = np.asarray(output_ids[-max_n:], dtype=np.int64)
     pred = np.asarray(prediction, dtype=np.int64)
     for n in range(min(max_n, length, len(pred)), min_n - 1, -1):
-        windows = np.lib.stride_tricks.sliding_window_view(pred, n)
-        hits = np.flatnonzero((windows == out[len(out) - n :]).all(axis=1))
+        hits = occurrences(pred, out[len(out) - n :])
         if hits.size:
             ends = hits + n
             distance = np.abs(ends - length)

@@ -20,6 +20,7 @@ from kvpilot.engine.kv_cache import pool as pool_module
 from kvpilot.engine.kv_cache.budget import decide_num_blocks
 from kvpilot.engine.kv_cache.kv_scales import calibrate_scales
 from kvpilot.engine.kv_cache.pool import Fp8KVPool, KVLayout, bytes_per_block
+from kvpilot.engine.kv_cache.scales_cache import read_cached_scales, write_cached_scales
 from kvpilot.engine.perplexity import perplexity, text_logprobs
 from kvpilot.engine.server.from_flags import engine_config, parse_flags
 
@@ -223,3 +224,21 @@ def test_calibrated_scales_are_kept_for_the_next_start(
         unkept, _ = start()
         assert all(torch.equal(a, b) for a, b in zip(first, unkept, strict=True))
     assert len(calibrations) == 6
+
+
+def test_a_kept_file_that_does_not_fit_the_model_is_a_miss(tmp_path: Path) -> None:
+    """Read back as written where layers and heads match; None for another layer count, another
+    head count, or a scale that is not positive."""
+    path = tmp_path / "scales.safetensors"
+    kept = [(torch.tensor([0.1, 0.2]), torch.tensor([0.3, 0.4])) for _ in range(3)]
+    write_cached_scales(path, kept)
+    read = read_cached_scales(path, 3, 2)
+    assert read is not None
+    assert [torch.stack(pair).tolist() for pair in read] == [
+        torch.stack(pair).tolist() for pair in kept
+    ]
+    assert read_cached_scales(path, 2, 2) is None
+    assert read_cached_scales(path, 4, 2) is None
+    assert read_cached_scales(path, 3, 3) is None
+    write_cached_scales(path, [(torch.tensor([0.1, -1.0]), torch.tensor([0.3, 0.4]))])
+    assert read_cached_scales(path, 1, 2) is None
