@@ -32,7 +32,8 @@ from typing import Any
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from serve_startup import serving, with_source
+from common.processes import with_source
+from serve_startup import serving
 
 SCHEMA = {
     "type": "object",

@@ -27,11 +27,17 @@ import json
 import statistics
 from pathlib import Path
 
-from spec_decode import NGRAM_CONFIG, chat_prompts, edit_tasks, itl_s, run_facts
+from spec_decode import (
+    NGRAM_CONFIG,
+    chat_prompts,
+    edit_tasks,
+    request_itls,
+    run_facts,
+    with_prediction,
+)
 
 from kvpilot.engine import LLM, SamplingParams
 from kvpilot.engine.config import SpeculativeConfig
-from kvpilot.engine.outputs import RequestOutput
 
 TOPICS = ["a lighthouse keeper", "a city at night", "an old bicycle", "the first snow of winter"]
 REGENERATE = "Write three sentences about {t}."
@@ -57,10 +63,6 @@ def workloads(num: int) -> list[Workload]:
     ]
 
 
-def itls(outs: list[RequestOutput]) -> list[float]:
-    return [itl for out in outs if (itl := itl_s(out)) is not None]
-
-
 def measure(
     engines: dict[str, LLM], workload: Workload, rounds: int, max_tokens: int
 ) -> dict[str, object]:
@@ -68,13 +70,7 @@ def measure(
     prompts = chat_prompts(engines["plain"], workload.tasks)
     answers = engines["plain"].generate(prompts, plain_params)  # also the warm-up
     texts = workload.predictions or [out.outputs[0].text for out in answers]
-    tokenizer = engines["plain"].tokenizer
-    predicted = [
-        dataclasses.replace(
-            plain_params, prediction_token_ids=tuple(tokenizer.encode(t, add_special_tokens=False))
-        )
-        for t in texts
-    ]
+    predicted = [with_prediction(plain_params, engines["plain"].tokenizer, t) for t in texts]
     engines["ngram"].generate(prompts[:1], plain_params)  # warm-up
     params = {"plain": plain_params, "ngram": plain_params, "ngram + prediction": predicted}
     engine_of = {"plain": "plain", "ngram": "ngram", "ngram + prediction": "ngram"}
@@ -94,7 +90,7 @@ def measure(
             if speculation is not None:
                 accepted[variant] += speculation.counters.num_accepted_tokens - before[0]
                 drafted[variant] += speculation.counters.num_draft_tokens - before[1]
-            got[variant].extend(itls(outs))
+            got[variant].extend(request_itls(outs))
             tokens[variant] = [list(out.outputs[0].token_ids) for out in outs]
     if not tokens["plain"] == tokens["ngram"] == tokens["ngram + prediction"]:
         raise SystemExit(f"{workload.name}: greedy outputs differ between the variants")

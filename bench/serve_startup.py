@@ -66,7 +66,7 @@ from datetime import datetime
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common.processes import first_200
+from common.processes import first_200, with_source
 from peer_startup import vllm_start_once
 
 # The log lines that end each phase of the core's load (see the module docstring); each phase's
@@ -183,13 +183,6 @@ def start_env(variant: Variant, prepared: Prepared, start: int) -> dict[str, str
     kernels = prepared.kernels if variant.prebuilt else prepared.work / "no-kernels"
     env["KVPILOT_PREBUILT_KERNELS"] = str(kernels)
     return with_source(env, variant.baseline_src)
-
-
-def with_source(env: dict[str, str], src: str | None) -> dict[str, str]:
-    """env with src (a directory holding a `kvpilot` package) first on PYTHONPATH, if given."""
-    if src is None:
-        return env
-    return {**env, "PYTHONPATH": os.pathsep.join(p for p in (src, env.get("PYTHONPATH")) if p)}
 
 
 @dataclass(frozen=True)

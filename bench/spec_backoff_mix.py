@@ -16,7 +16,6 @@ ITL as bench/spec_decode.py measures it: (last token - first token) / (tokens - 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
 import statistics
@@ -24,7 +23,15 @@ import subprocess
 import sys
 from pathlib import Path
 
-from spec_decode import NGRAM_CONFIG, PARAGRAPHS, chat_prompts, itl_s, run_facts
+from common.processes import with_source
+from spec_decode import (
+    NGRAM_CONFIG,
+    PARAGRAPHS,
+    chat_prompts,
+    itl_s,
+    run_facts,
+    with_prediction,
+)
 
 FREE = [f"Write a short story about {t}." for t in
         ("a dragon", "a robot", "the sea", "a market", "a cat", "a train", "a forest")]  # fmt: skip
@@ -55,8 +62,7 @@ def measure() -> dict[str, float]:
 
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
     answer = llm.generate([chat(PREDICTED)], params)[0].outputs[0].text  # also the warm-up
-    ids = tuple(llm.tokenizer.encode(answer, add_special_tokens=False))
-    predicted = dataclasses.replace(params, prediction_token_ids=ids)
+    predicted = with_prediction(params, llm.tokenizer, answer)
     counters = llm.engine.core.speculation.counters
     beside = []
     for _ in range(REPEATS):
@@ -84,9 +90,7 @@ def measure() -> dict[str, float]:
 
 
 def run_child(src: str | None) -> dict[str, float]:
-    env = dict(os.environ)
-    if src is not None:
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (src, env.get("PYTHONPATH")) if p)
+    env = with_source(dict(os.environ), src)
     out = subprocess.run(
         [sys.executable, __file__, "--child"], env=env, capture_output=True, text=True, check=True
     ).stdout

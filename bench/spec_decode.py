@@ -22,12 +22,14 @@ SmolLM2 itself; --draft-layers N cuts it to its first N layers, engine/model/lay
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import platform
 import statistics
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 from kvpilot.engine import LLM, SamplingParams
 from kvpilot.engine.config import SpeculativeConfig
@@ -93,11 +95,22 @@ def itl_s(out: RequestOutput) -> float | None:
     return (m.last_token_time - m.first_token_time) / (n - 1)
 
 
+def request_itls(outs: list[RequestOutput]) -> list[float]:
+    """The ITL of each request of two tokens or more."""
+    return [itl for out in outs if (itl := itl_s(out)) is not None]
+
+
+def with_prediction(params: SamplingParams, tokenizer: Any, text: str) -> SamplingParams:
+    """params with `text` as the request's prediction (OpenAI's Predicted Outputs), tokenized as
+    the server tokenizes one."""
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    return dataclasses.replace(params, prediction_token_ids=tuple(ids))
+
+
 def run_round(llm: LLM, prompts: list[str], max_tokens: int) -> tuple[list[float], list]:
     """Per-request ITL (s) and the token ids, all prompts at once."""
     outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=max_tokens))
-    itls = [itl for out in outs if (itl := itl_s(out)) is not None]
-    return itls, [out.outputs[0].token_ids for out in outs]
+    return request_itls(outs), [out.outputs[0].token_ids for out in outs]
 
 
 def run_facts() -> dict[str, str]:

@@ -142,6 +142,14 @@ def first_200(
     raise RuntimeError(f"{what}: {url} not 200 in time")
 
 
+def with_source(env: dict[str, str], src: str | None) -> dict[str, str]:
+    """env with src (a directory holding a `kvpilot` package, a baseline's) first on PYTHONPATH,
+    if given."""
+    if src is None:
+        return env
+    return {**env, "PYTHONPATH": os.pathsep.join(p for p in (src, env.get("PYTHONPATH")) if p)}
+
+
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
