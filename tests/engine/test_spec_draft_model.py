@@ -191,15 +191,14 @@ def test_predictions_come_first_and_the_draft_catches_up_on_what_it_sat_out(
     llm = draft_engine(models["target"], models["first-layer"])
     counters = llm.engine.core.speculation.counters
     baseline = outputs(llm)
-    accepted_without = counters.num_accepted_tokens
+    accepted_without = counters.num_accepted_tokens  # the engine is new: all of the first pass
     params = [
         dataclasses.replace(GREEDY, prediction_token_ids=tuple(plain[i])) if i < 2 else GREEDY
         for i in range(len(PROMPT_LENGTHS))
     ]
-    before = counters.num_accepted_tokens
     got = [o.outputs[0].token_ids for o in llm.generate(prompts(), params)]
     assert baseline == plain and got == plain
-    accepted_with = counters.num_accepted_tokens - before
+    accepted_with = counters.num_accepted_tokens - accepted_without
     # Two 24-token answers proposed from their predictions: most of their tokens come accepted.
     assert accepted_with >= accepted_without + 20, (accepted_with, accepted_without)
     # A prediction that is wrong from its first token on: the draft proposes instead.

@@ -286,14 +286,21 @@ BEHIND_TOKENS = 3
 SLOW_STEP = 3.0
 
 
-def stalls_in(streams: list[list[Chunk]], since: float, start: float, end: float) -> list[str]:
-    """What stalled each stream in a gap between two of its chunks (from `since` on) that overlaps
-    [start, end), for the streams a stall reached."""
+class StreamGaps(NamedTuple):
+    pairs: list[tuple[Chunk, Chunk]]  # each two chunks in a row, from the steady state on
+    median: float  # the median gap between them
+
+
+def stream_gaps(chunks: list[Chunk], since: float) -> StreamGaps:
+    pairs = list(itertools.pairwise(c for c in chunks if c.arrived >= since))
+    return StreamGaps(pairs, statistics.median(b.arrived - a.arrived for a, b in pairs))
+
+
+def stalls_in(streams: list[StreamGaps], start: float, end: float) -> list[str]:
+    """What stalled each stream in a gap between two of its chunks that overlaps [start, end),
+    for the streams a stall reached."""
     found = []
-    for chunks in streams:
-        steady = [c for c in chunks if c.arrived >= since]
-        pairs = list(itertools.pairwise(steady))
-        median = statistics.median(b.arrived - a.arrived for a, b in pairs)
+    for pairs, median in streams:
         near = [(a, b) for a, b in pairs if a.arrived < end and b.arrived > start]
         behind = max((b.tokens for _, b in near), default=0)
         gap = max((b.arrived - a.arrived for a, b in near), default=0.0)
@@ -365,7 +372,8 @@ async def test_a_16_mib_prompt_does_not_stall_eight_streams(
         (sent, windows[i + 1][0] if i + 1 < len(windows) else last_done + 1.0)
         for i, (sent, _) in enumerate(windows)
     ]
-    stalls = [stalls_in(streams_seen, steady_from, start, end) for start, end in shares]
+    gaps = [stream_gaps(chunks, steady_from) for chunks in streams_seen]
+    stalls = [stalls_in(gaps, start, end) for start, end in shares]
     stalled = [len(found) > NUM_STREAMS // 2 for found in stalls]
     report = [
         (
